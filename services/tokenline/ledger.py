@@ -1,0 +1,97 @@
+"""The leak ledger: which uids a stage holds, and which it should no longer hold.
+
+A stage opens a uid when its state is created and closes it on the uid's terminal event. A
+periodic sweep compares the ledger with the uids the stage really holds: a uid that is held
+after it was closed, or past its deadline plus a grace period, is a leak. Leaks are reported in
+``tokenline_leaked_uids``, logged, counted and handed back to the stage to reclaim.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from tokenline.metrics import LEAKED_UIDS, LEAKS_RECLAIMED, LIVE_UIDS
+
+log = logging.getLogger(__name__)
+
+
+class BoundedSet:
+    """Insertion-ordered set that forgets its oldest members past ``capacity``."""
+
+    def __init__(self, capacity: int) -> None:
+        self._items: OrderedDict[str, None] = OrderedDict()
+        self._capacity = capacity
+
+    def add(self, item: str) -> None:
+        self._items[item] = None
+        self._items.move_to_end(item)
+        while len(self._items) > self._capacity:
+            self._items.popitem(last=False)
+
+    def discard(self, item: str) -> None:
+        self._items.pop(item, None)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Ledger:
+    def __init__(self, stage: str, grace_s: float = 30.0, closed_capacity: int = 65_536) -> None:
+        self.stage = stage
+        self.grace_s = grace_s
+        self._deadlines: dict[str, float] = {}
+        self._closed = BoundedSet(closed_capacity)
+        self._live = LIVE_UIDS.labels(stage=stage)
+        self._leaked = LEAKED_UIDS.labels(stage=stage)
+        self._reclaimed = LEAKS_RECLAIMED.labels(stage=stage)
+        self._live.set(0)
+        self._leaked.set(0)
+
+    def open(self, uid: str, timeout_s: float) -> None:
+        self._deadlines[uid] = time.monotonic() + timeout_s
+        self._closed.discard(uid)
+        self._live.set(len(self._deadlines))
+
+    def close(self, uid: str) -> None:
+        if self._deadlines.pop(uid, None) is not None:
+            self._closed.add(uid)
+        self._live.set(len(self._deadlines))
+
+    def is_open(self, uid: str) -> bool:
+        return uid in self._deadlines
+
+    def __len__(self) -> int:
+        return len(self._deadlines)
+
+    def sweep(self, held: Iterable[str]) -> list[str]:
+        """Uids in ``held`` the stage should have let go; the caller reclaims them."""
+        now = time.monotonic()
+        leaked = []
+        for uid in held:
+            deadline = self._deadlines.get(uid)
+            if deadline is None or now > deadline + self.grace_s:
+                leaked.append(uid)
+        self._leaked.set(len(leaked))
+        for uid in leaked:
+            log.warning(
+                "%s: reclaiming leaked uid %s (closed or past deadline plus %.0fs grace)",
+                self.stage,
+                uid,
+                self.grace_s,
+            )
+            self._reclaimed.inc()
+            self._deadlines.pop(uid, None)
+            self._closed.add(uid)
+        self._live.set(len(self._deadlines))
+        return leaked
+
+    def expired(self) -> list[str]:
+        """Open uids past their deadline (no grace): the stage should end them itself."""
+        now = time.monotonic()
+        return [uid for uid, deadline in self._deadlines.items() if now > deadline]

@@ -1,0 +1,185 @@
+"""The Prometheus metrics contract (names and labels fixed by DESIGN.md).
+
+Each stage is its own process, so every metric lives on the process-wide default registry and
+a stage exports the ones it owns. Dashboards and alerts depend on these names.
+"""
+
+from __future__ import annotations
+
+import threading
+from http.server import ThreadingHTTPServer
+
+from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.exposition import MetricsHandler
+
+# vLLM's bucket edges, so existing dashboards and habits carry over.
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+INTER_TOKEN_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+STAGE_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
+
+# ── every stage ────────────────────────────────────────────────────────────────────────────────
+LIVE_UIDS = Gauge(
+    "tokenline_live_uids", "Request uids a stage currently holds state for.", ["stage"]
+)
+LEAKED_UIDS = Gauge(
+    "tokenline_leaked_uids",
+    "Uids held past their terminal event or past deadline plus grace (reclaimed when found).",
+    ["stage"],
+)
+LEAKS_RECLAIMED = Counter(
+    "tokenline_leaked_uids_reclaimed", "Leaked uids found and reclaimed.", ["stage"]
+)
+BUFFER_DEPTH = Gauge(
+    "tokenline_buffer_depth", "Items held in a stage's queue or buffer.", ["stage", "buffer"]
+)
+STAGE_LATENCY = Histogram(
+    "tokenline_stage_latency_seconds",
+    "Time a request spends inside a stage.",
+    ["stage"],
+    buckets=STAGE_LATENCY_BUCKETS,
+)
+MALFORMED_FRAMES = Counter(
+    "tokenline_malformed_frames", "Frames that failed to decode and were dropped.", ["stage"]
+)
+LATE_REPLIES = Counter(
+    "tokenline_late_messages",
+    "Messages that arrived for a uid the stage no longer holds; dropped.",
+    ["stage"],
+)
+
+# ── api ────────────────────────────────────────────────────────────────────────────────────────
+TIME_TO_FIRST_TOKEN = Histogram(
+    "tokenline_time_to_first_token_seconds",
+    "Time from request arrival to its first output token.",
+    ["model"],
+    buckets=TTFT_BUCKETS,
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "tokenline_inter_token_latency_seconds",
+    "Time between two output tokens of one request.",
+    ["model"],
+    buckets=INTER_TOKEN_BUCKETS,
+)
+E2E_LATENCY = Histogram(
+    "tokenline_e2e_request_latency_seconds",
+    "Time from request arrival to its terminal reply.",
+    ["model"],
+    buckets=REQUEST_LATENCY_BUCKETS,
+)
+REQUESTS = Counter(
+    "tokenline_requests", "Finished requests by finish reason.", ["model", "finish_reason"]
+)
+PROMPT_TOKENS = Counter("tokenline_prompt_tokens", "Prompt tokens of finished requests.", ["model"])
+GENERATION_TOKENS = Counter("tokenline_generation_tokens", "Generated tokens.", ["model"])
+REQUEST_ERRORS = Counter("tokenline_request_errors", "Requests that ended in an error.", ["code"])
+ABORTS = Counter("tokenline_aborts", "Aborts started by the api, by reason.", ["reason"])
+
+# ── scheduler ──────────────────────────────────────────────────────────────────────────────────
+QUEUE_TIME = Histogram(
+    "tokenline_request_queue_time_seconds",
+    "Time a request waits in the scheduler before its first step.",
+    ["model"],
+    buckets=REQUEST_LATENCY_BUCKETS,
+)
+REQUESTS_RUNNING = Gauge(
+    "tokenline_num_requests_running", "Requests in the decode batch.", ["model"]
+)
+REQUESTS_WAITING = Gauge(
+    "tokenline_num_requests_waiting", "Requests waiting for admission.", ["model"]
+)
+KV_CACHE_USAGE = Gauge(
+    "tokenline_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", ["model"]
+)
+
+
+def serve_metrics(port: int, host: str = "0.0.0.0") -> ThreadingHTTPServer:
+    """Serve the default registry on ``host:port`` from a daemon thread."""
+    server = ThreadingHTTPServer((host, port), MetricsHandler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server

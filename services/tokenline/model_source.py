@@ -1,0 +1,73 @@
+"""Where a stage finds its model: ``tiny``, a local directory, or a Hugging Face id."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenline import tiny_model
+
+DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tokenline")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    spec: str  # what the user passed to --model
+    path: str  # a local directory or a Hugging Face id, for from_pretrained
+    revision: str | None = None
+
+    def load_tokenizer(self):  # -> transformers.PreTrainedTokenizerBase
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.path, revision=self.revision)
+
+    def load_config(self):  # -> transformers.PretrainedConfig
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.path, revision=self.revision)
+
+    def max_model_len(self, override: int | None = None) -> int:
+        """The context limit: --max-model-len if set, else the model config's."""
+        if override:
+            return override
+        config = self.load_config()
+        for attr in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+            value = getattr(config, attr, None)
+            if value:
+                return int(value)
+        return 2048
+
+    def eos_token_ids(self) -> list[int]:
+        """Every EOS id the model declares, from its generation config and its tokenizer."""
+        from transformers import GenerationConfig
+
+        ids: set[int] = set()
+        try:
+            gen = GenerationConfig.from_pretrained(self.path, revision=self.revision)
+            eos = gen.eos_token_id
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        except OSError:
+            pass
+        eos = getattr(self.load_config(), "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return sorted(ids)
+
+
+def resolve(model: str, cache_dir: str | None = None, revision: str | None = None) -> ModelSource:
+    """Turn a --model value into something ``from_pretrained`` loads.
+
+    ``tiny`` is built once into the cache directory; an existing directory is used as is;
+    anything else is treated as a Hugging Face id (downloaded into HF_HOME on first use).
+    """
+    if model == "tiny":
+        path = tiny_model.ensure_cached(cache_dir or DEFAULT_CACHE_DIR)
+        return ModelSource(spec=model, path=str(path))
+    if Path(model).is_dir():
+        if not (Path(model) / "config.json").exists():
+            raise SystemExit(
+                f"--model {model}: the directory has no config.json; point it at a Hugging Face "
+                "model directory or use --model tiny"
+            )
+        return ModelSource(spec=model, path=str(Path(model).resolve()))
+    return ModelSource(spec=model, path=model, revision=revision)

@@ -1,0 +1,192 @@
+"""Every message that crosses a socket.
+
+Messages travel one way around the ring::
+
+    api ──▶ tokenizer ──▶ scheduler ──▶ detokenizer ──▶ api
+
+Each hop has one tagged union (`ToTokenizer`, `ToScheduler`, `ToDetokenizer`, `ToApi`).
+Control messages (`Abort`, `Pause`, `Resume`, `Heartbeat`) ride the same ring behind the
+request they refer to, so no stage sees them out of order. Every admitted uid ends with exactly
+one terminal `Reply` (``finish_reason`` set) at the api; errors found early travel forward as
+`Failed`, so every stage sees the end of every uid it saw the start of.
+
+Durations are stamped by each stage from its own monotonic clock; wall-clock differences between
+processes are never taken.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+AbortReason = Literal[
+    "client_disconnect", "deadline", "slow_client", "stage_failure", "shutdown", "stop_string"
+]
+STAGES = ("api", "tokenizer", "scheduler", "detokenizer")
+
+
+class _Message(msgspec.Struct, tag_field="t", kw_only=True, omit_defaults=True):
+    """Base for every wire message; ``t`` carries the type tag."""
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    max_tokens: int | None = None  # None: up to the context limit (the tokenizer fills it in)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str
+    content: str
+
+
+# ── requests, api → tokenizer → scheduler ─────────────────────────────────────────────────────
+
+
+class Generate(_Message, tag="generate"):
+    """A new request as the api admits it: raw text or chat messages, not yet tokenized."""
+
+    uid: str
+    sampling: SamplingParams
+    timeout_s: float
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    version: int = PROTOCOL_VERSION
+
+
+class Tokenized(_Message, tag="tokenized"):
+    """A request after the tokenizer: prompt ids plus what the later stages need."""
+
+    uid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    timeout_s: float
+    tokenizer_s: float = 0.0  # time the request spent in the tokenizer stage
+
+
+class Abort(_Message, tag="abort"):
+    """Cancel a uid. Stages that do not hold it forward it anyway."""
+
+    uid: str
+    reason: AbortReason
+
+
+class Pause(_Message, tag="pause"):
+    """Backpressure: take the uid out of the decode batch, keep its KV cache."""
+
+    uid: str
+
+
+class Resume(_Message, tag="resume"):
+    uid: str
+
+
+class StageStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
+    stage: str
+    instance: str  # random per process start; a new value means the stage restarted
+    ready: bool = True
+    waiting: int = 0
+    running: int = 0
+
+
+class Heartbeat(_Message, tag="heartbeat"):
+    """Sent by the api around the ring; each stage appends its status and forwards it."""
+
+    seq: int
+    origin: str  # the api instance that sent it; other replicas' heartbeats are ignored
+    statuses: list[StageStatus] = []
+
+
+class Failed(_Message, tag="failed"):
+    """A terminal error found before decoding; travels forward to the api."""
+
+    uid: str
+    code: str
+    message: str
+    param: str | None = None
+    http_status: int = 400
+
+
+# ── scheduler → detokenizer ───────────────────────────────────────────────────────────────────
+
+
+class Begin(_Message, tag="begin"):
+    """The scheduler admitted a uid; tells the detokenizer how to render it."""
+
+    uid: str
+    prompt_tokens: int
+    stop: list[str] = []
+    timeout_s: float = 0.0
+
+
+class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
+    uid: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    queue_s: float = 0.0  # set on the first output: time from arrival to first schedule
+    scheduler_s: float = 0.0  # set on the terminal output: time the uid spent in the scheduler
+    error_code: str | None = None
+
+
+class TokenBatch(_Message, tag="tokens"):
+    """All outputs of one engine step: one message per step, not per token."""
+
+    outputs: list[TokenOutput]
+
+
+# ── detokenizer → api ─────────────────────────────────────────────────────────────────────────
+
+
+class Reply(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
+    uid: str
+    text: str
+    num_tokens: int  # tokens behind this piece of text
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    error_code: str | None = None
+    error_message: str | None = None
+    http_status: int = 0
+    # stage timings, on the terminal reply only
+    tokenizer_s: float = 0.0
+    queue_s: float = 0.0
+    scheduler_s: float = 0.0
+    detokenizer_s: float = 0.0
+
+
+class ReplyBatch(_Message, tag="replies"):
+    replies: list[Reply]
+
+
+ToTokenizer = Generate | Abort | Pause | Resume | Heartbeat
+ToScheduler = Tokenized | Failed | Abort | Pause | Resume | Heartbeat
+ToDetokenizer = Begin | TokenBatch | Failed | Abort | Heartbeat
+ToApi = ReplyBatch | Failed | Abort | Heartbeat
+
+
+class Codec:
+    """MessagePack encoder/decoder for one direction of the ring."""
+
+    def __init__(self, union: object) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(union)
+
+    def encode(self, message: msgspec.Struct) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode(self, frame: bytes) -> msgspec.Struct:
+        """Raise `msgspec.DecodeError` (a `ValueError`) on a malformed frame."""
+        return self._decoder.decode(frame)

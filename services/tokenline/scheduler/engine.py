@@ -1,0 +1,140 @@
+"""One engine step: schedule, run the model, sample, decide who finished.
+
+The engine is usable in-process (benchmarks, tests) and is what the scheduler stage drives.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from tokenline.protocol import SamplingParams, TokenOutput
+from tokenline.scheduler.kv_cache import BlockPool
+from tokenline.scheduler.policy import Scheduler
+from tokenline.scheduler.runner import ModelRunner
+from tokenline.scheduler.sampler import sample
+from tokenline.scheduler.sequence import Sequence
+
+
+@dataclass
+class EngineLimits:
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+
+
+class KVCacheTooSmall(ValueError):
+    """The prompt can never fit in the KV pool, however long it waits."""
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, limits: EngineLimits, eos_ids: list[int]) -> None:
+        self.runner = runner
+        self.limits = limits
+        self.eos_ids = eos_ids
+        self.pool = BlockPool(runner.num_blocks, runner.block_size)
+        self.scheduler = Scheduler(self.pool, limits.max_num_seqs, limits.max_num_batched_tokens)
+        self._finished: list[TokenOutput] = []  # terminal outputs not tied to a forward pass
+
+    # ── requests ───────────────────────────────────────────────────────────────────────────────
+    def add(
+        self,
+        uid: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        timeout_s: float = float("inf"),
+    ) -> Sequence:
+        if not self.scheduler.fits_at_all(len(prompt_ids)):
+            raise KVCacheTooSmall(
+                f"the prompt needs {len(prompt_ids)} tokens of KV cache but the pool holds "
+                f"{(self.pool.num_blocks - 1) * self.pool.block_size}; raise --kv-cache-memory"
+            )
+        room = self.limits.max_model_len - len(prompt_ids)
+        max_tokens = min(sampling.max_tokens or room, room)
+        seq = Sequence(
+            uid=uid,
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            max_tokens=max_tokens,
+            deadline=time.monotonic() + timeout_s,
+        )
+        if sampling.seed is not None:
+            seq.generator = self.runner.make_generator(sampling.seed)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, uid: str, finish_reason: str = "abort") -> Sequence | None:
+        """End a uid now; its KV blocks go back to the pool at once."""
+        seq = self.scheduler.remove(uid)
+        if seq is not None:
+            self._finished.append(self._terminal(seq, [], finish_reason))
+        return seq
+
+    def pause(self, uid: str) -> bool:
+        return self.scheduler.pause(uid)
+
+    def resume(self, uid: str) -> bool:
+        return self.scheduler.resume(uid)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._finished)
+
+    def holds(self, uid: str) -> bool:
+        return uid in self.scheduler.by_uid
+
+    # ── one step ───────────────────────────────────────────────────────────────────────────────
+    def step(self) -> list[TokenOutput]:
+        outputs, self._finished = self._finished, []
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return outputs
+        logits = self.runner.forward(chunks)
+        for chunk in chunks:
+            chunk.seq.num_computed += chunk.num_tokens
+        sampling_seqs = [c.seq for c in chunks if c.samples]
+        if not sampling_seqs:
+            return outputs
+        tokens = sample(logits, sampling_seqs, self.eos_ids)
+        now = time.monotonic()
+        for seq, token in zip(sampling_seqs, tokens, strict=True):
+            first = not seq.output_ids
+            seq.output_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.scheduler.remove(seq.uid)
+                outputs.append(self._terminal(seq, [token], reason))
+            else:
+                outputs.append(TokenOutput(uid=seq.uid, token_ids=[token]))
+            if first:
+                outputs[-1].queue_s = (seq.first_scheduled or now) - seq.arrival
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        s = seq.sampling
+        if len(seq.output_ids) >= s.min_tokens:
+            if token in s.stop_token_ids:
+                return "stop"
+            if not s.ignore_eos and token in self.eos_ids:
+                return "stop"
+        if len(seq.output_ids) >= seq.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.limits.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _terminal(seq: Sequence, token_ids: list[int], reason: str) -> TokenOutput:
+        return TokenOutput(
+            uid=seq.uid,
+            token_ids=token_ids,
+            finish_reason=reason,
+            scheduler_s=time.monotonic() - seq.arrival,
+        )
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Abort sequences past their deadline; the api will already have given up on them."""
+        now = time.monotonic() if now is None else now
+        late = [uid for uid, seq in self.scheduler.by_uid.items() if now > seq.deadline]
+        for uid in late:
+            self.abort(uid)
+        return late

@@ -1,0 +1,149 @@
+"""Who runs next: admission, chunked prefill, pause, abort and preemption. No tensors here.
+
+Each step gets a token budget. Running sequences go first, oldest first: a decoding sequence
+takes one token, a sequence still in prefill takes a chunk of what remains of its prompt. Then
+waiting sequences are admitted in arrival order while the budget, ``max_num_seqs`` and the KV
+cache allow; a sequence is admitted only when the pool can hold its whole prompt, so admission
+waits for room instead of failing. When the pool runs dry mid-generation, paused sequences are
+parked first (their blocks freed, recomputed on resume), then the newest running ones are
+preempted back to the head of the queue to be recomputed later: output is never corrupted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from tokenline.scheduler.kv_cache import BlockPool
+from tokenline.scheduler.sequence import Sequence, Status
+
+
+@dataclass
+class Chunk:
+    seq: Sequence
+    start: int  # first token position fed this step
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens, so a token is sampled."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.paused: dict[str, Sequence] = {}
+        self.by_uid: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    # ── requests in and out ────────────────────────────────────────────────────────────────────
+    def fits_at_all(self, num_tokens: int) -> bool:
+        return self.pool.blocks_for(num_tokens + 1) <= self.pool.num_blocks - 1
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+        self.by_uid[seq.uid] = seq
+
+    def remove(self, uid: str) -> Sequence | None:
+        """Take a sequence out wherever it is and give its KV blocks back at once."""
+        seq = self.by_uid.pop(uid, None)
+        if seq is None:
+            return None
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is Status.PAUSED:
+            del self.paused[uid]
+        self.pool.release(seq)
+        seq.status = Status.FINISHED
+        return seq
+
+    def pause(self, uid: str) -> bool:
+        seq = self.by_uid.get(uid)
+        if seq is None or seq.status is Status.PAUSED:
+            return False
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = Status.PAUSED
+        self.paused[uid] = seq
+        return True
+
+    def resume(self, uid: str) -> bool:
+        seq = self.paused.pop(uid, None)
+        if seq is None:
+            return False
+        if seq.block_table:
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+        else:  # parked while paused: recompute from the queue's head
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ── one step ───────────────────────────────────────────────────────────────────────────────
+    def schedule(self) -> list[Chunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[Chunk] = []
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed, budget)
+            if n <= 0 or not self._make_room(seq, n):
+                continue
+            self.pool.grow(seq, n)
+            chunks.append(Chunk(seq, seq.num_computed, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if self.pool.blocks_for(seq.num_tokens + 1) > self.pool.num_free:
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            if seq.first_scheduled is None:
+                seq.first_scheduled = time.monotonic()
+            n = min(seq.num_uncomputed, budget)
+            self.pool.grow(seq, n)
+            chunks.append(Chunk(seq, seq.num_computed, n))
+            budget -= n
+        return chunks
+
+    def _make_room(self, seq: Sequence, n: int) -> bool:
+        while not self.pool.can_grow(seq, n):
+            victim = self._victim(seq)
+            if victim is None:
+                self._preempt(seq)
+                return False
+            self._preempt(victim)
+        return True
+
+    def _victim(self, needing: Sequence) -> Sequence | None:
+        for seq in self.paused.values():
+            if seq.block_table:
+                return seq
+        newest = self.running[-1] if self.running else None
+        return newest if newest is not None and newest is not needing else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
+        self.pool.release(seq)
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+        # a paused sequence stays paused, parked without KV; resume sends it to the queue

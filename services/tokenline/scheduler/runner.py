@@ -1,0 +1,231 @@
+"""The model runner: owns the weights, the paged KV cache and the forward pass.
+
+Weights and layer modules come from transformers (``AutoModelForCausalLM.from_pretrained``), so
+any Llama / Qwen2 / Qwen3 / Mistral style decoder loads as is. The forward is ours: it walks the
+model's own modules over a flat batch of tokens from many sequences, writes each layer's keys
+and values into a preallocated pool of fixed-size blocks, and attends over each sequence's
+blocks. Decoding sequences share one attention call per layer; prefill chunks get one each.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenline.model_source import ModelSource
+from tokenline.scheduler.policy import Chunk
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class _Step:
+    """Tensors describing one step's flat batch."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] where each token's K/V goes in the pool
+    decode_rows: torch.Tensor | None  # token rows of single-token chunks
+    decode_gather: torch.Tensor | None  # [B, Lmax] pool slots of their contexts
+    decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax]
+    prefills: list[
+        tuple[int, int, torch.Tensor, int]
+    ]  # (row start, n, context slots, context start)
+    sample_rows: torch.Tensor  # the last token row of every chunk that samples
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        source: ModelSource,
+        device: str = "auto",
+        dtype: str = "auto",
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(dtype, self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            source.path, revision=source.revision, dtype=self.dtype
+        ).to(self.device)
+        self.model.eval()
+        config = self.model.config
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.vocab_size = config.vocab_size
+        self.block_size = block_size
+        self.num_blocks = self._size_pool(kv_cache_memory, gpu_memory_utilization)
+        slots = self.num_blocks * block_size
+        shape = (self.num_layers, slots, self.num_kv_heads, self.head_dim)
+        # torch.empty: pages are committed as they are written, not all at start.
+        self.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        decoder = self.model.model
+        self._embed = decoder.embed_tokens
+        self._layers = list(decoder.layers)
+        self._norm = decoder.norm
+        self._rotary = decoder.rotary_emb
+        self._lm_head = self.model.lm_head
+        log.info(
+            "runner: %s on %s/%s, KV pool %d blocks x %d tokens",
+            source.spec,
+            self.device,
+            self.dtype,
+            self.num_blocks,
+            block_size,
+        )
+
+    @property
+    def bytes_per_token(self) -> int:
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+    def _size_pool(self, kv_cache_memory: int | None, utilization: float) -> int:
+        if kv_cache_memory is None:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                kv_cache_memory = max(0, int(free - total * (1 - utilization)))
+            else:
+                kv_cache_memory = 512 * 2**20
+        return max(2, kv_cache_memory // (self.bytes_per_token * self.block_size))
+
+    # ── one forward pass ───────────────────────────────────────────────────────────────────────
+    def _slots_of(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        table = torch.tensor(block_table, dtype=torch.long)
+        pos = torch.arange(start, end)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _prepare(self, chunks: list[Chunk]) -> _Step:
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills = []
+        sample_rows = []
+        row = 0
+        for chunk in chunks:
+            seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+            ids.extend(seq.token_slice(start, start + n))
+            positions.append(torch.arange(start, start + n))
+            slots.append(self._slots_of(seq.block_table, start, start + n))
+            if n == 1:
+                decode_rows.append(row)
+                decode_tables.append(seq.block_table)
+                decode_lens.append(start + 1)
+            else:
+                context = self._slots_of(seq.block_table, 0, start + n).to(self.device)
+                prefills.append((row, n, context, start))
+            row += n
+            if chunk.samples:
+                sample_rows.append(row - 1)
+        step = _Step(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.cat(positions).to(self.device),
+            slots=torch.cat(slots).to(self.device),
+            decode_rows=None,
+            decode_gather=None,
+            decode_mask=None,
+            prefills=prefills,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+        )
+        if decode_rows:
+            lens = torch.tensor(decode_lens)
+            lmax = int(lens.max())
+            width = -(-lmax // self.block_size)
+            tables = torch.zeros((len(decode_tables), width), dtype=torch.long)
+            for i, table in enumerate(decode_tables):
+                tables[i, : len(table[:width])] = torch.tensor(table[:width])
+            pos = torch.arange(lmax)
+            gather = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
+            mask = pos.unsqueeze(0) < lens.unsqueeze(1)
+            step.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=self.device)
+            step.decode_gather = gather.to(self.device)
+            step.decode_mask = mask[:, None, None, :].to(self.device)
+        return step
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Run the chunks; return logits [rows that sample, vocab] in float32."""
+        step = self._prepare(chunks)
+        hidden = self._embed(step.input_ids)  # [T, H]
+        cos, sin = self._rotary(hidden.unsqueeze(0), step.positions.unsqueeze(0))
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, D]
+        for index, layer in enumerate(self._layers):
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+            hidden = self._attention(index, layer.self_attn, hidden, cos, sin, step)
+            hidden = residual + hidden
+            residual = hidden
+            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = self._norm(hidden.index_select(0, step.sample_rows))
+        return self._lm_head(hidden).float()
+
+    def _attention(self, index, attn, hidden, cos, sin, step: _Step) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q = attn.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
+        k = attn.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k_pool, v_pool = self.k_cache[index], self.v_cache[index]
+        k_pool.index_copy_(0, step.slots, k.to(self.dtype))
+        v_pool.index_copy_(0, step.slots, v.to(self.dtype))
+        scale = getattr(attn, "scaling", None)
+        out = torch.empty_like(q)
+        if step.decode_rows is not None:
+            qd = q.index_select(0, step.decode_rows).unsqueeze(2)  # [B, heads, 1, D]
+            kd = k_pool[step.decode_gather].transpose(1, 2)  # [B, kv_heads, L, D]
+            vd = v_pool[step.decode_gather].transpose(1, 2)
+            od = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=step.decode_mask, scale=scale, enable_gqa=True
+            )
+            out.index_copy_(0, step.decode_rows, od.squeeze(2))
+        for row, n, context, start in step.prefills:
+            qp = q[row : row + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, D]
+            kp = k_pool[context].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, L, D]
+            vp = v_pool[context].transpose(0, 1).unsqueeze(0)
+            if start == 0:
+                op = F.scaled_dot_product_attention(
+                    qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True
+                )
+            else:  # a later chunk sees every earlier token plus its own causal prefix
+                q_pos = torch.arange(start, start + n, device=self.device).unsqueeze(1)
+                k_pos = torch.arange(start + n, device=self.device).unsqueeze(0)
+                op = F.scaled_dot_product_attention(
+                    qp, kp, vp, attn_mask=k_pos <= q_pos, scale=scale, enable_gqa=True
+                )
+            out[row : row + n] = op[0].transpose(0, 1)
+        return attn.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)

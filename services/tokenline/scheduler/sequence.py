@@ -1,0 +1,48 @@
+"""One request's state inside the scheduler."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tokenline.protocol import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PAUSED = "paused"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    uid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    deadline: float = float("inf")
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    status: Status = Status.WAITING
+    first_scheduled: float | None = None
+    pause_requested: bool = False
+    generator: object | None = None  # torch.Generator for seeded sampling, made by the runner
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to feed before the next sample (prompt, or prompt+output after preemption)."""
+        return self.num_tokens - self.num_computed
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        prompt_len = len(self.prompt_ids)
+        if end <= prompt_len:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]

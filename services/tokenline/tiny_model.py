@@ -1,0 +1,146 @@
+"""The offline tiny model: a deterministic Llama with seeded random weights and a byte-level BPE.
+
+It is written in Hugging Face format and loaded through the same ``from_pretrained`` path as a
+real model, so every stage and every test runs without a GPU or a download. Its output is
+gibberish by design; its shapes, tokenizer and chat template are real.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+TINY_VERSION = "v1"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unsupported role ' ~ message['role'] ~ '; use system, user or assistant') }}"
+    "{% endif %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+MAX_POSITIONS = 2048
+
+_WORDS = (
+    "the a model token stream request reply stage queue batch cache block prompt answer "
+    "server client socket ring abort pause resume deadline metric latency throughput kernel "
+    "graph tensor layer head attention value key query decode prefill sample seed temperature "
+    "river mountain city garden window paper light music north south east west morning night "
+    "quick brown fox jumps over lazy dog hello world please thank you yes no maybe always never "
+    "café naïve résumé über straße 你好 世界 日本語 テスト 한국어 привет мир 🙂 🚀 ✓"
+).split()
+
+
+def _corpus(seed: int = 0, lines: int = 4000) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
+        out.append(" ".join(words).capitalize() + rng.choice([".", "!", "?", ","]))
+    return out
+
+
+def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        model_max_length=MAX_POSITIONS,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build(out_dir: str | os.PathLike) -> Path:
+    """Write the tiny model to ``out_dir`` (created); the same bytes on every run."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    end_id = tokenizer.convert_tokens_to_ids("<|end|>")
+    eot_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=640,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=end_id,
+        pad_token_id=eot_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    # Seeded, slightly larger-than-default weights give a peaked (less uniform) distribution,
+    # so greedy and sampled decoding differ visibly in tests.
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.08)
+    model.generation_config = GenerationConfig(eos_token_id=[end_id, eot_id], pad_token_id=eot_id)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def ensure_cached(cache_dir: str | os.PathLike) -> Path:
+    """The tiny model's directory under ``cache_dir``, built once under a file lock.
+
+    Several stages start at once and all need it; the first builds it into a temporary
+    directory and renames it into place, the others wait on the lock and reuse it.
+    """
+    root = Path(cache_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / f"tiny-{TINY_VERSION}"
+    if (target / "config.json").exists():
+        return target
+    with open(root / f".tiny-{TINY_VERSION}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").exists():
+            tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=root))
+            try:
+                build(tmp)
+                os.replace(tmp, target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def fingerprint(model_dir: str | os.PathLike) -> str:
+    """A hash of every file in the model directory (for determinism checks)."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(model_dir).iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()

@@ -20,7 +20,8 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('unsupported role ' ~ message['role'] ~ '; use system, user or assistant') }}"
+    "{{ raise_exception('unsupported role ' ~ message['role'] ~ "
+    "'; use system, user or assistant') }}"
     "{% endif %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
     "{% endfor %}"
@@ -104,7 +105,7 @@ def build(out_dir: str | os.PathLike) -> Path:
     # so greedy and sampled decoding differ visibly in tests.
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
+        for _name, param in sorted(model.named_parameters()):
             if param.dim() >= 2:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.08)
     model.generation_config = GenerationConfig(eos_token_id=[end_id, eot_id], pad_token_id=eot_id)

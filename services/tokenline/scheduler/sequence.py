@@ -38,7 +38,7 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        """Tokens still to feed before the next sample (prompt, or prompt+output after preemption)."""
+        """Tokens still to feed before the next sample (all of them after a preemption)."""
         return self.num_tokens - self.num_computed
 
     def token_slice(self, start: int, end: int) -> list[int]:

@@ -1,0 +1,1 @@
+"""Dashboards and alert rules as code; see ``generate``."""

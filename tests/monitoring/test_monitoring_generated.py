@@ -1,0 +1,163 @@
+"""The committed dashboards and alert rules are exactly what the generator writes, and they keep
+the metric and label contracts of DESIGN.md."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from monitoring_support import (
+    ALERTS_FILE,
+    CHART,
+    CONTRACT_METRICS,
+    DASHBOARDS_DIR,
+    FILTERS,
+    metric_names,
+)
+from tokenline.monitoring import generate
+
+
+def load_dashboards() -> dict[str, dict]:
+    return {
+        path.stem: json.loads(path.read_text()) for path in sorted(DASHBOARDS_DIR.glob("*.json"))
+    }
+
+
+def targets(dashboard: dict) -> list[tuple[dict, dict]]:
+    return [(p, t) for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def test_committed_files_equal_generator_output():
+    files = generate.render()
+    on_disk = {
+        path.relative_to(CHART)
+        for folder in ("dashboards", "alerts")
+        for path in (CHART / folder).iterdir()
+    }
+    assert on_disk == set(files), "run: python -m tokenline.monitoring.generate"
+    for rel, text in files.items():
+        assert (CHART / rel).read_text() == text, f"{rel} drifted; regenerate it"
+    assert generate.main(["--check"]) == 0
+
+
+def test_check_mode_detects_drift(tmp_path: Path):
+    chart = tmp_path / "chart"
+    assert generate.main(["--chart-dir", str(chart)]) == 0
+    assert generate.main(["--chart-dir", str(chart), "--check"]) == 0
+    dashboard = chart / "dashboards" / "tokenline-overview.json"
+    dashboard.write_text(dashboard.read_text().replace("Requests/s", "Requests per second"))
+    assert generate.main(["--chart-dir", str(chart), "--check"]) == 1
+    assert generate.main(["--chart-dir", str(chart)]) == 0
+    (chart / "dashboards" / "stale.json").write_text("{}")
+    assert generate.main(["--chart-dir", str(chart), "--check"]) == 1
+
+
+def test_overview_and_pipeline_dashboards_exist():
+    dashboards = load_dashboards()
+    assert set(dashboards) == {"tokenline-overview", "tokenline-pipeline"}
+    for uid, dashboard in dashboards.items():
+        assert dashboard["uid"] == uid
+        ids = [panel["id"] for panel in dashboard["panels"]]
+        assert len(ids) == len(set(ids)), "panel ids must be unique"
+
+
+def test_every_query_uses_the_datasource_variable_and_all_filters():
+    for uid, dashboard in load_dashboards().items():
+        variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+        assert variables["datasource"]["type"] == "datasource"
+        assert variables["datasource"]["query"] == "prometheus"
+        for label in FILTERS:
+            assert variables[label]["type"] == "query"
+            assert variables[label]["includeAll"] and variables[label]["multi"]
+            assert variables[label]["allValue"] == ".*"
+            assert variables[label]["datasource"]["uid"] == "${datasource}"
+        found = targets(dashboard)
+        assert found, uid
+        for panel, target in found:
+            assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+            assert target["datasource"]["uid"] == "${datasource}", panel["title"]
+            # every selector of every expression carries the three filters
+            for sel in re.findall(r"\b(?:tokenline_\w+|up)\{[^}]*\}", target["expr"]):
+                for label in FILTERS:
+                    assert f'{label}=~"${label}"' in sel, (panel["title"], sel)
+
+
+def test_dashboards_read_every_contract_metric_and_nothing_else():
+    used: dict[str, set[str]] = {}
+    for uid, dashboard in load_dashboards().items():
+        used[uid] = set().union(*(metric_names(t["expr"]) for _, t in targets(dashboard)))
+        assert used[uid] <= CONTRACT_METRICS, used[uid] - CONTRACT_METRICS
+    assert used["tokenline-overview"] | used["tokenline-pipeline"] == CONTRACT_METRICS
+
+
+@pytest.mark.parametrize(
+    ("uid", "title", "metric"),
+    [
+        ("tokenline-overview", "Requests/s", "tokenline_requests_total"),
+        ("tokenline-overview", "Tokens/s", "tokenline_generation_tokens_total"),
+        ("tokenline-overview", "Time to first token", "tokenline_time_to_first_token_seconds"),
+        ("tokenline-overview", "Inter-token latency", "tokenline_inter_token_latency_seconds"),
+        ("tokenline-overview", "End-to-end latency", "tokenline_e2e_request_latency_seconds"),
+        ("tokenline-overview", "Running / waiting / paused", "tokenline_num_requests_waiting"),
+        ("tokenline-overview", "KV cache usage", "tokenline_kv_cache_usage_ratio"),
+        ("tokenline-overview", "Finish reasons", "tokenline_requests_total"),
+        ("tokenline-overview", "Error ratio", "tokenline_requests_total"),
+        ("tokenline-pipeline", "Time in stage p50 / p90 / p99", "tokenline_stage_latency_seconds"),
+        ("tokenline-pipeline", "Buffer depth", "tokenline_buffer_depth"),
+        ("tokenline-pipeline", "Live uids", "tokenline_live_uids"),
+        ("tokenline-pipeline", "Leaked uids", "tokenline_leaked_uids"),
+        ("tokenline-pipeline", "Aborts by reason", "tokenline_aborts_total"),
+        ("tokenline-pipeline", "Malformed frames", "tokenline_malformed_frames_total"),
+    ],
+)
+def test_issue_panels_are_present(uid: str, title: str, metric: str):
+    panels = {p["title"]: p for p in load_dashboards()[uid]["panels"]}
+    assert title in panels
+    assert metric in set().union(*(metric_names(t["expr"]) for t in panels[title]["targets"]))
+
+
+def test_latency_panels_show_p50_p90_p99():
+    for uid, title in [
+        ("tokenline-overview", "Time to first token"),
+        ("tokenline-overview", "Inter-token latency"),
+        ("tokenline-overview", "End-to-end latency"),
+        ("tokenline-pipeline", "Time in stage p50 / p90 / p99"),
+    ]:
+        panel = next(p for p in load_dashboards()[uid]["panels"] if p["title"] == title)
+        quantiles = {
+            float(m)
+            for t in panel["targets"]
+            for m in re.findall(r"histogram_quantile\(([\d.]+)", t["expr"])
+        }
+        assert quantiles == {0.5, 0.9, 0.99}, title
+
+
+def test_alert_rules_read_only_contract_metrics():
+    rules = yaml.safe_load(ALERTS_FILE.read_text())["groups"][0]["rules"]
+    for rule in rules:
+        assert metric_names(rule["expr"]) <= CONTRACT_METRICS, rule["alert"]
+
+
+def test_generator_runs_as_a_module(tmp_path: Path):
+    shutil.copytree(CHART / "dashboards", tmp_path / "dashboards")
+    shutil.copytree(CHART / "alerts", tmp_path / "alerts")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenline.monitoring.generate",
+            "--chart-dir",
+            str(tmp_path),
+            "--check",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr

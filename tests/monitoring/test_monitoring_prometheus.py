@@ -138,6 +138,27 @@ def test_traffic_panels_return_data(prometheus, traffic, title):
         assert any(math.isfinite(v) and v > 0 for v in values), (expr, values)
 
 
+def test_error_ratio_panel_shows_a_ratio_under_load(prometheus, traffic):
+    panel = next(
+        p for p in _dashboards()["tokenline-overview"]["panels"] if p["title"] == "Error ratio"
+    )
+    expr = substitute(panel["targets"][0]["expr"], ALL_FILTERS)
+    values = [float(sample["value"][1]) for sample in prometheus.vector(expr, traffic.at)]
+    assert values and all(0 <= v <= 1 for v in values), (expr, values)
+
+
+def test_stage_targets_panel_shows_up_and_down(prometheus, traffic):
+    panel = next(
+        p for p in _dashboards()["tokenline-pipeline"]["panels"] if p["title"] == "Stage targets up"
+    )
+    expr = substitute(panel["targets"][0]["expr"], ALL_FILTERS)
+    up = {
+        (s["metric"]["pod"], s["metric"]["container"]): s["value"][1]
+        for s in prometheus.vector(expr, traffic.at)
+    }
+    assert up == {**{(POD, stage): "1" for stage in STAGES}, (DOWN_POD, "detokenizer"): "0"}
+
+
 def test_filters_select_the_scraped_service(prometheus, traffic):
     panel = next(
         p for p in _dashboards()["tokenline-overview"]["panels"] if p["title"] == "Requests/s"

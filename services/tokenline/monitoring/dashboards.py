@@ -178,15 +178,14 @@ def _latency_panel(title: str, histogram: str, description: str) -> PanelSpec:
 
 def overview() -> dash.Dashboard:
     requests = "tokenline_requests_total"
-    all_requests = f"sum({promql.rate(requests)})"
-    error_matcher = 'finish_reason="error"'
-    errors = f"sum({promql.rate(requests, error_matcher)})"
+    requests_by_model = summed_rate(requests, ("model",))
+    errors_by_model = summed_rate(requests, ("model",), 'finish_reason="error"')
     traffic = [
         PanelSpec(
             "Requests/s",
             "Finished requests per second, by model.",
             "reqps",
-            (Query(summed_rate(requests, ("model",)), "{{model}}"),),
+            (Query(requests_by_model, "{{model}}"),),
             width=8,
         ),
         PanelSpec(
@@ -253,7 +252,6 @@ def overview() -> dash.Dashboard:
                     "paused",
                 ),
             ),
-            width=8,
         ),
         PanelSpec(
             "KV cache usage",
@@ -265,18 +263,27 @@ def overview() -> dash.Dashboard:
                     "{{pod}} {{model}}",
                 ),
             ),
-            width=8,
         ),
+    ]
+    errors = [
         PanelSpec(
             "Error ratio",
-            "Share of finished requests that ended with finish_reason error, and errors per "
-            "second by code.",
+            "Share of finished requests that ended with finish_reason error, by model.",
             "percentunit",
+            # "or ... * 0": a model with traffic but no error series shows 0, not "no data".
             (
-                Query(f"{errors} / {all_requests}", "error ratio"),
-                Query(summed_rate("tokenline_request_errors_total", ("code",)), "{{code}} /s"),
+                Query(
+                    f"({errors_by_model} or {requests_by_model} * 0) / {requests_by_model}",
+                    "{{model}}",
+                ),
             ),
-            width=8,
+        ),
+        PanelSpec(
+            "Errors by code",
+            "Requests per second that ended in an error, by error code.",
+            "reqps",
+            (Query(summed_rate("tokenline_request_errors_total", ("code",)), "{{code}}"),),
+            stacked=True,
         ),
     ]
     builder = _dashboard(
@@ -285,7 +292,8 @@ def overview() -> dash.Dashboard:
         "Traffic, client-visible latency, engine occupancy and how requests end.",
     )
     return _with_rows(
-        builder, [("Traffic", traffic), ("Latency", latency), ("Engine and errors", engine)]
+        builder,
+        [("Traffic", traffic), ("Latency", latency), ("Engine", engine), ("Errors", errors)],
     )
 
 

@@ -1,0 +1,109 @@
+"""One streamed request against an OpenAI-compatible server, timed on the client."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from tokenline.bench.config import ENDPOINT_PATHS, BenchConfig, TargetConfig
+from tokenline.bench.records import RequestRecord
+from tokenline.bench.sse import DONE, iter_sse_data, read_chunk
+from tokenline.bench.workload import RequestSpec
+
+
+def build_body(
+    config: BenchConfig, target: TargetConfig, model: str, spec: RequestSpec
+) -> dict[str, Any]:
+    """The JSON body for ``spec``: streaming, ``max_tokens`` fixed, usage asked for."""
+    body: dict[str, Any] = {"model": model, "max_tokens": spec.max_tokens, "stream": True}
+    if config.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": spec.prompt}]
+    else:
+        body["prompt"] = spec.prompt
+    if config.include_usage:
+        body["stream_options"] = {"include_usage": True}
+    if target.ignore_eos:
+        body["ignore_eos"] = True
+    if config.temperature is not None:
+        body["temperature"] = config.temperature
+    body.update(target.extra_body)
+    return body
+
+
+async def discover_model(client: httpx.AsyncClient, base_url: str) -> str:
+    """The first model id the server lists at ``/v1/models``."""
+    response = await client.get(f"{base_url}/v1/models")
+    response.raise_for_status()
+    models = response.json().get("data") or []
+    if not models:
+        raise RuntimeError(f"{base_url}/v1/models lists no model; pass --model")
+    return str(models[0]["id"])
+
+
+async def send_request(
+    client: httpx.AsyncClient,
+    config: BenchConfig,
+    target: TargetConfig,
+    model: str,
+    spec: RequestSpec,
+    *,
+    round_: int = 0,
+    run_start: float = 0.0,
+) -> RequestRecord:
+    """Send ``spec`` and time its stream. Never raises for server or network errors: a
+    failed request comes back as a record with ``error`` set."""
+    record = RequestRecord(
+        target=target.label,
+        round=round_,
+        index=spec.index,
+        prompt_words=spec.prompt_words,
+        max_tokens=spec.max_tokens,
+    )
+    url = f"{target.base_url}{ENDPOINT_PATHS[config.endpoint]}"
+    body = build_body(config, target, model, spec)
+    usage_tokens: int | None = None
+    last_chunk_at: float | None = None
+    sent = time.perf_counter()
+    record.start = sent - run_start
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            record.status_code = response.status_code
+            if response.status_code != 200:
+                detail = (await response.aread()).decode("utf-8", "replace")
+                record.error = f"HTTP {response.status_code}: {detail[:300]}"
+                return record
+            async for data in iter_sse_data(response.aiter_lines()):
+                now = time.perf_counter()
+                if data.strip() == DONE:
+                    break
+                chunk = read_chunk(data, config.endpoint)
+                if chunk.error is not None:
+                    record.error = f"stream error: {chunk.error}"
+                    break
+                if chunk.text:
+                    if last_chunk_at is None:
+                        record.ttft = now - sent
+                    else:
+                        record.itl.append(now - last_chunk_at)
+                    last_chunk_at = now
+                    record.chunks += 1
+                    record.chunk_times.append(now - sent)
+                if chunk.completion_tokens is not None:
+                    usage_tokens = chunk.completion_tokens
+                if chunk.prompt_tokens is not None:
+                    record.prompt_tokens = chunk.prompt_tokens
+                if chunk.finish_reason is not None:
+                    record.finish_reason = chunk.finish_reason
+        record.e2e = time.perf_counter() - sent
+    except (httpx.HTTPError, ValueError) as exc:  # ValueError: a chunk that is not JSON
+        record.error = f"{type(exc).__name__}: {exc}"
+        return record
+    if usage_tokens is not None:
+        record.output_tokens, record.tokens_source = usage_tokens, "usage"
+    else:
+        record.output_tokens, record.tokens_source = record.chunks, "chunks"
+    if record.error is None and record.output_tokens == 0:
+        record.error = "empty stream: no text and no usage"
+    return record

@@ -131,6 +131,7 @@ class Begin(_Message, tag="begin"):
     prompt_tokens: int
     stop: list[str] = []
     timeout_s: float = 0.0
+    tokenizer_s: float = 0.0
 
 
 class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
@@ -160,6 +161,7 @@ class Reply(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
     error_code: str | None = None
     error_message: str | None = None
     http_status: int = 0
+    stop_string: bool = False  # ended by a stop string: the scheduler still holds the uid
     # stage timings, on the terminal reply only
     tokenizer_s: float = 0.0
     queue_s: float = 0.0

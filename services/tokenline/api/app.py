@@ -1,0 +1,104 @@
+"""The api stage: a FastAPI app whose lifespan owns the ring, and a uvicorn server that drains."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from tokenline.api.errors import ApiError
+from tokenline.api.pipeline import Pipeline
+from tokenline.api.routes import router
+from tokenline.settings import Settings
+from tokenline.transport import AsyncRing
+
+log = logging.getLogger(__name__)
+
+
+def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return ApiError(
+            400,
+            f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
+            "invalid_request_error",
+        ).response()
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    where = ".".join(loc) or "body"
+    message = f"invalid request body at {where}: {first.get('msg', 'malformed JSON')}"
+    return ApiError(400, message, "invalid_request_error", param=where or None).response()
+
+
+def create_app(settings: Settings, heartbeat_timeout: float = 5.0) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        pipeline = Pipeline(settings, AsyncRing(settings.endpoints), heartbeat_timeout)
+        app.state.pipeline = pipeline
+        await pipeline.start()
+        try:
+            yield
+        finally:
+            await pipeline.stop()
+
+    app = FastAPI(title="tokenline", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.started = int(time.time())
+    app.include_router(router)
+    app.add_exception_handler(ApiError, lambda request, exc: exc.response())
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    return app
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM: fail readiness, refuse new requests, let in-flight ones finish for
+    ``drain_timeout`` seconds, abort the rest with reason ``shutdown``, then exit."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout: float) -> None:
+        super().__init__(config)
+        self._app = app
+        self._drain_timeout = drain_timeout
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._drain_task is None and hasattr(self._app.state, "pipeline"):
+            loop = asyncio.get_event_loop()
+            self._drain_task = loop.create_task(self._drain())
+        else:  # a second signal, or nothing to drain: stop now
+            super().handle_exit(sig, frame)
+
+    async def _drain(self) -> None:
+        pipeline: Pipeline = self._app.state.pipeline
+        pipeline.draining = True
+        log.info(
+            "api: draining %d in-flight request(s) for up to %.0fs",
+            pipeline.in_flight,
+            self._drain_timeout,
+        )
+        deadline = time.monotonic() + self._drain_timeout
+        while pipeline.in_flight and time.monotonic() < deadline:  # noqa: ASYNC110 (polls a count)
+            await asyncio.sleep(0.1)
+        if pipeline.in_flight:
+            pipeline.fail_all("shutdown")
+            await asyncio.sleep(0.5)  # let the handlers send their error events
+        self.should_exit = True
+
+
+def run(settings: Settings) -> int:
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    server = DrainingServer(config, app, settings.drain_timeout)
+    server.run()
+    return 0

@@ -1,0 +1,116 @@
+"""One HTTP request's view of the pipeline: its uids (one per choice) and a bounded reply buffer.
+
+The listener task pushes replies in; the HTTP handler drains them out. The buffer is bounded by
+backpressure rather than by dropping: above ``high_water`` items the pipeline asks the
+scheduler to pause the uids, below ``low_water`` to resume them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tokenline.api.errors import ApiError
+from tokenline.protocol import Reply
+
+HIGH_WATER = 64
+LOW_WATER = 16
+
+
+class FlowControl(Protocol):
+    def pause(self, exchange: Exchange) -> None: ...
+    def resume(self, exchange: Exchange) -> None: ...
+
+
+@dataclass
+class Choice:
+    index: int
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Exchange:
+    uids: list[str]
+    deadline: float
+    flow: FlowControl
+    created: float = field(default_factory=time.monotonic)
+    choices: list[Choice] = field(default_factory=list)
+    prompt_tokens: int = 0
+    error: ApiError | None = None  # set when the request ends in an error or an abort
+    abort_reason: str | None = None
+    paused: bool = False
+    closed: bool = False
+    last_read: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    texts: list[list[str]] = field(default_factory=list)  # filled by collect()
+    _buffer: deque[tuple[int, Reply]] = field(default_factory=deque)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.index = {uid: i for i, uid in enumerate(self.uids)}
+        self.choices = [Choice(i) for i in range(len(self.uids))]
+        self.texts = [[] for _ in self.uids]
+
+    # ── listener side ──────────────────────────────────────────────────────────────────────────
+    @property
+    def done(self) -> bool:
+        return self.error is not None or all(c.finish_reason for c in self.choices)
+
+    @property
+    def depth(self) -> int:
+        return len(self._buffer)
+
+    def live_uids(self) -> list[str]:
+        return [uid for uid, c in zip(self.uids, self.choices, strict=True) if not c.finish_reason]
+
+    def deliver(self, reply: Reply) -> None:
+        choice = self.choices[self.index[reply.uid]]
+        if choice.finish_reason or self.error is not None:
+            return
+        choice.completion_tokens += reply.num_tokens
+        if reply.finish_reason:
+            choice.finish_reason = reply.finish_reason
+            self.prompt_tokens = max(self.prompt_tokens, reply.prompt_tokens)
+            for key in ("tokenizer_s", "queue_s", "scheduler_s", "detokenizer_s"):
+                self.timings[key] = max(self.timings.get(key, 0.0), getattr(reply, key))
+        self._buffer.append((choice.index, reply))
+        self._wake.set()
+        if len(self._buffer) > HIGH_WATER and not self.paused and self.live_uids():
+            self.paused = True
+            self.flow.pause(self)
+
+    def fail(self, error: ApiError, abort_reason: str | None = None) -> None:
+        """End the whole request with ``error``; wakes a waiting reader at once."""
+        if self.error is None and not all(c.finish_reason for c in self.choices):
+            self.error = error
+            self.abort_reason = abort_reason
+        self._wake.set()
+
+    # ── handler side ───────────────────────────────────────────────────────────────────────────
+    async def next_batch(self) -> list[tuple[int, Reply]]:
+        """Every buffered reply; waits for one. Empty once the request is over."""
+        while not self._buffer and not self.done:
+            self._wake.clear()
+            await self._wake.wait()
+        items = list(self._buffer)
+        self._buffer.clear()
+        self.last_read = time.monotonic()
+        if self.paused and len(self._buffer) < LOW_WATER:
+            self.paused = False
+            self.flow.resume(self)
+        return items
+
+    async def collect(self) -> None:
+        """Wait for the whole request (non-streaming); text accumulates in ``texts``."""
+        while True:
+            batch = await self.next_batch()
+            for index, reply in batch:
+                self.texts[index].append(reply.text)
+            if not batch and self.done:
+                return

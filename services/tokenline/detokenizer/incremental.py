@@ -1,0 +1,44 @@
+"""Incremental, UTF-8 safe detokenization of one request, with exact stop strings.
+
+tokenizers' `DecodeStream` holds back bytes until they form whole characters, so a multi-byte
+character split across tokens never shows up as U+FFFD. Stop strings are matched on the text;
+text that could still become a stop string is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+
+class IncrementalDecoder:
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None) -> None:
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stop = [s for s in (stop or []) if s]
+        self._holdback = max((len(s) for s in self._stop), default=1) - 1
+        self._text = ""  # decoded text not yet emitted
+        self.stopped = False
+
+    def feed(self, token_ids: list[int]) -> str:
+        """Text that is now safe to emit. Sets ``stopped`` when a stop string matched."""
+        for token_id in token_ids:
+            piece = self._stream.step(self._tokenizer, token_id)
+            if piece:
+                self._text += piece
+        if self._stop:
+            cut = min((i for i in (self._text.find(s) for s in self._stop) if i >= 0), default=-1)
+            if cut >= 0:
+                self.stopped = True
+                out, self._text = self._text[:cut], ""
+                return out
+        safe = len(self._text) - self._holdback
+        if safe <= 0:
+            return ""
+        out, self._text = self._text[:safe], self._text[safe:]
+        return out
+
+    def flush(self) -> str:
+        """Whatever is held back, at the end of the request."""
+        out, self._text = self._text, ""
+        return out

@@ -1,0 +1,133 @@
+"""The detokenizer stage: token ids to text for every live uid; one reply batch per step.
+
+Per-uid state is created on `Begin` and freed on every terminal event: the scheduler's final
+output, a stop string, a `Failed`, or an `Abort` for a uid still held.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from tokenline import protocol
+from tokenline.detokenizer.incremental import IncrementalDecoder
+from tokenline.ledger import Ledger
+from tokenline.lifecycle import Drain, instance_id
+from tokenline.metrics import BUFFER_DEPTH, LATE_REPLIES, STAGE_LATENCY, serve_metrics
+from tokenline.model_source import resolve
+from tokenline.settings import Settings
+from tokenline.transport import SyncRing
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Live:
+    decoder: IncrementalDecoder
+    prompt_tokens: int
+    tokenizer_s: float = 0.0
+    busy_s: float = 0.0  # time this stage spent on the uid
+    queue_s: float = 0.0
+
+
+class Detokenizer:
+    def __init__(self, tokenizer, ring: SyncRing) -> None:  # tokenizer: tokenizers.Tokenizer
+        self.tokenizer = tokenizer
+        self.ring = ring
+        self.live: dict[str, _Live] = {}
+        self.ledger = Ledger("detokenizer")
+        self.instance = instance_id()
+        self._late = LATE_REPLIES.labels(stage="detokenizer")
+        self._latency = STAGE_LATENCY.labels(stage="detokenizer")
+
+    def handle(self, message: protocol.ToDetokenizer) -> None:
+        if isinstance(message, protocol.TokenBatch):
+            replies = [r for r in map(self._decode, message.outputs) if r is not None]
+            if replies:
+                self.ring.send(protocol.ReplyBatch(replies=replies))
+        elif isinstance(message, protocol.Begin):
+            self.live[message.uid] = _Live(
+                IncrementalDecoder(self.tokenizer, message.stop),
+                message.prompt_tokens,
+                message.tokenizer_s,
+            )
+            self.ledger.open(message.uid, message.timeout_s or 3600.0)
+        elif isinstance(message, protocol.Heartbeat):
+            message.statuses.append(
+                protocol.StageStatus(stage="detokenizer", instance=self.instance)
+            )
+            self.ring.send(message)
+        else:  # Failed, Abort: the end of a uid; free it if held, pass the message on
+            self._release(message.uid)
+            self.ring.send(message)
+
+    def _decode(self, out: protocol.TokenOutput) -> protocol.Reply | None:
+        started = time.monotonic()
+        live = self.live.get(out.uid)
+        if live is None:
+            if out.finish_reason is None:
+                self._late.inc()  # tokens for a uid already ended here (stop string, abort)
+                return None
+            return protocol.Reply(
+                uid=out.uid, text="", num_tokens=len(out.token_ids), finish_reason=out.finish_reason
+            )
+        if out.queue_s:
+            live.queue_s = out.queue_s
+        text = live.decoder.feed(out.token_ids)
+        finish = out.finish_reason
+        stop_string = live.decoder.stopped
+        if stop_string:
+            finish = "stop"
+        elif finish is not None:
+            text += live.decoder.flush()
+        live.busy_s += time.monotonic() - started
+        reply = protocol.Reply(
+            uid=out.uid, text=text, num_tokens=len(out.token_ids), finish_reason=finish
+        )
+        if finish is not None:
+            reply.stop_string = stop_string and out.finish_reason is None
+            reply.prompt_tokens = live.prompt_tokens
+            reply.tokenizer_s = live.tokenizer_s
+            reply.queue_s = live.queue_s
+            reply.scheduler_s = out.scheduler_s
+            reply.detokenizer_s = live.busy_s
+            if out.error_code:
+                reply.error_code = out.error_code
+            self._latency.observe(live.busy_s)
+            self._release(out.uid)
+        return reply
+
+    def _release(self, uid: str) -> None:
+        if self.live.pop(uid, None) is not None:
+            self.ledger.close(uid)
+
+    def sweep(self) -> None:
+        for uid in self.ledger.sweep(list(self.live)):
+            self.live.pop(uid, None)
+
+
+def run(settings: Settings) -> int:
+    drain = Drain(settings.drain_timeout)
+    source = resolve(settings.model, settings.model_cache_dir, settings.revision)
+    tokenizer = source.load_tokenizer().backend_tokenizer
+    if settings.metrics_port:
+        serve_metrics(settings.metrics_port)
+    ring = SyncRing("detokenizer", settings.endpoints)
+    stage = Detokenizer(tokenizer, ring)
+    inbox_depth = BUFFER_DEPTH.labels(stage="detokenizer", buffer="inbox")
+    next_sweep = 0.0
+    log.info("detokenizer ready: %s", source.spec)
+    try:
+        while not drain.done(idle=not stage.live):
+            if ring.poll(100):
+                messages = ring.recv_ready()
+                inbox_depth.set(len(messages))
+                for message in messages:
+                    stage.handle(message)
+            if time.monotonic() > next_sweep:
+                stage.sweep()
+                next_sweep = time.monotonic() + 1.0
+    finally:
+        ring.close()
+    return 0

@@ -1,0 +1,54 @@
+"""Process lifecycle shared by the stages: logging, signals, draining, identity."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import uuid
+
+
+def setup_logging(stage: str, level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s %(levelname)s {stage}[%(process)d] %(name)s: %(message)s",
+    )
+
+
+def instance_id() -> str:
+    """Random per process start: a changed value in a heartbeat means the stage restarted."""
+    return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class Drain:
+    """SIGTERM or SIGINT starts draining; the stage exits once idle or when time runs out.
+
+    All containers of a pod get SIGTERM together, so a stage keeps serving the uids it holds
+    for up to ``timeout`` seconds instead of dropping them.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.started: float | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.started is None:
+            self.started = time.monotonic()
+            logging.getLogger(__name__).info(
+                "signal %d: draining for up to %.0fs", signum, self.timeout
+            )
+        else:  # a second signal means now
+            raise SystemExit(0)
+
+    @property
+    def draining(self) -> bool:
+        return self.started is not None
+
+    def done(self, idle: bool) -> bool:
+        if self.started is None:
+            return False
+        elapsed = time.monotonic() - self.started
+        return (idle and elapsed > 0.5) or elapsed > self.timeout

@@ -1,0 +1,195 @@
+"""`tokenline serve`: the four stages as local child processes, supervised.
+
+Children run in their own sessions (so a terminal's Ctrl-C reaches only the supervisor, which
+then drains them with one SIGTERM) and die with the supervisor (PR_SET_PDEATHSIG), so no
+orphan survives. A stage that dies is restarted; the api notices through its heartbeats and
+fails that stage's in-flight requests cleanly. The IPC socket directory is removed on exit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+
+from tokenline.model_source import resolve
+from tokenline.settings import Settings
+from tokenline.transport import RingEndpoints
+
+log = logging.getLogger("tokenline.serve")
+STAGES = ("scheduler", "detokenizer", "tokenizer", "api")
+READY_TIMEOUT_S = 300.0
+RESTART_BACKOFF_S = 1.0
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def stage_argv(stage: str, settings: Settings) -> list[str]:
+    s = settings
+    argv = [
+        sys.executable,
+        "-m",
+        "tokenline.cli",
+        stage,
+        "--model",
+        s.model,
+        "--log-level",
+        s.log_level,
+        "--drain-timeout",
+        str(s.drain_timeout),
+    ]
+    for name in ("api", "tokenizer", "scheduler", "detokenizer"):
+        argv += [f"--{name}-endpoint", s.endpoints.of(name)]
+    optional = {
+        "served-model-name": s.served_model_name,
+        "revision": s.revision,
+        "model-cache-dir": s.model_cache_dir,
+        "max-model-len": s.max_model_len,
+    }
+    if stage == "api":
+        argv += [
+            "--host",
+            s.host,
+            "--port",
+            str(s.port),
+            "--request-timeout",
+            str(s.request_timeout),
+            "--slow-client-timeout",
+            str(s.slow_client_timeout),
+            "--max-waiting",
+            str(s.max_waiting),
+        ]
+    else:
+        argv += ["--metrics-port", str(metrics_port(stage, s.port))]
+    if stage == "scheduler":
+        argv += [
+            "--device",
+            s.device,
+            "--dtype",
+            s.dtype,
+            "--gpu-memory-utilization",
+            str(s.gpu_memory_utilization),
+            "--max-num-seqs",
+            str(s.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(s.max_num_batched_tokens),
+            "--block-size",
+            str(s.block_size),
+        ]
+        optional["kv-cache-memory"] = s.kv_cache_memory
+    for flag, value in optional.items():
+        if value is not None:
+            argv += [f"--{flag}", str(value)]
+    return argv
+
+
+def metrics_port(stage: str, api_port: int) -> int:
+    return api_port + {"tokenizer": 1, "scheduler": 2, "detokenizer": 3}[stage]
+
+
+@dataclass
+class Child:
+    stage: str
+    argv: list[str]
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENLINE_")}
+        self.process = subprocess.Popen(
+            self.argv, start_new_session=True, preexec_fn=_die_with_parent, env=env
+        )
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+def _wait_ready(url: str, children: list[Child], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not all(c.alive() for c in children):
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def serve(settings: Settings, ipc_dir: str | None = None) -> int:
+    # Build or locate the model once, before four processes race for it.
+    source = resolve(settings.model, settings.model_cache_dir, settings.revision)
+    log.info("model %s at %s", source.spec, source.path)
+    owned_dir = None
+    if ipc_dir is None:
+        owned_dir = ipc_dir = tempfile.mkdtemp(prefix="tokenline-")
+    settings.endpoints = RingEndpoints.in_directory(ipc_dir)
+    children = [Child(stage, stage_argv(stage, settings)) for stage in STAGES]
+
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for child in children:
+            child.start()
+        api_url = f"http://127.0.0.1:{settings.port}"
+        if not _wait_ready(f"{api_url}/ready", children, READY_TIMEOUT_S):
+            if not stopping:
+                log.error("the stages did not become ready; see the log lines above")
+                return 1
+        else:
+            print(f"tokenline is serving {settings.model_name!r}", flush=True)
+            print(f"  api         {api_url}/v1  (metrics {api_url}/metrics)", flush=True)
+            for stage in ("tokenizer", "scheduler", "detokenizer"):
+                port = metrics_port(stage, settings.port)
+                print(f"  {stage:<11} metrics http://127.0.0.1:{port}/metrics", flush=True)
+            print(f"  ring        {ipc_dir}", flush=True)
+        while not stopping:
+            for child in children:
+                if not child.alive() and not stopping:
+                    code = child.process.returncode if child.process else None
+                    log.error("%s exited with %s; restarting it", child.stage, code)
+                    time.sleep(RESTART_BACKOFF_S)
+                    child.restarts += 1
+                    child.start()
+            time.sleep(0.2)
+        return 0
+    finally:
+        _stop_all(children, settings.drain_timeout + 10)
+        if owned_dir:
+            shutil.rmtree(owned_dir, ignore_errors=True)
+
+
+def _stop_all(children: list[Child], timeout: float) -> None:
+    for child in children:
+        if child.alive():
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for child in children:
+        if child.process is None:
+            continue
+        try:
+            child.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in time; killing it", child.stage)
+            child.process.kill()
+            child.process.wait()

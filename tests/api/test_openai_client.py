@@ -1,0 +1,237 @@
+"""The official openai client against the real four-process stack."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+
+@pytest.fixture
+def client(stack) -> OpenAI:
+    return OpenAI(base_url=f"{stack.api_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+CHAT = [{"role": "user", "content": "Tell me about the river and the mountain."}]
+
+
+def test_models_list_names_the_served_model(client, stack):
+    assert [m.id for m in client.models.list().data] == [stack.model]
+
+
+def test_chat_non_streaming_reports_real_usage(client, stack, tiny_tokenizer):
+    reply = client.chat.completions.create(
+        model=stack.model, messages=CHAT, max_tokens=7, extra_body={"ignore_eos": True}
+    )
+    assert reply.object == "chat.completion"
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].finish_reason == "length"
+    text = tiny_tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert reply.usage.prompt_tokens == len(prompt_ids)
+    assert reply.usage.completion_tokens == 7
+    assert reply.usage.total_tokens == len(prompt_ids) + 7
+
+
+def test_chat_streaming_chunks_follow_openai(client, stack):
+    stream = client.chat.completions.create(
+        model=stack.model,
+        messages=CHAT,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    assert len({c.id for c in chunks}) == 1
+    choice_chunks = [c for c in chunks if c.choices]
+    assert choice_chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in choice_chunks]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+
+def test_completions_streaming_and_not(client, stack, tiny_tokenizer):
+    full = client.completions.create(
+        model=stack.model,
+        prompt="hello world",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert full.object == "text_completion"
+    assert full.usage.prompt_tokens == len(tiny_tokenizer("hello world")["input_ids"])
+    chunks = list(
+        client.completions.create(
+            model=stack.model,
+            prompt="hello world",
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert {c.object for c in chunks} == {"text_completion"}
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_2_returns_two_choices(client, stack):
+    reply = client.completions.create(
+        model=stack.model,
+        prompt="a b c",
+        max_tokens=4,
+        n=2,
+        seed=7,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in reply.choices) == [0, 1]
+    assert reply.usage.completion_tokens == 8
+    stream = client.chat.completions.create(
+        model=stack.model,
+        messages=CHAT,
+        max_tokens=3,
+        n=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    ends = {
+        c.choices[0].index: c.choices[0].finish_reason
+        for c in stream
+        if c.choices and c.choices[0].finish_reason
+    }
+    assert ends == {0: "length", 1: "length"}
+
+
+def test_same_seed_same_text_and_other_seed_differs(client, stack):
+    def run(seed: int) -> str:
+        return (
+            client.completions.create(
+                model=stack.model,
+                prompt="the quick",
+                max_tokens=12,
+                temperature=1.0,
+                seed=seed,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .text
+        )
+
+    assert run(1234) == run(1234)
+    assert run(1234) != run(4321)
+
+
+def test_stop_string_cuts_exactly_and_ends_with_stop(client, stack):
+    greedy = client.completions.create(
+        model=stack.model,
+        prompt="north south",
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    text = greedy.choices[0].text
+    assert greedy.choices[0].finish_reason == "length"
+    stop = next(
+        text[i : i + 2]
+        for i in range(3, len(text) - 2)
+        if text[i : i + 2].strip() and text[i : i + 2] not in text[:i]
+    )
+    cut = client.completions.create(
+        model=stack.model,
+        prompt="north south",
+        max_tokens=24,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+    streamed = client.completions.create(
+        model=stack.model,
+        prompt="north south",
+        max_tokens=24,
+        temperature=0,
+        stop=stop,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text[: text.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    assert err.value.body["code"] == "model_not_found"
+
+
+def test_invalid_body_is_400_with_the_field_named(client, stack):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=stack.model, prompt="x", max_tokens=1, temperature=9)
+    assert err.value.body["param"] == "temperature"
+    response = httpx.post(
+        f"{stack.api_url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_longer_than_the_context_fails_at_once(client, stack, stream):
+    started = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=stack.model,
+            stream=stream,
+            messages=[{"role": "user", "content": "river mountain " * 3000}],
+        )
+    assert err.value.body["code"] == "context_length_exceeded"
+    assert time.monotonic() - started < 5
+
+
+def test_sse_headers_and_done_marker(stack):
+    body = {"model": stack.model, "messages": CHAT, "max_tokens": 2, "stream": True}
+    with httpx.stream(
+        "POST", f"{stack.api_url}/v1/chat/completions", json=body, timeout=30
+    ) as response:
+        lines = [line for line in response.iter_lines() if line]
+        assert response.headers["x-accel-buffering"] == "no"
+        assert response.headers["cache-control"] == "no-cache"
+        assert response.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]"
+
+
+async def test_twenty_concurrent_streams_complete(stack):
+    client = AsyncOpenAI(
+        base_url=f"{stack.api_url}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+
+    async def one(i: int) -> tuple[str | None, int]:
+        stream = await client.chat.completions.create(
+            model=stack.model,
+            messages=[{"role": "user", "content": f"request {i}"}],
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        finish, usage = None, 0
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+        return finish, usage
+
+    results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(20))), 120)
+    assert results == [("length", 16)] * 20
+    await client.close()

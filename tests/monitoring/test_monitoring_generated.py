@@ -20,6 +20,7 @@ from monitoring_support import (
     FILTERS,
     metric_names,
 )
+
 from tokenline.monitoring import generate
 
 

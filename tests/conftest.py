@@ -192,3 +192,13 @@ def stack(model_cache, tmp_path_factory):
 @pytest.fixture
 def api_base(stack) -> str:
     return f"{stack.api_url}/v1"
+
+
+@pytest.fixture(scope="session")
+def launch_stack(model_cache, tmp_path_factory):
+    """Start an extra stack with other flags (the caller stops it)."""
+
+    def launch(*flags: str) -> Stack:
+        return start_stack(model_cache, tmp_path_factory.mktemp("logs"), *flags)
+
+    return launch

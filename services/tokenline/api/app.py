@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 
 import uvicorn
@@ -100,5 +101,21 @@ def run(settings: Settings) -> int:
         timeout_graceful_shutdown=5,
     )
     server = DrainingServer(config, app, settings.drain_timeout)
-    server.run()
+    server.run(sockets=[listening_socket(settings.host, settings.port)])
     return 0
+
+
+# Accepted connections inherit this from the listening socket. A small kernel send buffer
+# makes an unread stream block the sender after tens of kilobytes instead of megabytes, so
+# backpressure (and the slow-client limit) starts where the api can see it.
+SEND_BUFFER_BYTES = 32 * 1024
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock

@@ -23,6 +23,9 @@ class EngineLimits:
     max_num_batched_tokens: int = 2048
 
 
+DEADLINE_MARGIN_S = 2.0
+
+
 class KVCacheTooSmall(ValueError):
     """The prompt can never fit in the KV pool, however long it waits."""
 
@@ -132,9 +135,17 @@ class Engine:
         )
 
     def expire(self, now: float | None = None) -> list[str]:
-        """Abort sequences past their deadline; the api will already have given up on them."""
+        """Abort sequences past their deadline plus a margin.
+
+        The api enforces deadlines and tells the client why; this is the backstop for a uid
+        whose abort never arrived, so it waits a little longer than the api does.
+        """
         now = time.monotonic() if now is None else now
-        late = [uid for uid, seq in self.scheduler.by_uid.items() if now > seq.deadline]
+        late = [
+            uid
+            for uid, seq in self.scheduler.by_uid.items()
+            if now > seq.deadline + DEADLINE_MARGIN_S
+        ]
         for uid in late:
             self.abort(uid)
         return late

@@ -12,6 +12,7 @@ import time
 import msgspec
 
 from tokenline import protocol
+from tokenline.ledger import Ledger
 from tokenline.lifecycle import Drain, instance_id
 from tokenline.metrics import BUFFER_DEPTH, STAGE_LATENCY, serve_metrics
 from tokenline.model_source import resolve
@@ -111,6 +112,7 @@ def run(settings: Settings) -> int:
     me = instance_id()
     inbox_depth = BUFFER_DEPTH.labels(stage="tokenizer", buffer="inbox")
     latency = STAGE_LATENCY.labels(stage="tokenizer")
+    ledger = Ledger("tokenizer")
     log.info("tokenizer ready: model %s, max_model_len %d", source.spec, tokenizer.max_model_len)
     try:
         while not drain.done(idle=True):
@@ -119,10 +121,13 @@ def run(settings: Settings) -> int:
             messages = ring.recv_ready(BATCH_LIMIT)
             inbox_depth.set(len(messages))
             requests = [m for m in messages if isinstance(m, protocol.Generate)]
+            for request in requests:  # held only while this batch is tokenized
+                ledger.open(request.uid, request.timeout_s)
             results = iter(tokenizer.process(requests)) if requests else iter(())
             for message in messages:
                 if isinstance(message, protocol.Generate):
                     result = next(results)
+                    ledger.close(message.uid)
                     if isinstance(result, protocol.Tokenized):
                         latency.observe(result.tokenizer_s)
                     ring.send(result)

@@ -1,0 +1,96 @@
+"""`tokenline operator`: run the InferenceService operator."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import kopf
+
+from .metrics import OperatorMetrics
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value else default
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenline operator",
+        description="Reconcile InferenceService objects (tokenline.dev/v1alpha1) into the "
+        "Deployments, Services and autoscalers that serve them.",
+    )
+    parser.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        default=None,
+        help="Watch only this namespace (repeatable; kopf glob patterns work). Default: all "
+        "namespaces. Env: TOKENLINE_WATCH_NAMESPACES (comma-separated).",
+    )
+    parser.add_argument(
+        "--default-image",
+        default=os.environ.get("TOKENLINE_DEFAULT_IMAGE"),
+        help="Image for InferenceServices that name none (the chart passes the operator's "
+        "own). Env: TOKENLINE_DEFAULT_IMAGE.",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=_env_int("TOKENLINE_METRICS_PORT", 8080),
+        help="Port of the operator's Prometheus /metrics (0 disables). Env: "
+        "TOKENLINE_METRICS_PORT. Default: 8080.",
+    )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=_env_int("TOKENLINE_HEALTH_PORT", 8081),
+        help="Port of the liveness endpoint /healthz (0 disables). Env: TOKENLINE_HEALTH_PORT. "
+        "Default: 8081.",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("TOKENLINE_LOG_LEVEL", "info"),
+        choices=["debug", "info", "warning", "error"],
+        help="Env: TOKENLINE_LOG_LEVEL. Default: info.",
+    )
+    parser.add_argument(
+        "--log-format",
+        default=os.environ.get("TOKENLINE_LOG_FORMAT", "plain"),
+        choices=["plain", "full", "json"],
+        help="Env: TOKENLINE_LOG_FORMAT. Default: plain.",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the operator until SIGINT/SIGTERM; the exit status is 0 on a clean stop."""
+    args = build_parser().parse_args(argv)
+    namespaces = args.namespace or [
+        ns.strip()
+        for ns in os.environ.get("TOKENLINE_WATCH_NAMESPACES", "").split(",")
+        if ns.strip()
+    ]
+
+    from . import handlers  # registers the handlers in their own registry
+
+    kopf.configure(
+        debug=args.log_level == "debug",
+        verbose=args.log_level in ("debug", "info"),
+        quiet=args.log_level == "error",
+        log_format=kopf.LogFormat[args.log_format.upper()],
+    )
+    metrics = OperatorMetrics()
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
+    liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
+    kopf.run(
+        registry=handlers.registry,
+        standalone=True,  # one replica; no peering objects needed (see the chart's strategy)
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        liveness_endpoint=liveness,
+        memo=kopf.Memo(metrics=metrics, default_image=args.default_image),
+    )
+    return 0

@@ -1,0 +1,509 @@
+"""Pure builders: an InferenceService (metadata + parsed spec) in, Kubernetes objects out.
+
+No I/O and no kopf here: the handlers, the tests, the chart's sample and the docs all call
+these functions. Every object carries an owner reference to its InferenceService, so
+Kubernetes' garbage collector removes the children with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from . import names
+from .spec import Spec, desired_replicas, selector_labels, served_model_name
+
+Manifest = dict[str, Any]
+
+#: Seconds the preStop hook waits, so Service endpoints drop the pod before it drains.
+PRESTOP_SLEEP_SECONDS = 5
+#: Seconds between startup-probe attempts; the threshold follows startupTimeoutSeconds.
+STARTUP_PERIOD_SECONDS = 10
+
+
+@dataclass(frozen=True)
+class Owner:
+    """What the builders need to know about the InferenceService itself."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def from_body(cls, body: Any) -> Owner:
+        meta = body["metadata"]
+        return cls(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """Optional APIs found in the cluster, which decide the optional children."""
+
+    keda: bool = False
+    prometheus_operator: bool = False
+
+
+# --- shared pieces -----------------------------------------------------------------------
+
+
+def owner_reference(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": names.API_VERSION,
+        "kind": names.KIND,
+        "name": owner.name,
+        "uid": owner.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def labels(owner: Owner) -> dict[str, str]:
+    return {
+        **selector_labels(owner.name),
+        names.LABEL_INSTANCE: owner.name,
+        names.LABEL_COMPONENT: "inference",
+        names.LABEL_MANAGED_BY: names.MANAGED_BY,
+    }
+
+
+def metadata(owner: Owner, name: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": labels(owner),
+        "ownerReferences": [owner_reference(owner)],
+        **extra,
+    }
+
+
+def config_map_name(owner: Owner) -> str:
+    return f"{owner.name}-config"
+
+
+def service_url(owner: Owner, spec: Spec) -> str:
+    """The in-cluster base URL; OpenAI clients use it with ``/v1`` appended."""
+    port = spec["service"]["port"]
+    return f"http://{owner.name}.{owner.namespace}.svc.cluster.local:{port}"
+
+
+# --- ConfigMap: the engine settings ------------------------------------------------------
+
+#: Which stage reads which setting; each container gets exactly its own flags as TOKENLINE_*.
+STAGE_SETTINGS: dict[str, tuple[str, ...]] = {
+    "common": (
+        "TOKENLINE_MODEL",
+        "TOKENLINE_SERVED_MODEL_NAME",
+        "TOKENLINE_REVISION",
+        "TOKENLINE_LOG_LEVEL",
+    ),
+    "api": (
+        "TOKENLINE_REQUEST_TIMEOUT",
+        "TOKENLINE_SLOW_CLIENT_TIMEOUT",
+        "TOKENLINE_DRAIN_TIMEOUT",
+        "TOKENLINE_MAX_WAITING",
+    ),
+    "tokenizer": ("TOKENLINE_MAX_MODEL_LEN",),
+    "scheduler": (
+        "TOKENLINE_DEVICE",
+        "TOKENLINE_DTYPE",
+        "TOKENLINE_MAX_MODEL_LEN",
+        "TOKENLINE_KV_CACHE_MEMORY",
+        "TOKENLINE_GPU_MEMORY_UTILIZATION",
+        "TOKENLINE_MAX_NUM_SEQS",
+        "TOKENLINE_MAX_NUM_BATCHED_TOKENS",
+    ),
+    "detokenizer": (),
+}
+
+
+def engine_settings(spec: Spec) -> dict[str, str]:
+    """The ConfigMap's data: every stage flag the spec sets, as TOKENLINE_* strings."""
+    model, engine, server = spec["model"], spec["engine"], spec["server"]
+    device = engine["device"]
+    if device == "auto" and engine["gpus"] == 0:
+        device = "cpu"  # no GPU requested: do not let the runner find one by accident
+    settings: dict[str, Any] = {
+        "TOKENLINE_MODEL": model["name"],
+        "TOKENLINE_SERVED_MODEL_NAME": served_model_name(spec),
+        "TOKENLINE_REVISION": model.get("revision"),
+        "TOKENLINE_LOG_LEVEL": server["logLevel"],
+        "TOKENLINE_REQUEST_TIMEOUT": server["requestTimeoutSeconds"],
+        "TOKENLINE_SLOW_CLIENT_TIMEOUT": server["slowClientTimeoutSeconds"],
+        "TOKENLINE_DRAIN_TIMEOUT": server["drainTimeoutSeconds"],
+        "TOKENLINE_MAX_WAITING": server["maxWaiting"],
+        "TOKENLINE_MAX_MODEL_LEN": engine.get("maxModelLen"),
+        "TOKENLINE_DEVICE": device,
+        "TOKENLINE_DTYPE": engine["dtype"],
+        "TOKENLINE_KV_CACHE_MEMORY": engine.get("kvCacheMemory"),
+        "TOKENLINE_GPU_MEMORY_UTILIZATION": engine["gpuMemoryUtilization"],
+        "TOKENLINE_MAX_NUM_SEQS": engine["maxNumSeqs"],
+        "TOKENLINE_MAX_NUM_BATCHED_TOKENS": engine["maxNumBatchedTokens"],
+    }
+    return {key: str(value) for key, value in settings.items() if value is not None}
+
+
+def config_map(owner: Owner, spec: Spec) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(owner, config_map_name(owner)),
+        "data": engine_settings(spec),
+    }
+
+
+def config_hash(data: dict[str, str]) -> str:
+    """A short digest of the settings: a change rolls the pods (env is read at start)."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --- Deployment: one pod, four stage containers ------------------------------------------
+
+
+def _stage_env(owner: Owner, spec: Spec, stage: str, settings: dict[str, str]) -> list[dict]:
+    keys = [*STAGE_SETTINGS["common"], *STAGE_SETTINGS[stage]]
+    env: list[dict[str, Any]] = [
+        {
+            "name": key,
+            "valueFrom": {"configMapKeyRef": {"name": config_map_name(owner), "key": key}},
+        }
+        for key in keys
+        if key in settings
+    ]
+    env += [
+        {"name": "TOKENLINE_MODEL_CACHE_DIR", "value": names.MODEL_CACHE_DIR},
+        {"name": "HF_HOME", "value": names.HF_HOME},
+    ]
+    secret = spec["model"].get("hfTokenSecret")
+    if secret:
+        env.append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": secret["name"], "key": secret["key"]}},
+            }
+        )
+    return env
+
+
+def _http_probe(path: str, port: str, *, period: int, failures: int, timeout: int = 5) -> dict:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
+
+
+def _container(owner: Owner, spec: Spec, stage: str, settings: dict[str, str]) -> dict:
+    port_name = names.PORT_NAMES[stage]
+    startup_failures = -(-spec["server"]["startupTimeoutSeconds"] // STARTUP_PERIOD_SECONDS)
+    if stage == "api":
+        args = ["api", "--host", "0.0.0.0", "--port", str(names.API_PORT)]
+        port = names.API_PORT
+        # /ready answers 200 only once every stage answers and the model is loaded.
+        startup = _http_probe(
+            "/ready", port_name, period=STARTUP_PERIOD_SECONDS, failures=startup_failures
+        )
+        readiness = _http_probe("/ready", port_name, period=5, failures=3)
+        liveness = _http_probe("/health", port_name, period=10, failures=3)
+    else:
+        port = names.METRICS_PORTS[stage]
+        args = [stage, "--metrics-port", str(port)]
+        startup = _http_probe(
+            "/metrics", port_name, period=STARTUP_PERIOD_SECONDS, failures=startup_failures
+        )
+        readiness = None
+        liveness = _http_probe("/metrics", port_name, period=10, failures=3)
+
+    resources = json.loads(json.dumps(spec["resources"][stage]))  # a deep copy of plain data
+    gpus = spec["engine"]["gpus"]
+    if stage == "scheduler" and gpus > 0:
+        resources.setdefault("limits", {})["nvidia.com/gpu"] = gpus
+        resources.setdefault("requests", {})["nvidia.com/gpu"] = gpus
+
+    mounts = [
+        {"name": "model-cache", "mountPath": names.MODEL_CACHE_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if stage == "scheduler":
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+
+    container: dict[str, Any] = {
+        "name": stage,
+        "image": spec["image"],
+        "args": args,
+        "ports": [{"name": port_name, "containerPort": port, "protocol": "TCP"}],
+        "env": _stage_env(owner, spec, stage, settings),
+        "resources": resources,
+        "volumeMounts": mounts,
+        "startupProbe": startup,
+        "livenessProbe": liveness,
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    if readiness:
+        container["readinessProbe"] = readiness
+    if spec.get("imagePullPolicy"):
+        container["imagePullPolicy"] = spec["imagePullPolicy"]
+    return container
+
+
+def _volumes(spec: Spec) -> list[dict[str, Any]]:
+    cache = spec["model"].get("cache", {})
+    if "claimName" in cache:
+        model_cache: dict[str, Any] = {"persistentVolumeClaim": {"claimName": cache["claimName"]}}
+    else:
+        model_cache = {
+            "emptyDir": {"sizeLimit": cache["sizeLimit"]} if "sizeLimit" in cache else {}
+        }
+    return [
+        {"name": "model-cache", **model_cache},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+    ]
+
+
+def termination_grace_seconds(spec: Spec) -> int:
+    """preStop sleep + the stages' drain + a margin to exit: longer than the drain timeout."""
+    return PRESTOP_SLEEP_SECONDS + spec["server"]["drainTimeoutSeconds"] + 15
+
+
+def deployment(owner: Owner, spec: Spec, *, manage_replicas: bool = True) -> Manifest:
+    """The Deployment; ``manage_replicas=False`` leaves ``replicas`` to an autoscaler."""
+    settings = engine_settings(spec)
+    pod_spec: dict[str, Any] = {
+        "containers": [_container(owner, spec, stage, settings) for stage in names.STAGES],
+        "volumes": _volumes(spec),
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
+        # Service links would inject e.g. TOKENLINE_PORT=tcp://... for a Service called
+        # "tokenline", which the stages would read as their --port flag.
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": names.RUN_AS_USER,
+            "runAsGroup": names.RUN_AS_USER,
+            "fsGroup": names.RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    if spec.get("imagePullSecrets"):
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in spec["imagePullSecrets"]]
+    if spec.get("nodeSelector"):
+        pod_spec["nodeSelector"] = dict(spec["nodeSelector"])
+    if spec.get("tolerations"):
+        pod_spec["tolerations"] = [dict(t) for t in spec["tolerations"]]
+    for field in ("priorityClassName", "serviceAccountName"):
+        if spec.get(field):
+            pod_spec[field] = spec[field]
+
+    deployment_spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(owner.name)},
+        "strategy": {
+            "type": "RollingUpdate",
+            "rollingUpdate": {
+                "maxSurge": spec["rollout"]["maxSurge"],
+                "maxUnavailable": spec["rollout"]["maxUnavailable"],
+            },
+        },
+        # A rollout counts as stalled only after a pod had its whole startup allowance.
+        "progressDeadlineSeconds": spec["server"]["startupTimeoutSeconds"] + 600,
+        "template": {
+            "metadata": {
+                "labels": labels(owner),
+                "annotations": {names.ANNOTATION_CONFIG_HASH: config_hash(settings)},
+            },
+            "spec": pod_spec,
+        },
+    }
+    if manage_replicas:
+        deployment_spec["replicas"] = desired_replicas(spec)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(owner, owner.name),
+        "spec": deployment_spec,
+    }
+
+
+# --- Service, PodDisruptionBudget ---------------------------------------------------------
+
+
+def service(owner: Owner, spec: Spec) -> Manifest:
+    svc = spec["service"]
+    meta = metadata(owner, owner.name)
+    if svc.get("annotations"):
+        meta["annotations"] = dict(svc["annotations"])
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "type": svc["type"],
+            "selector": selector_labels(owner.name),
+            "ports": [
+                {
+                    "name": "http",
+                    "port": svc["port"],
+                    "targetPort": names.PORT_NAMES["api"],
+                    "protocol": "TCP",
+                    "appProtocol": "http",
+                }
+            ],
+        },
+    }
+
+
+def wants_disruption_budget(spec: Spec) -> bool:
+    if spec["autoscaling"]["enabled"]:
+        return spec["autoscaling"]["maxReplicas"] > 1
+    return spec["replicas"] > 1
+
+
+def pod_disruption_budget(owner: Owner, spec: Spec) -> Manifest:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(owner, owner.name),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(owner.name)},
+        },
+    }
+
+
+# --- autoscalers --------------------------------------------------------------------------
+
+
+def waiting_query(owner: Owner) -> str:
+    """PromQL for the requests waiting in this InferenceService's schedulers."""
+    return (
+        f'sum({names.WAITING_METRIC}{{namespace="{owner.namespace}",'
+        f'inferenceservice="{owner.name}"}})'
+    )
+
+
+def scaled_object(owner: Owner, spec: Spec) -> Manifest:
+    """A KEDA ScaledObject on the waiting-requests gauge (vLLM production-stack's approach)."""
+    auto = spec["autoscaling"]
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": metadata(owner, owner.name),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": owner.name},
+            "minReplicaCount": auto["minReplicas"],
+            "maxReplicaCount": auto["maxReplicas"],
+            "pollingInterval": 15,
+            "cooldownPeriod": 300,
+            "triggers": [
+                {
+                    "type": "prometheus",
+                    "metadata": {
+                        "serverAddress": auto["prometheusAddress"],
+                        "query": waiting_query(owner),
+                        "threshold": str(auto["targetRequestsWaiting"]),
+                    },
+                }
+            ],
+        },
+    }
+
+
+def horizontal_pod_autoscaler(owner: Owner, spec: Spec) -> Manifest:
+    """An HPA on the per-pod waiting gauge, served by the Prometheus adapter."""
+    auto = spec["autoscaling"]
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": metadata(owner, owner.name),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": owner.name},
+            "minReplicas": auto["minReplicas"],
+            "maxReplicas": auto["maxReplicas"],
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": names.WAITING_METRIC},
+                        "target": {
+                            "type": "AverageValue",
+                            "averageValue": str(auto["targetRequestsWaiting"]),
+                        },
+                    },
+                }
+            ],
+            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}},
+        },
+    }
+
+
+def autoscaler_kind(spec: Spec, caps: Capabilities) -> str | None:
+    """``ScaledObject``, ``HorizontalPodAutoscaler`` or None (autoscaling off)."""
+    auto = spec["autoscaling"]
+    if not auto["enabled"]:
+        return None
+    if auto["provider"] == "keda" or (auto["provider"] == "auto" and caps.keda):
+        return "ScaledObject"
+    return "HorizontalPodAutoscaler"
+
+
+# --- PodMonitor ---------------------------------------------------------------------------
+
+
+def pod_monitor(owner: Owner, spec: Spec) -> Manifest:
+    mon = spec["monitoring"]
+    meta = metadata(owner, owner.name)
+    meta["labels"] = {**meta["labels"], **mon.get("labels", {})}
+    relabel = [
+        {
+            "sourceLabels": ["__meta_kubernetes_pod_label_tokenline_dev_inferenceservice"],
+            "targetLabel": "inferenceservice",
+        }
+    ]
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": meta,
+        "spec": {
+            "selector": {"matchLabels": selector_labels(owner.name)},
+            "podMetricsEndpoints": [
+                {
+                    "port": names.PORT_NAMES[stage],
+                    "path": "/metrics",
+                    "interval": mon["interval"],
+                    "relabelings": relabel,
+                }
+                for stage in names.STAGES
+            ],
+        },
+    }
+
+
+# --- the whole set ------------------------------------------------------------------------
+
+#: Kinds that exist only in some configurations; the reconciler deletes them when unwanted.
+OPTIONAL_KINDS = ("PodDisruptionBudget", "HorizontalPodAutoscaler", "ScaledObject", "PodMonitor")
+
+
+def children(owner: Owner, spec: Spec, caps: Capabilities) -> dict[str, Manifest]:
+    """Every child the spec asks for, by kind (one object per kind)."""
+    autoscaler = autoscaler_kind(spec, caps)
+    result: dict[str, Manifest] = {
+        "ConfigMap": config_map(owner, spec),
+        "Deployment": deployment(owner, spec, manage_replicas=autoscaler is None),
+        "Service": service(owner, spec),
+    }
+    if wants_disruption_budget(spec):
+        result["PodDisruptionBudget"] = pod_disruption_budget(owner, spec)
+    if autoscaler == "ScaledObject":
+        result["ScaledObject"] = scaled_object(owner, spec)
+    elif autoscaler == "HorizontalPodAutoscaler":
+        result["HorizontalPodAutoscaler"] = horizontal_pod_autoscaler(owner, spec)
+    if spec["monitoring"]["podMonitor"] and caps.prometheus_operator:
+        result["PodMonitor"] = pod_monitor(owner, spec)
+    return result

@@ -1,0 +1,53 @@
+"""Names shared by the CRD, the manifest builders, the handlers and the chart.
+
+Everything here is a contract: the chart's RBAC, the dashboards' label matchers and the
+PodMonitor relabelling all depend on these strings.
+"""
+
+from __future__ import annotations
+
+GROUP = "tokenline.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ("tlis",)
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+#: The field manager the operator applies children with (server-side apply).
+FIELD_MANAGER = "tokenline-operator"
+
+# Labels on every child object and on the pods.
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_OWNER = f"{GROUP}/inferenceservice"
+MANAGED_BY = "tokenline-operator"
+
+# Annotations the operator writes.
+ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
+#: Prefix of kopf's own bookkeeping annotations on InferenceService objects.
+KOPF_ANNOTATIONS_PREFIX = GROUP
+
+# The four stages of one pod, in ring order; their metrics ports and port names.
+STAGES = ("api", "tokenizer", "scheduler", "detokenizer")
+API_PORT = 8000
+METRICS_PORTS = {"tokenizer": 8001, "scheduler": 8002, "detokenizer": 8003}
+PORT_NAMES = {
+    "api": "http",
+    "tokenizer": "tok-metrics",
+    "scheduler": "sched-metrics",
+    "detokenizer": "detok-metrics",
+}
+
+#: The metric the autoscalers read (a gauge exported by the scheduler stage).
+WAITING_METRIC = "tokenline_num_requests_waiting"
+
+# Paths inside the stage containers.
+MODEL_CACHE_DIR = "/var/cache/tokenline"
+HF_HOME = f"{MODEL_CACHE_DIR}/huggingface"
+
+#: The uid and gid the image's non-root user has (see the Dockerfile).
+RUN_AS_USER = 10001

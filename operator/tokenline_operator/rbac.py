@@ -1,0 +1,79 @@
+"""The operator's RBAC rules, written once.
+
+The chart renders them from ``charts/tokenline/files/operator-rbac-rules.yaml``, which
+``python -m tokenline_operator.chartgen`` writes from :data:`RULES`; a test keeps the two
+equal. Each rule says which code needs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import names
+
+READ = ["get", "list", "watch"]
+
+RULES: list[dict[str, Any]] = [
+    # The handlers watch InferenceServices; kopf patches its bookkeeping annotations.
+    {"apiGroups": [names.GROUP], "resources": [names.PLURAL], "verbs": [*READ, "patch"]},
+    # reconcile.py writes the status.
+    {
+        "apiGroups": [names.GROUP],
+        "resources": [f"{names.PLURAL}/status"],
+        "verbs": ["get", "patch"],
+    },
+    # Owner references with blockOwnerDeletion need this where the API server enforces it.
+    {"apiGroups": [names.GROUP], "resources": [f"{names.PLURAL}/finalizers"], "verbs": ["update"]},
+    # Children that always exist; Kubernetes' garbage collector deletes them with the owner.
+    {
+        "apiGroups": [""],
+        "resources": ["configmaps", "services"],
+        "verbs": [*READ, "create", "patch"],
+    },
+    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": [*READ, "create", "patch"]},
+    # Optional children, deleted when the spec stops asking for them.
+    {
+        "apiGroups": ["policy"],
+        "resources": ["poddisruptionbudgets"],
+        "verbs": [*READ, "create", "patch", "delete"],
+    },
+    {
+        "apiGroups": ["autoscaling"],
+        "resources": ["horizontalpodautoscalers"],
+        "verbs": [*READ, "create", "patch", "delete"],
+    },
+    {
+        "apiGroups": ["keda.sh"],
+        "resources": ["scaledobjects"],
+        "verbs": [*READ, "create", "patch", "delete"],
+    },
+    {
+        "apiGroups": ["monitoring.coreos.com"],
+        "resources": ["podmonitors"],
+        "verbs": [*READ, "create", "patch", "delete"],
+    },
+    # kopf posts Events (InvalidSpec, handler failures) on the InferenceService.
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    # kopf notices CRDs (KEDA, Prometheus operator) installed after it started.
+    {
+        "apiGroups": ["apiextensions.k8s.io"],
+        "resources": ["customresourcedefinitions"],
+        "verbs": ["list", "watch"],
+    },
+    # kopf resolves namespace patterns (--namespace 'team-*').
+    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
+]
+
+
+def rules() -> list[dict[str, Any]]:
+    """A copy of the rules, safe to change."""
+    return [{key: list(value) for key, value in rule.items()} for rule in RULES]
+
+
+def cluster_role(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": name, **({"labels": labels} if labels else {})},
+        "rules": rules(),
+    }

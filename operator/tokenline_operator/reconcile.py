@@ -1,0 +1,212 @@
+"""Level-based reconciliation: make the children match the spec, then report status.
+
+Every trigger (the InferenceService changed, a child changed or vanished, the operator
+restarted) runs the same function, which reads the world, writes only what differs, and
+writes the status only when it changes. Running it twice in a row writes nothing the second
+time, which is what keeps watch events from feeding back into more writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import manifests, names, spec, status
+from .kube import Kube, KubeError
+from .manifests import Capabilities, Owner
+from .metrics import OperatorMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Context:
+    """What reconciliation needs, passed explicitly (kept in kopf's memo by the handlers)."""
+
+    kube: Kube
+    metrics: OperatorMetrics
+    default_image: str | None = None
+    _locks: weakref.WeakValueDictionary[tuple[str, str], asyncio.Lock] = field(
+        default_factory=weakref.WeakValueDictionary
+    )
+
+    def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        """One lock per InferenceService: its reconciles never interleave."""
+        key = (namespace, name)
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = asyncio.Lock()
+            self._locks[key] = lock
+        return lock
+
+
+@dataclass(frozen=True)
+class Result:
+    """How a reconcile ended: the status written, and the problem if there was one."""
+
+    status: dict[str, Any]
+    spec_error: str | None = None
+    api_error: str | None = None
+
+
+def is_subset(desired: Any, live: Any) -> bool:
+    """Whether ``live`` already holds everything ``desired`` sets (API defaults may add more).
+
+    Numbers and strings compare by text, because the API server returns quantities as
+    strings (``nvidia.com/gpu: 1`` comes back as ``"1"``).
+    """
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(
+            key in live and is_subset(value, live[key]) for key, value in desired.items()
+        )
+    if isinstance(desired, list):
+        return (
+            isinstance(live, list)
+            and len(desired) == len(live)
+            and all(is_subset(d, item) for d, item in zip(desired, live, strict=True))
+        )
+    if isinstance(desired, bool) or isinstance(live, bool):
+        return desired == live
+    if isinstance(desired, int | float | str) and isinstance(live, int | float | str):
+        return str(desired) == str(live)
+    return desired == live
+
+
+def owned_by(obj: dict[str, Any], owner: Owner) -> bool:
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(ref.get("uid") == owner.uid for ref in refs)
+
+
+async def capabilities(kube: Kube) -> Capabilities:
+    return Capabilities(
+        keda=await kube.serves("ScaledObject"),
+        prometheus_operator=await kube.serves("PodMonitor"),
+    )
+
+
+async def _ensure(ctx: Context, owner: Owner, desired: dict[str, Any]) -> dict[str, Any]:
+    """Create the child, or re-apply it when it drifted; return the live object."""
+    kind, name = desired["kind"], desired["metadata"]["name"]
+    live = await ctx.kube.get(kind, owner.namespace, name)
+    if live is not None and not owned_by(live, owner):
+        raise KubeError(
+            409,
+            f"{kind} {owner.namespace}/{name} exists and is not owned by "
+            f"this InferenceService; rename one of them",
+        )
+    if live is not None and is_subset(desired, live):
+        return live
+    action = "apply" if live is not None else "create"
+    log.info("%s %s %s/%s", action, kind, owner.namespace, name)
+    ctx.metrics.child_writes.labels(kind=kind, action=action).inc()
+    try:
+        return await ctx.kube.apply(desired)
+    except KubeError as exc:
+        if exc.status != 404:
+            raise
+        # Server-side apply creates missing objects; API servers that do not, get a POST.
+        return await ctx.kube.create(desired)
+
+
+async def _remove(ctx: Context, owner: Owner, kind: str) -> None:
+    """Delete an optional child the spec no longer asks for (only if it is ours)."""
+    if not await ctx.kube.serves(kind):
+        return
+    live = await ctx.kube.get(kind, owner.namespace, owner.name)
+    if live is not None and owned_by(live, owner):
+        log.info("delete %s %s/%s", kind, owner.namespace, owner.name)
+        ctx.metrics.child_writes.labels(kind=kind, action="delete").inc()
+        await ctx.kube.delete(kind, owner.namespace, owner.name)
+
+
+async def _apply_children(ctx: Context, owner: Owner, parsed: spec.Spec) -> dict[str, Any]:
+    caps = await capabilities(ctx.kube)
+    desired = manifests.children(owner, parsed, caps)
+    missing = [k for k in desired if k in manifests.OPTIONAL_KINDS and not await ctx.kube.serves(k)]
+    if missing:
+        raise KubeError(
+            404,
+            f"the cluster does not serve {', '.join(missing)}: install its "
+            f"CRDs or change spec.autoscaling.provider",
+        )
+    live: dict[str, Any] = {}
+    # The ConfigMap first: the Deployment's containers read their settings from it.
+    for kind in ("ConfigMap", *[k for k in desired if k != "ConfigMap"]):
+        live[kind] = await _ensure(ctx, owner, desired[kind])
+    for kind in manifests.OPTIONAL_KINDS:
+        if kind not in desired:
+            await _remove(ctx, owner, kind)
+    return live["Deployment"]
+
+
+async def reconcile(ctx: Context, namespace: str, name: str, *, trigger: str) -> Result | None:
+    """Bring one InferenceService's children and status in line with its spec.
+
+    The object is read afresh under its lock, whatever triggered the call: a handler's
+    copy may already be stale (another reconcile just wrote the status), and writing from
+    a stale copy would undo newer work. Returns None when the object is gone or going.
+    """
+    async with ctx.lock(namespace, name):
+        body = await ctx.kube.get(names.KIND, namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None
+        return await _reconcile_locked(ctx, body, trigger=trigger)
+
+
+async def _reconcile_locked(ctx: Context, body: dict[str, Any], *, trigger: str) -> Result:
+    started = time.monotonic()
+    owner = Owner.from_body(body)
+    generation = body["metadata"].get("generation")
+    previous = body.get("status") or {}
+    spec_error = api_error = None
+    deployment = None
+    obs_extra: dict[str, Any] = {}
+    try:
+        parsed = spec.parse(owner.name, body.get("spec"), default_image=ctx.default_image)
+    except spec.SpecError as exc:
+        spec_error = str(exc)
+        parsed = None
+    if parsed is not None:
+        obs_extra = {
+            "desired_replicas": spec.desired_replicas(parsed),
+            "url": manifests.service_url(owner, parsed),
+            "selector": ",".join(f"{k}={v}" for k, v in spec.selector_labels(owner.name).items()),
+            "model": spec.served_model_name(parsed),
+        }
+        try:
+            deployment = await _apply_children(ctx, owner, parsed)
+        except KubeError as exc:
+            api_error = str(exc)
+            deployment = await _read_deployment(ctx, owner)
+
+    observation = status.Observation(
+        generation=generation,
+        desired_replicas=obs_extra.pop("desired_replicas", None),
+        deployment=deployment,
+        spec_error=spec_error,
+        reconcile_error=api_error,
+        **obs_extra,
+    )
+    new_status = status.compute(observation, previous)
+    if status.differs(previous, new_status):
+        await ctx.kube.patch_status(names.KIND, owner.namespace, owner.name, new_status)
+
+    result_label = "invalid_spec" if spec_error else "error" if api_error else "ok"
+    ctx.metrics.reconciles.labels(trigger=trigger, result=result_label).inc()
+    if spec_error:
+        ctx.metrics.errors.labels(reason="invalid_spec").inc()
+    elif api_error:
+        ctx.metrics.errors.labels(reason="api").inc()
+    ctx.metrics.duration.observe(time.monotonic() - started)
+    return Result(status=new_status, spec_error=spec_error, api_error=api_error)
+
+
+async def _read_deployment(ctx: Context, owner: Owner) -> dict[str, Any] | None:
+    try:
+        return await ctx.kube.get("Deployment", owner.namespace, owner.name)
+    except KubeError:
+        return None

@@ -1,0 +1,122 @@
+"""Read an InferenceService spec: the CRD's defaults, its schema, its CEL rules.
+
+The API server normally defaults and validates before the operator sees an object; the
+operator does both again from the same schema (:mod:`tokenline_operator.crd`) so that an
+object stored under an older CRD, or created where no validation ran, is read the same way,
+and a spec that cannot be served becomes a ``SpecError`` (a Degraded condition), never a crash.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+import jsonschema
+
+from . import crd, names
+
+Spec = dict[str, Any]
+
+#: Longest InferenceService name: children add suffixes (``-config``), pods add two hashes.
+MAX_NAME_LENGTH = 52
+_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+class SpecError(ValueError):
+    """The spec cannot be served; the message says why, for a condition and an Event."""
+
+
+def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """Fill in ``default`` values the way the API server does for structural schemas.
+
+    A missing property with a default gets a copy of it (itself defaulted in turn);
+    present objects and array items are walked. ``value`` is not modified.
+    """
+    if isinstance(value, dict):
+        result = dict(value)
+        for key, sub in schema.get("properties", {}).items():
+            if key not in result and "default" in sub:
+                result[key] = copy.deepcopy(sub["default"])
+            if key in result:
+                result[key] = apply_defaults(sub, result[key])
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            known = schema.get("properties", {})
+            for key in result:
+                if key not in known:
+                    result[key] = apply_defaults(extra, result[key])
+        return result
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [apply_defaults(schema["items"], item) for item in value]
+    return value
+
+
+def _check_rules(spec: Spec) -> list[str]:
+    """The CRD's CEL rules (``x-kubernetes-validations``), for where no API server ran them."""
+    problems = []
+    autoscaling = spec["autoscaling"]
+    if autoscaling["minReplicas"] > autoscaling["maxReplicas"]:
+        problems.append("spec.autoscaling: minReplicas must not exceed maxReplicas")
+    cache = spec["model"].get("cache", {})
+    if "sizeLimit" in cache and "claimName" in cache:
+        problems.append(
+            "spec.model.cache: set either sizeLimit (emptyDir) or claimName (PVC), not both"
+        )
+    return problems
+
+
+def _path(error: jsonschema.ValidationError) -> str:
+    parts = ["spec"]
+    for item in error.absolute_path:
+        parts.append(f"[{item}]" if isinstance(item, int) else f".{item}")
+    return "".join(parts).replace(".[", "[")
+
+
+def parse(name: str, raw_spec: Any, *, default_image: str | None) -> Spec:
+    """Default and validate a spec; raise ``SpecError`` naming every problem found.
+
+    ``default_image`` fills ``spec.image`` when the object names none (the operator passes
+    its own image, so a stage runs the same build as the operator that rendered it).
+    """
+    problems: list[str] = []
+    if len(name) > MAX_NAME_LENGTH or not _DNS_1035.match(name):
+        problems.append(
+            f"metadata.name {name!r}: must be a DNS-1035 label (lower case letters, digits, "
+            f"'-', starting with a letter) of at most {MAX_NAME_LENGTH} characters"
+        )
+    if not isinstance(raw_spec, dict):
+        raise SpecError("; ".join([*problems, "spec: must be an object"]))
+
+    schema = crd.spec_schema()
+    spec = apply_defaults(schema, raw_spec)
+    validator = jsonschema.Draft202012Validator(schema)
+    for error in sorted(validator.iter_errors(spec), key=lambda e: list(e.absolute_path)):
+        problems.append(f"{_path(error)}: {error.message}")
+    if not problems:
+        problems.extend(_check_rules(spec))
+    if not spec.get("image"):
+        if default_image:
+            spec["image"] = default_image
+        else:
+            problems.append("spec.image: required (the operator has no default image)")
+    if problems:
+        raise SpecError("; ".join(problems))
+    return spec
+
+
+def served_model_name(spec: Spec) -> str:
+    """What /v1/models lists: ``model.servedName``, else the model's own name."""
+    return spec["model"].get("servedName") or spec["model"]["name"]
+
+
+def desired_replicas(spec: Spec) -> int:
+    """Replicas the operator asks for; with an autoscaler, the floor it starts from."""
+    if spec["autoscaling"]["enabled"]:
+        return int(spec["autoscaling"]["minReplicas"])
+    return int(spec["replicas"])
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The pods' identity: immutable in the Deployment's selector, used by Service and PDB."""
+    return {names.LABEL_NAME: "tokenline", names.LABEL_OWNER: name}

@@ -1,0 +1,181 @@
+"""Pure status: what the children say, as the InferenceService's phase and conditions.
+
+Conditions follow the Kubernetes convention: one entry per type, ``lastTransitionTime``
+changes only when ``status`` does, reasons are CamelCase words a human can grep for.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+Condition = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything the status is computed from."""
+
+    generation: int | None
+    desired_replicas: int | None
+    deployment: dict[str, Any] | None
+    url: str | None = None
+    selector: str | None = None
+    model: str | None = None
+    #: Why the spec cannot be served (Degraded, reason InvalidSpec), if it cannot.
+    spec_error: str | None = None
+    #: Why the last reconcile failed (Degraded, reason ReconcileFailed), if it did.
+    reconcile_error: str | None = None
+
+
+def _deployment_condition(deployment: dict[str, Any], kind: str) -> dict[str, Any]:
+    for cond in deployment.get("status", {}).get("conditions") or []:
+        if cond.get("type") == kind:
+            return cond
+    return {}
+
+
+def _assess(
+    obs: Observation,
+) -> tuple[tuple[bool, str, str], tuple[bool, str, str], tuple[bool, str, str]]:
+    """(Ready, Progressing, Degraded), each as (status, reason, message)."""
+    if obs.spec_error:
+        return (
+            (False, "InvalidSpec", "The spec cannot be served; see the Degraded condition."),
+            (False, "InvalidSpec", "Nothing rolls out until the spec is fixed."),
+            (True, "InvalidSpec", obs.spec_error),
+        )
+    dep = obs.deployment
+    if dep is None:
+        return (
+            (False, "DeploymentMissing", "The Deployment does not exist yet."),
+            (True, "Creating", "Creating the children."),
+            (
+                bool(obs.reconcile_error),
+                "ReconcileFailed" if obs.reconcile_error else "AsExpected",
+                obs.reconcile_error or "No problem found.",
+            ),
+        )
+
+    status = dep.get("status", {})
+    meta = dep.get("metadata", {})
+    desired = dep.get("spec", {}).get("replicas", obs.desired_replicas or 1)
+    updated = status.get("updatedReplicas", 0)
+    available = status.get("availableReplicas", 0)
+    ready_count = status.get("readyReplicas", 0)
+    total = status.get("replicas", 0)
+    observed = status.get("observedGeneration")
+    generation = meta.get("generation")
+    synced = generation is None or (observed is not None and observed >= generation)
+    progress_cond = _deployment_condition(dep, "Progressing")
+    failure_cond = _deployment_condition(dep, "ReplicaFailure")
+    stalled = progress_cond.get("status") == "False"
+    # New pods exist but have not become available yet (they may be loading the model).
+    settling = progress_cond.get("reason") != "NewReplicaSetAvailable" and available < updated
+    rolling = not synced or updated < desired or total > updated or settling
+
+    if ready_count >= desired:
+        ready = (True, "ReplicasReady", f"{ready_count}/{desired} replicas are ready.")
+    elif ready_count > 0:
+        ready = (True, "PartiallyReady", f"{ready_count}/{desired} replicas are ready.")
+    else:
+        ready = (False, "NoReplicaReady", f"0/{desired} replicas are ready.")
+
+    if stalled:
+        progressing = (False, "RolloutStalled", progress_cond.get("message", "Rollout stalled."))
+    elif rolling:
+        progressing = (
+            True,
+            "RollingOut",
+            f"{updated}/{desired} replicas updated, {available} available.",
+        )
+    else:
+        progressing = (False, "RolloutComplete", "Every replica runs the current spec.")
+
+    if obs.reconcile_error:
+        degraded = (True, "ReconcileFailed", obs.reconcile_error)
+    elif stalled:
+        degraded = (
+            True,
+            progress_cond.get("reason", "ProgressDeadlineExceeded"),
+            progress_cond.get("message", "The rollout stalled."),
+        )
+    elif failure_cond.get("status") == "True":
+        degraded = (True, "ReplicaFailure", failure_cond.get("message", "Pods cannot be created."))
+    elif ready_count < desired and not rolling:
+        degraded = (True, "ReplicasUnavailable", f"Only {ready_count}/{desired} replicas ready.")
+    else:
+        degraded = (False, "AsExpected", "No problem found.")
+    return ready, progressing, degraded
+
+
+def _phase(ready: bool, progressing: bool, degraded: bool, has_deployment: bool) -> str:
+    if degraded:
+        return "Degraded"
+    if ready and not progressing:
+        return "Ready"
+    if has_deployment or progressing:
+        return "Progressing"
+    return "Pending"
+
+
+def _merge_condition(
+    previous: list[Condition],
+    kind: str,
+    value: tuple[bool, str, str],
+    generation: int | None,
+    now: str,
+) -> Condition:
+    status, reason, message = value
+    text = "True" if status else "False"
+    old = next((c for c in previous if c.get("type") == kind), None)
+    since = (
+        old["lastTransitionTime"]
+        if old and old.get("status") == text and old.get("lastTransitionTime")
+        else now
+    )
+    cond: Condition = {
+        "type": kind,
+        "status": text,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+    }
+    if generation is not None:
+        cond["observedGeneration"] = generation
+    return cond
+
+
+def compute(
+    obs: Observation, previous: dict[str, Any] | None, now: datetime.datetime | None = None
+) -> dict[str, Any]:
+    """The whole ``status`` the InferenceService should have."""
+    stamp = (now or datetime.datetime.now(datetime.UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    prev_conditions = (previous or {}).get("conditions") or []
+    ready, progressing, degraded = _assess(obs)
+    conditions = [
+        _merge_condition(prev_conditions, "Ready", ready, obs.generation, stamp),
+        _merge_condition(prev_conditions, "Progressing", progressing, obs.generation, stamp),
+        _merge_condition(prev_conditions, "Degraded", degraded, obs.generation, stamp),
+    ]
+    dep_status = (obs.deployment or {}).get("status", {})
+    result: dict[str, Any] = {
+        "phase": _phase(ready[0], progressing[0], degraded[0], obs.deployment is not None),
+        "conditions": conditions,
+        "replicas": dep_status.get("replicas", 0),
+        "readyReplicas": dep_status.get("readyReplicas", 0),
+    }
+    if obs.generation is not None:
+        result["observedGeneration"] = obs.generation
+    for key in ("url", "selector", "model"):
+        value = getattr(obs, key)
+        if value is not None:
+            result[key] = value
+    return result
+
+
+def differs(current: dict[str, Any] | None, desired: dict[str, Any]) -> bool:
+    """Whether writing ``desired`` would change anything (avoids no-op status writes)."""
+    current = current or {}
+    return any(current.get(key) != value for key, value in desired.items())

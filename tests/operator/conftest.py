@@ -1,0 +1,101 @@
+"""Fixtures: kmock's Kubernetes emulator, and the operator running against it in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kmock
+import kopf
+import pytest
+from operator_testkit import IS_RESOURCE, free_port, write_kubeconfig
+
+from tokenline_operator import handlers, names
+from tokenline_operator.metrics import OperatorMetrics
+
+
+@pytest.fixture
+def optional_apis() -> set[str]:
+    """Optional APIs the emulated cluster serves; tests override it (keda, monitoring)."""
+    return set()
+
+
+@pytest.fixture
+async def cluster(
+    kmock: kmock.KubernetesEmulator,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    optional_apis: set[str],
+) -> kmock.KubernetesEmulator:
+    """The emulated API server: built-in resources, our CRD, and KUBECONFIG pointing at it."""
+    kmock.resources.load_bundled()
+    kmock.resources[IS_RESOURCE] = kmock.ResourceInfo(
+        kind=names.KIND,
+        singular=names.SINGULAR,
+        namespaced=True,
+        shortnames=set(names.SHORT_NAMES),
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+        subresources={"status", "scale"},
+    )
+    verbs = {"get", "list", "watch", "create", "patch", "delete"}
+    if "keda" in optional_apis:
+        kmock.resources["keda.sh/v1alpha1/scaledobjects"] = kmock.ResourceInfo(
+            kind="ScaledObject", namespaced=True, verbs=verbs
+        )
+    if "monitoring" in optional_apis:
+        kmock.resources["monitoring.coreos.com/v1/podmonitors"] = kmock.ResourceInfo(
+            kind="PodMonitor", namespaced=True, verbs=verbs
+        )
+    kubeconfig = tmp_path / "kubeconfig"
+    write_kubeconfig(kubeconfig, str(kmock.servers[0].url).rstrip("/"))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    return kmock
+
+
+@pytest.fixture
+def operator(cluster: kmock.KubernetesEmulator) -> Iterator[dict[str, Any]]:
+    """The operator's kopf loop, in a thread with its own event loop (as kopf's KopfRunner).
+
+    Its own loop matters: on exit kopf waits for, then cancels, every task of its loop,
+    which in the test's loop would include the emulator's open watch streams.
+    """
+    metrics = OperatorMetrics()
+    memo = kopf.Memo(metrics=metrics, default_image="tokenline:test")
+    settings = kopf.OperatorSettings()
+    settings.watching.reconnect_backoff = 0.05
+    settings.persistence.consistency_timeout = 0.2
+    settings.queueing.exit_timeout = 0.2  # handlers still queued when a test ends
+    ready, stop = threading.Event(), threading.Event()
+    failure: list[BaseException] = []
+    health = f"http://127.0.0.1:{free_port()}/healthz"
+
+    def run() -> None:
+        try:
+            asyncio.run(
+                kopf.operator(
+                    registry=handlers.registry,
+                    settings=settings,
+                    standalone=True,
+                    clusterwide=True,
+                    memo=memo,
+                    liveness_endpoint=health,
+                    ready_flag=ready,
+                    stop_flag=stop,
+                )
+            )
+        except BaseException as exc:
+            failure.append(exc)
+            ready.set()
+
+    thread = threading.Thread(target=run, name="operator", daemon=True)
+    thread.start()
+    assert ready.wait(timeout=10), "the operator did not start"
+    assert not failure, failure
+    yield {"memo": memo, "metrics": metrics, "health": health}
+    stop.set()
+    thread.join(timeout=15)
+    assert not thread.is_alive(), "the operator did not stop"
+    assert not failure, failure

@@ -1,0 +1,232 @@
+"""Pure manifest builders: the pod contract, the optional children, strict validation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate.utils as kv
+import pytest
+
+from tokenline_operator import manifests, names, rbac, spec
+from tokenline_operator.manifests import Capabilities, Owner
+
+OWNER = Owner(name="chat", namespace="serving", uid="0b9c5a3e-1111-4c1b-9f44-2a4c1d6e7f80")
+ALL_CAPS = Capabilities(keda=True, prometheus_operator=True)
+#: Custom resources kubernetes-validate has no schema for.
+CUSTOM_KINDS = {"ScaledObject", "PodMonitor"}
+
+FULL: dict[str, Any] = {
+    "model": {
+        "name": "Qwen/Qwen2.5-7B-Instruct",
+        "servedName": "qwen",
+        "revision": "main",
+        "hfTokenSecret": {"name": "hf"},
+        "cache": {"claimName": "models"},
+    },
+    "image": "registry.example/tokenline:1.0",
+    "imagePullPolicy": "IfNotPresent",
+    "imagePullSecrets": ["regcred"],
+    "replicas": 3,
+    "engine": {"gpus": 2, "dtype": "bfloat16", "maxModelLen": 8192, "kvCacheMemory": "8GiB"},
+    "resources": {"scheduler": {"requests": {"cpu": "4"}, "limits": {"memory": "64Gi"}}},
+    "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "priorityClassName": "inference",
+    "serviceAccountName": "models",
+    "service": {"type": "LoadBalancer", "port": 80, "annotations": {"a": "b"}},
+    "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 8},
+    "monitoring": {"labels": {"release": "prom"}},
+}
+
+
+def parse(raw: dict[str, Any]) -> spec.Spec:
+    return spec.parse(OWNER.name, raw, default_image="tokenline:test")
+
+
+def pod_of(raw: dict[str, Any]) -> dict[str, Any]:
+    return manifests.deployment(OWNER, parse(raw))["spec"]["template"]["spec"]
+
+
+def containers_of(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in pod_of(raw)["containers"]}
+
+
+CONFIGS = {
+    "minimal": ({"model": {"name": "tiny"}}, Capabilities()),
+    "full-keda": (FULL, ALL_CAPS),
+    "full-hpa": (FULL, Capabilities()),
+}
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("version", ["1.30", kv.latest_version()])
+def test_every_child_passes_kubernetes_validate_strict(config, version):
+    raw, caps = CONFIGS[config]
+    children = manifests.children(OWNER, parse(raw), caps)
+    for kind, obj in children.items():
+        assert obj["kind"] == kind
+        if kind in CUSTOM_KINDS:
+            continue
+        kv.validate(obj, version, strict=True)
+
+
+def test_children_are_owned_and_labelled():
+    for obj in manifests.children(OWNER, parse(FULL), ALL_CAPS).values():
+        meta = obj["metadata"]
+        assert meta["namespace"] == OWNER.namespace
+        (ref,) = meta["ownerReferences"]
+        assert ref == {
+            "apiVersion": names.API_VERSION,
+            "kind": names.KIND,
+            "name": OWNER.name,
+            "uid": OWNER.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        assert meta["labels"][names.LABEL_MANAGED_BY] == names.MANAGED_BY
+        assert meta["labels"][names.LABEL_OWNER] == OWNER.name
+
+
+def test_one_pod_runs_four_stages_over_loopback():
+    containers = containers_of({"model": {"name": "tiny"}})
+    assert list(containers) == list(names.STAGES)
+    assert containers["api"]["args"][:1] == ["api"]
+    for stage in ("tokenizer", "scheduler", "detokenizer"):
+        port = names.METRICS_PORTS[stage]
+        assert containers[stage]["args"] == [stage, "--metrics-port", str(port)]
+        assert containers[stage]["ports"] == [
+            {"name": names.PORT_NAMES[stage], "containerPort": port, "protocol": "TCP"}
+        ]
+        assert containers[stage]["livenessProbe"]["httpGet"]["path"] == "/metrics"
+    # No stage is told where the others are: the default endpoints are loopback ones.
+    for container in containers.values():
+        assert not any("ENDPOINT" in e["name"] for e in container["env"])
+
+
+def test_api_probes_allow_model_loading_and_drain():
+    raw = {"model": {"name": "tiny"}, "server": {"startupTimeoutSeconds": 900}}
+    api = containers_of(raw)["api"]
+    startup = api["startupProbe"]
+    assert startup["httpGet"]["path"] == "/ready"
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 900
+    assert api["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert api["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert api["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+
+    pod = pod_of({"model": {"name": "tiny"}, "server": {"drainTimeoutSeconds": 45}})
+    assert pod["terminationGracePeriodSeconds"] > 45 + manifests.PRESTOP_SLEEP_SECONDS
+    assert pod["enableServiceLinks"] is False
+
+
+def test_gpu_goes_to_the_scheduler_only():
+    containers = containers_of({"model": {"name": "m"}, "engine": {"gpus": 2}})
+    sched = containers["scheduler"]["resources"]
+    assert sched["limits"]["nvidia.com/gpu"] == 2
+    assert sched["requests"]["nvidia.com/gpu"] == 2
+    for stage in ("api", "tokenizer", "detokenizer"):
+        assert "nvidia.com/gpu" not in str(containers[stage]["resources"])
+
+    cpu_only = parse({"model": {"name": "tiny"}, "engine": {"gpus": 0}})
+    assert "nvidia.com/gpu" not in str(manifests.deployment(OWNER, cpu_only))
+    assert manifests.engine_settings(cpu_only)["TOKENLINE_DEVICE"] == "cpu"
+
+
+def test_each_stage_gets_only_its_own_settings_from_the_configmap():
+    containers = containers_of(FULL)
+    settings = manifests.engine_settings(parse(FULL))
+    assert settings["TOKENLINE_MAX_MODEL_LEN"] == "8192"
+    for stage, container in containers.items():
+        from_configmap = {
+            e["name"]
+            for e in container["env"]
+            if e.get("valueFrom", {}).get("configMapKeyRef", {}).get("name") == "chat-config"
+        }
+        allowed = {*manifests.STAGE_SETTINGS["common"], *manifests.STAGE_SETTINGS[stage]}
+        assert from_configmap == allowed & set(settings), stage
+        env = {e["name"]: e for e in container["env"]}
+        assert env["HF_HOME"]["value"].startswith(names.MODEL_CACHE_DIR)
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "HF_TOKEN"}
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["model-cache"] == names.MODEL_CACHE_DIR
+
+
+def test_model_cache_is_an_emptydir_or_a_claim():
+    volumes = {v["name"]: v for v in pod_of({"model": {"name": "m"}})["volumes"]}
+    assert volumes["model-cache"]["emptyDir"] == {}
+    sized = {"model": {"name": "m", "cache": {"sizeLimit": "50Gi"}}}
+    volumes = {v["name"]: v for v in pod_of(sized)["volumes"]}
+    assert volumes["model-cache"]["emptyDir"] == {"sizeLimit": "50Gi"}
+    volumes = {v["name"]: v for v in pod_of(FULL)["volumes"]}
+    assert volumes["model-cache"]["persistentVolumeClaim"] == {"claimName": "models"}
+
+
+def test_settings_change_rolls_the_pods_and_replicas_do_not():
+    def pod_hash(raw: dict[str, Any]) -> str:
+        template = manifests.deployment(OWNER, parse(raw))["spec"]["template"]
+        return template["metadata"]["annotations"][names.ANNOTATION_CONFIG_HASH]
+
+    base = {"model": {"name": "a"}}
+    assert pod_hash(base) == pod_hash({**base, "replicas": 4})
+    assert pod_hash(base) != pod_hash({"model": {"name": "b"}})
+    assert pod_hash(base) != pod_hash({**base, "engine": {"maxNumSeqs": 8}})
+
+
+def test_optional_children_follow_the_spec_and_the_cluster():
+    def kinds(raw: dict[str, Any], caps: Capabilities) -> set[str]:
+        return set(manifests.children(OWNER, parse(raw), caps))
+
+    base = {"ConfigMap", "Deployment", "Service"}
+    one = {"model": {"name": "m"}}
+    assert kinds(one, Capabilities()) == base
+    assert kinds(one, ALL_CAPS) == base | {"PodMonitor"}
+    assert kinds({**one, "replicas": 2}, Capabilities()) == base | {"PodDisruptionBudget"}
+    auto = {**one, "autoscaling": {"enabled": True, "maxReplicas": 3}}
+    assert kinds(auto, Capabilities()) == base | {"PodDisruptionBudget", "HorizontalPodAutoscaler"}
+    assert kinds(auto, Capabilities(keda=True)) == base | {"PodDisruptionBudget", "ScaledObject"}
+    forced = {**one, "autoscaling": {"enabled": True, "maxReplicas": 1, "provider": "hpa"}}
+    assert kinds(forced, ALL_CAPS) == base | {"HorizontalPodAutoscaler", "PodMonitor"}
+    off = {**one, "monitoring": {"podMonitor": False}}
+    assert kinds(off, ALL_CAPS) == base
+
+
+def test_autoscalers_target_the_waiting_gauge():
+    parsed = parse(FULL)
+    scaled = manifests.scaled_object(OWNER, parsed)
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["metadata"]["query"] == (
+        'sum(tokenline_num_requests_waiting{namespace="serving",inferenceservice="chat"})'
+    )
+    assert scaled["spec"]["scaleTargetRef"]["name"] == OWNER.name
+    hpa = manifests.horizontal_pod_autoscaler(OWNER, parsed)
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == names.WAITING_METRIC
+    assert "replicas" not in manifests.children(OWNER, parsed, ALL_CAPS)["Deployment"]["spec"]
+
+
+def test_pod_monitor_scrapes_every_stage_with_its_owner_label():
+    monitor = manifests.pod_monitor(OWNER, parse(FULL))
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    endpoints = monitor["spec"]["podMetricsEndpoints"]
+    assert [e["port"] for e in endpoints] == [names.PORT_NAMES[s] for s in names.STAGES]
+    relabel = endpoints[0]["relabelings"][0]
+    assert relabel["targetLabel"] == "inferenceservice"
+    label = names.LABEL_OWNER.replace(".", "_").replace("/", "_")
+    assert relabel["sourceLabels"] == [f"__meta_kubernetes_pod_label_{label}"]
+
+
+def test_rbac_allows_every_write_the_reconciler_makes():
+    from tokenline_operator.kube import KINDS
+
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in rbac.rules():
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                granted.setdefault((group, resource), set()).update(rule["verbs"])
+    for kind in manifests.children(OWNER, parse(FULL), ALL_CAPS):
+        ref = KINDS[kind]
+        verbs = granted[(ref.group, ref.plural)]
+        assert {"get", "list", "watch", "create", "patch"} <= verbs, kind
+        if kind in manifests.OPTIONAL_KINDS:
+            assert "delete" in verbs, kind
+    assert "patch" in granted[(names.GROUP, f"{names.PLURAL}/status")]
+    assert "create" in granted[("", "events")]
+    kv.validate(rbac.cluster_role("tokenline-operator"), kv.latest_version(), strict=True)

@@ -102,6 +102,15 @@ async def test_apply_creates_owned_children(cluster, operator):
     assert status["phase"] == "Progressing"
     assert condition({"status": status}, "Ready")["status"] == "False"
     assert status["url"] == f"http://chat.{NAMESPACE}.svc.cluster.local:8000"
+    # kopf and the reconciler both authenticate with the kubeconfig's credentials.
+    operator_requests = [
+        r for r in cluster if not r.headers.get("User-Agent", "").startswith("kmock")
+    ]
+    agents = {
+        r.headers.get("User-Agent", "").split("/")[0]: r.headers.get("Authorization")
+        for r in operator_requests
+    }
+    assert len(agents) == 2 and set(agents.values()) == {"Bearer test-token"}, agents
     # One replica: no disruption budget; no autoscaling: no autoscaler.
     for optional in ("policy/v1/poddisruptionbudgets", "autoscaling/v2/horizontalpodautoscalers"):
         with pytest.raises(KeyError):

@@ -1,4 +1,4 @@
-"""Write the chart files that come from Python: the CRD and the operator's RBAC rules.
+"""Write the chart files that come from Python: CRD, RBAC rules, values schema.
 
 python -m tokenline_operator.chartgen [CHART_DIR]      # write
 python -m tokenline_operator.chartgen --check [CHART]  # exit 1 if they are stale
@@ -7,6 +7,7 @@ python -m tokenline_operator.chartgen --check [CHART]  # exit 1 if they are stal
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -22,6 +23,98 @@ def _dump(data: object) -> str:
     return yaml.safe_dump(data, sort_keys=False, width=100, default_flow_style=False)
 
 
+def _object(properties: dict, **extra: object) -> dict:
+    return {"type": "object", "additionalProperties": False, "properties": properties, **extra}
+
+
+_STRING = {"type": "string"}
+_PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+_LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
+_ANY_OBJECT = {"type": "object"}
+_ANY_LIST = {"type": "array"}
+_DNS_NAME = {"type": "string", "pattern": crd.DNS_LABEL_PATTERN, "maxLength": 52}
+
+
+def values_schema() -> dict:
+    """values.schema.json: typos and wrong types fail ``helm install``, not the cluster.
+
+    ``sample.spec`` is checked against the CRD's own spec schema.
+    """
+    resources = _object(
+        {"requests": _ANY_OBJECT, "limits": _ANY_OBJECT, "claims": _ANY_LIST},
+    )
+    return _object(
+        {
+            "global": _ANY_OBJECT,  # Helm passes it to every chart
+            "image": _object(
+                {
+                    "repository": {"type": "string", "minLength": 1},
+                    "tag": _STRING,
+                    "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
+                },
+                required=["repository"],
+            ),
+            "imagePullSecrets": {
+                "type": "array",
+                "items": _object({"name": {"type": "string", "minLength": 1}}, required=["name"]),
+            },
+            "nameOverride": _STRING,
+            "fullnameOverride": _STRING,
+            "operator": _object(
+                {
+                    "logLevel": {"enum": ["debug", "info", "warning", "error"]},
+                    "watchNamespaces": {"type": "array", "items": {"type": "string"}},
+                    "defaultImage": _STRING,
+                    "metricsPort": _PORT,
+                    "healthPort": _PORT,
+                    "resources": resources,
+                    "podAnnotations": _LABELS,
+                    "podLabels": _LABELS,
+                    "nodeSelector": _LABELS,
+                    "tolerations": _ANY_LIST,
+                    "affinity": _ANY_OBJECT,
+                    "priorityClassName": _STRING,
+                }
+            ),
+            "serviceAccount": _object(
+                {"create": {"type": "boolean"}, "name": _STRING, "annotations": _LABELS}
+            ),
+            "rbac": _object({"create": {"type": "boolean"}}),
+            "metrics": _object(
+                {
+                    "serviceMonitor": _object(
+                        {
+                            "enabled": {"type": "boolean"},
+                            "interval": {"type": "string", "pattern": crd.DURATION_PATTERN},
+                            "labels": _LABELS,
+                        }
+                    )
+                }
+            ),
+            "dashboards": _object(
+                {
+                    "enabled": {"type": "boolean"},
+                    "labels": _LABELS,
+                    "annotations": _LABELS,
+                    "namespace": _STRING,
+                }
+            ),
+            "alerts": _object({"enabled": {"type": "boolean"}, "labels": _LABELS}),
+            "sample": _object(
+                {"enabled": {"type": "boolean"}, "name": _DNS_NAME, "spec": crd.spec_schema()}
+            ),
+            "tests": _object(
+                {
+                    "target": {"anyOf": [{"const": ""}, _DNS_NAME]},
+                    "port": _PORT,
+                    "timeoutSeconds": {"type": "integer", "minimum": 10},
+                }
+            ),
+        },
+        **{"$schema": "http://json-schema.org/draft-07/schema#", "title": "tokenline chart values"},
+    )
+
+
 def generated_files() -> dict[str, str]:
     """Chart-relative path → content."""
     return {
@@ -29,6 +122,7 @@ def generated_files() -> dict[str, str]:
         + _dump(crd.custom_resource_definition()),
         "files/operator-rbac-rules.yaml": HEADER.format(source="tokenline_operator/rbac.py")
         + _dump(rbac.rules()),
+        "values.schema.json": json.dumps(values_schema(), indent=2) + "\n",
     }
 
 

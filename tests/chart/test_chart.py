@@ -1,0 +1,246 @@
+"""The Helm chart with real Helm (helm-python-sdk): lint, render, validate, schema."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate.utils as kv
+import pytest
+import yaml
+
+from tokenline_operator import chartgen, crd, names, rbac, spec
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "tokenline"
+RELEASE, NAMESPACE = "tl", "tokenline"
+#: Kubernetes versions every rendered built-in object must validate against (strict).
+KUBE_VERSIONS = ["1.30", kv.latest_version()]
+#: Custom resources kubernetes-validate has no schema for; checked otherwise below.
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", names.KIND}
+
+ALL_ON: dict[str, Any] = {
+    "imagePullSecrets": [{"name": "registry"}],
+    "operator": {
+        "watchNamespaces": ["serving", "team-*"],
+        "nodeSelector": {"kubernetes.io/os": "linux"},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ops"}],
+        "affinity": {
+            "nodeAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 1,
+                        "preference": {
+                            "matchExpressions": [
+                                {"key": "pool", "operator": "In", "values": ["system"]}
+                            ]
+                        },
+                    }
+                ]
+            }
+        },
+        "podAnnotations": {"example.com/owner": "ml-platform"},
+        "podLabels": {"team": "ml"},
+        "priorityClassName": "system-cluster-critical",
+    },
+    "serviceAccount": {"annotations": {"example.com/role": "operator"}},
+    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+    "dashboards": {"enabled": True, "annotations": {"grafana_folder": "tokenline"}},
+    "alerts": {"enabled": True, "labels": {"release": "prom"}},
+    "sample": {"enabled": True},
+}
+
+
+def render(values: dict[str, Any] | None = None, chart: Path = CHART) -> list[dict[str, Any]]:
+    with helm.Chart.load(chart) as loaded:
+        manifests = loaded.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    objects = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        objects += [doc for doc in yaml.safe_load_all(text) if doc]
+    return objects
+
+
+def by_kind(objects: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    kinds: dict[str, list[dict[str, Any]]] = {}
+    for obj in objects:
+        kinds.setdefault(obj["kind"], []).append(obj)
+    return kinds
+
+
+def crd_schema() -> dict[str, Any]:
+    (version,) = crd.custom_resource_definition()["spec"]["versions"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def assert_valid(objects: list[dict[str, Any]]) -> None:
+    for obj in objects:
+        if obj["kind"] in CUSTOM_KINDS:
+            continue
+        for version in KUBE_VERSIONS:
+            kv.validate(obj, version, strict=True)
+
+
+@pytest.mark.parametrize("values", [None, ALL_ON], ids=["default", "all-on"])
+def test_lint_is_clean_in_strict_mode(values):
+    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE)
+    assert report["errors"] == []
+    assert report["messages"] == []
+
+
+def test_default_render_installs_the_operator_only():
+    objects = render()
+    assert_valid(objects)
+    kinds = {kind: len(objs) for kind, objs in by_kind(objects).items()}
+    assert kinds == {
+        "ServiceAccount": 1,
+        "ClusterRole": 1,
+        "ClusterRoleBinding": 1,
+        "Deployment": 1,
+        "Service": 1,
+    }
+    (deployment,) = by_kind(objects)["Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["args"][0] == "operator"
+    assert container["image"] == "ghcr.io/tokenline/tokenline:0.1.0"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["TOKENLINE_DEFAULT_IMAGE"] == container["image"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert pod["enableServiceLinks"] is False
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_all_optional_parts_render_and_validate():
+    objects = render(ALL_ON)
+    assert_valid(objects)
+    kinds = by_kind(objects)
+
+    dashboards = sorted(CHART.glob("dashboards/*.json"))
+    config_maps = kinds.get("ConfigMap", [])
+    assert len(config_maps) == len(dashboards)
+    for cm in config_maps:
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert cm["metadata"]["annotations"] == {"grafana_folder": "tokenline"}
+        ((key, text),) = cm["data"].items()
+        assert json.loads(text) == json.loads((CHART / "dashboards" / key).read_text())
+
+    alerts = sorted(CHART.glob("alerts/*.yaml"))
+    rules = kinds.get("PrometheusRule", [])
+    assert len(rules) == len(alerts)
+    for rule, path in zip(rules, alerts, strict=True):
+        assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+        assert rule["metadata"]["labels"]["release"] == "prom"
+        assert rule["spec"]["groups"] == yaml.safe_load(path.read_text())["groups"]
+
+    (monitor,) = kinds["ServiceMonitor"]
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    (operator,) = kinds["Deployment"]
+    args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=serving" in args and "--namespace=team-*" in args
+
+    (sample,) = kinds[names.KIND]
+    jsonschema.validate(sample, crd_schema())
+    spec.parse(sample["metadata"]["name"], sample["spec"], default_image=None)
+
+    (test_pod,) = kinds["Pod"]
+    assert test_pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    script = test_pod["spec"]["containers"][0]["args"][0]
+    assert f"http://tiny.{NAMESPACE}.svc:8000/v1/models" in script
+    compile(script, "helm-test", "exec")  # the hook's Python at least parses
+
+
+def test_chart_renders_when_dashboards_and_alerts_are_missing(tmp_path):
+    bare = tmp_path / "tokenline"
+    shutil.copytree(CHART, bare, ignore=shutil.ignore_patterns("dashboards", "alerts"))
+    (bare / "alerts").mkdir()
+    (bare / "alerts" / "empty.yaml").write_text("# no rules yet\n")
+    assert helm.lint(bare, ALL_ON, strict=True)["errors"] == []
+    kinds = by_kind(render(ALL_ON, chart=bare))
+    assert "ConfigMap" not in kinds
+    assert "PrometheusRule" not in kinds
+
+
+def test_chart_rbac_is_the_operators():
+    (role,) = by_kind(render())["ClusterRole"]
+    assert role["rules"] == rbac.rules()
+    (binding,) = by_kind(render())["ClusterRoleBinding"]
+    (subject,) = binding["subjects"]
+    assert (subject["name"], subject["namespace"]) == (f"{RELEASE}-tokenline-operator", NAMESPACE)
+
+
+def test_generated_chart_files_are_current():
+    """CRD, RBAC rules and values schema come from Python; regenerate with chartgen."""
+    assert chartgen.stale_files(CHART) == [], "run: python -m tokenline_operator.chartgen"
+    with helm.Chart.load(CHART) as loaded:
+        (crd_file,) = loaded.crds
+        assert yaml.safe_load(crd_file["data"]) == crd.custom_resource_definition()
+        assert loaded.schema == chartgen.values_schema()
+    for version in KUBE_VERSIONS:
+        kv.validate(crd.custom_resource_definition(), version, strict=True)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"operator": {"logLevel": "loud"}},
+        {"operator": {"watchNamespaces": "serving"}},
+        {"operator": {"metricsPort": 70000}},
+        {"serviceAccount": {"create": "yes"}},
+        {"image": {"pullPolicy": "Sometimes"}},
+        {"dashboards": {"enabeld": True}},
+        {"unknownTopLevel": 1},
+        {"sample": {"name": "Not_A_Name"}},
+        {"sample": {"spec": {"model": {"name": "tiny"}, "engine": {"dtype": "int4"}}}},
+        {"sample": {"spec": {"model": {"name": ""}}}},
+        {"metrics": {"serviceMonitor": {"interval": "often"}}},
+    ],
+    ids=lambda v: json.dumps(v, sort_keys=True)[:60],
+)
+def test_values_schema_rejects_bad_values(values):
+    with helm.Chart.load(CHART) as loaded:
+        with pytest.raises(helm.HelmValuesError):
+            loaded.validate_schema(values)
+        with pytest.raises(helm.HelmError):
+            loaded.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_values_schema_accepts_the_documented_values():
+    with helm.Chart.load(CHART) as loaded:
+        loaded.validate_schema(None)
+        loaded.validate_schema(ALL_ON)
+        example = next(
+            yaml.safe_load_all((ROOT / "examples" / "inferenceservice.yaml").read_text())
+        )
+        loaded.validate_schema({"sample": {"enabled": True, "spec": example["spec"]}})
+
+
+def test_dockerfile_has_no_hadolint_errors():
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    result = subprocess.run(
+        [hadolint, "--no-color", "--format", "json", str(ROOT / "Dockerfile")],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    findings = json.loads(result.stdout or "[]")
+    assert [f for f in findings if f["level"] == "error"] == []
+    assert findings == [], "hadolint warnings: fix them or ignore them with a reason"
+
+
+def test_dockerfile_honours_the_image_contract():
+    text = (ROOT / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["tokenline"]' in text
+    assert f"USER {names.RUN_AS_USER}" in text
+    assert f'VOLUME ["{names.MODEL_CACHE_DIR}"]' in text
+    final_stage = text.rsplit("\nFROM ", 1)[1]
+    assert "build-essential" not in final_stage and "python3-dev" not in final_stage
+    assert (ROOT / ".dockerignore").is_file()

@@ -63,6 +63,15 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=names.GROUP, key="last-handled-configuration"
     )
+    # Watch only the operator's own children, server-side: not every ConfigMap in the cluster.
+    for kind in WATCHED_CHILDREN:
+        ref = KINDS[kind]
+        settings.watching.label_selectors[ref.api_version, ref.plural] = (
+            f"{names.LABEL_MANAGED_BY}={names.MANAGED_BY}"
+        )
+    # Reconnect watches regularly, so a connection dropped without a FIN cannot stall them.
+    settings.watching.server_timeout = 600
+    settings.watching.client_timeout = 660
     settings.posting.reporting_component = names.MANAGED_BY
     settings.posting.level = logging.WARNING  # Events for problems, not for every success
     metrics = memo.get("metrics") or OperatorMetrics()

@@ -111,6 +111,12 @@ async def test_apply_creates_owned_children(cluster, operator):
         for r in operator_requests
     }
     assert len(agents) == 2 and set(agents.values()) == {"Bearer test-token"}, agents
+    # kopf lists and watches only the operator's children (a server-side label selector).
+    child_watches = [r for r in operator_requests if r.url.path == "/apis/apps/v1/deployments"]
+    assert child_watches
+    assert {r.params.get("labelSelector") for r in child_watches} == {
+        f"{names.LABEL_MANAGED_BY}={names.MANAGED_BY}"
+    }
     # One replica: no disruption budget; no autoscaling: no autoscaler.
     for optional in ("policy/v1/poddisruptionbudgets", "autoscaling/v2/horizontalpodautoscalers"):
         with pytest.raises(KeyError):

@@ -244,3 +244,29 @@ def test_dockerfile_honours_the_image_contract():
     final_stage = text.rsplit("\nFROM ", 1)[1]
     assert "build-essential" not in final_stage and "python3-dev" not in final_stage
     assert (ROOT / ".dockerignore").is_file()
+
+
+def test_kubernetes_validate_cli_strict_passes_on_the_whole_release(tmp_path):
+    """The same check as above through the `kubernetes-validate --strict` command itself."""
+    release = tmp_path / "release.yaml"
+    release.write_text(yaml.safe_dump_all(render(ALL_ON)))
+    cli = shutil.which("kubernetes-validate") or str(
+        Path(sys.executable).parent / "kubernetes-validate"
+    )
+    versions = [arg for v in KUBE_VERSIONS for arg in ("-k", v)]
+    crd_file = CHART / "crds" / f"{names.CRD_NAME}.yaml"
+    result = subprocess.run(
+        [cli, "--strict", *versions, str(release), str(crd_file)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ERROR" not in result.stdout
+    unchecked = {
+        line.split("kind ")[1].split(" ")[0]
+        for line in result.stdout.splitlines()
+        if line.startswith("WARN")
+    }
+    assert unchecked <= CUSTOM_KINDS

@@ -98,6 +98,9 @@ class Stack:
             urls[stage] = f"http://127.0.0.1:{self.port + offset}/metrics"
         return urls
 
+    def descendants(self) -> list[int]:
+        return children_of(self.process.pid)
+
     def pid_of(self, stage: str) -> int:
         for pid in children_of(self.process.pid):
             try:

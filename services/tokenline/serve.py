@@ -175,6 +175,10 @@ def serve(settings: Settings, ipc_dir: str | None = None) -> int:
         return 0
     finally:
         _stop_all(children, settings.drain_timeout + 10)
+        for stage in ("api", "tokenizer", "scheduler", "detokenizer"):  # a killed stage's file
+            path = settings.endpoints.of(stage).removeprefix("ipc://")
+            if os.path.exists(path):
+                os.unlink(path)
         if owned_dir:
             shutil.rmtree(owned_dir, ignore_errors=True)
 

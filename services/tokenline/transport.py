@@ -7,6 +7,7 @@ counted in ``tokenline_malformed_frames_total`` and dropped, never raised.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -59,6 +60,13 @@ class RingEndpoints:
         return cls(**{s: f"ipc://{os.path.join(directory, s)}.sock" for s in protocol.STAGES})
 
 
+def _remove_ipc_file(endpoint: str) -> None:
+    """libzmq leaves a bound IPC socket file behind on some exits; the binder removes it."""
+    if endpoint.startswith("ipc://"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(endpoint.removeprefix("ipc://"))
+
+
 class _Decoder:
     def __init__(self, stage: str) -> None:
         self._stage = stage
@@ -89,7 +97,8 @@ class SyncRing:
         self._ctx = zmq.Context()
         self._inbox = self._ctx.socket(zmq.PULL)
         _configure(self._inbox, zmq.RCVHWM)
-        self._inbox.bind(endpoints.of(stage))
+        self._bound = endpoints.of(stage)
+        self._inbox.bind(self._bound)
         self._outbox = self._ctx.socket(zmq.PUSH)
         _configure(self._outbox, zmq.SNDHWM)
         self._outbox.connect(endpoints.of(NEXT_STAGE[stage]))
@@ -118,6 +127,7 @@ class SyncRing:
 
     def close(self) -> None:
         self._inbox.close()
+        _remove_ipc_file(self._bound)
         self._outbox.close()
         self._ctx.term()
 
@@ -129,7 +139,8 @@ class AsyncRing:
         self._ctx = zmq.asyncio.Context()
         self._inbox = self._ctx.socket(zmq.PULL)
         _configure(self._inbox, zmq.RCVHWM)
-        self._inbox.bind(endpoints.api)
+        self._bound = endpoints.api
+        self._inbox.bind(self._bound)
         # A plain socket: sends never wait, so no future is left unobserved.
         self._sync_ctx = zmq.Context()
         self._outbox = self._sync_ctx.socket(zmq.PUSH)
@@ -149,6 +160,7 @@ class AsyncRing:
 
     def close(self) -> None:
         self._inbox.close()
+        _remove_ipc_file(self._bound)
         self._outbox.close()
         self._ctx.term()
         self._sync_ctx.term()

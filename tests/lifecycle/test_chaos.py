@@ -1,0 +1,154 @@
+"""Chaos: kill stages, disconnect at random, send garbage; every request still ends, nothing leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import httpx
+import pytest
+
+STREAM = {"model": "tiny", "prompt": "chaos", "stream": True, "max_tokens": 400, "ignore_eos": True}
+
+
+async def _stream_outcome(
+    client: httpx.AsyncClient, body: dict, read_chunks: int | None = None
+) -> str:
+    """'done', 'error:<code>', 'http:<status>' or 'left' (the client hung up on purpose)."""
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return f"http:{response.status_code}"
+        seen = 0
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return "done"
+            if '"error"' in line:
+                return "error:" + line.split('"code":"')[1].split('"')[0]
+            seen += 1
+            if read_chunks is not None and seen >= read_chunks:
+                return "left"
+    return "cut"
+
+
+def _wait_ready(stack, ready: bool, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if stack.ready() == ready:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("stage", ["tokenizer", "scheduler", "detokenizer"])
+def test_a_killed_stage_fails_in_flight_requests_fast_and_serving_resumes(
+    short_stack, stage, nothing_held
+):
+    async def scenario() -> list[str]:
+        async with httpx.AsyncClient(base_url=short_stack.api_url, timeout=30) as client:
+            streams = [asyncio.create_task(_stream_outcome(client, STREAM)) for _ in range(4)]
+            await asyncio.sleep(1.0)
+            os.kill(short_stack.pid_of(stage), signal.SIGKILL)
+            killed_at = time.monotonic()
+            outcomes = await asyncio.wait_for(asyncio.gather(*streams), 15)
+            assert time.monotonic() - killed_at < 10, "in-flight requests took too long to fail"
+            return outcomes
+
+    before = short_stack.metric("api", "tokenline_aborts_total", reason="stage_failure")
+    outcomes = asyncio.run(scenario())
+    assert set(outcomes) <= {"error:stage_failure", "done"}, outcomes
+    assert "error:stage_failure" in outcomes
+    assert short_stack.metric("api", "tokenline_aborts_total", reason="stage_failure") > before
+    assert _wait_ready(short_stack, True, 60), f"not ready again after the {stage} restarted"
+    reply = httpx.post(
+        f"{short_stack.api_url}/v1/completions",
+        timeout=30,
+        json={"model": "tiny", "prompt": "back?", "max_tokens": 4},
+    )
+    assert reply.status_code == 200
+    nothing_held(short_stack)
+
+
+def test_chaos_every_request_ends_and_nothing_leaks(short_stack, nothing_held):
+    rng = random.Random(7)
+
+    async def one(client: httpx.AsyncClient, i: int) -> str:
+        kind = rng.choice(
+            ["stream", "stream_leave", "plain", "plain_leave", "too_long", "malformed"]
+        )
+        body = {
+            "model": "tiny",
+            "prompt": f"request {i}",
+            "max_tokens": rng.randint(4, 48),
+            "ignore_eos": True,
+        }
+        await asyncio.sleep(rng.random() * 6)
+        if kind == "stream":
+            return await _stream_outcome(client, {**body, "stream": True})
+        if kind == "stream_leave":
+            return await _stream_outcome(client, {**body, "stream": True}, rng.randint(1, 5))
+        if kind == "too_long":
+            body["prompt"] = "mountain river " * 2000
+        if kind == "malformed":
+            r = await client.post("/v1/completions", content=b'{"model": "tiny", "prompt": [')
+            return f"http:{r.status_code}"
+        try:
+            timeout = rng.uniform(0.05, 0.5) if kind == "plain_leave" else 30
+            r = await client.post("/v1/completions", json=body, timeout=timeout)
+            return f"http:{r.status_code}"
+        except httpx.TimeoutException:
+            return "left"
+
+    async def load() -> list[str]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(
+            base_url=short_stack.api_url, timeout=30, limits=limits
+        ) as client:
+            tasks = [asyncio.create_task(one(client, i)) for i in range(240)]
+            await asyncio.sleep(3)
+            os.kill(short_stack.pid_of("scheduler"), signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+    outcomes = asyncio.run(load())
+    allowed = {
+        "done",
+        "left",
+        "http:200",
+        "http:400",
+        "http:429",
+        "http:503",
+        "error:stage_failure",
+    }
+    assert set(outcomes) <= allowed, sorted(set(outcomes) - allowed)
+    assert outcomes.count("http:400") >= 20  # the over-long and malformed ones
+    assert _wait_ready(short_stack, True, 60)
+    nothing_held(short_stack, timeout=45)
+
+
+def test_shutdown_lets_streams_finish_and_leaves_no_process(launch_stack):
+    stack = launch_stack("--drain-timeout", "40")
+    processes = stack.descendants()
+    assert len(processes) >= 4
+
+    async def scenario() -> list[str]:
+        async with httpx.AsyncClient(base_url=stack.api_url, timeout=60) as client:
+            body = {**STREAM, "max_tokens": 400}
+            streams = [asyncio.create_task(_stream_outcome(client, body)) for _ in range(3)]
+            while not stack.metric("scheduler", "tokenline_num_requests_running"):
+                await asyncio.sleep(0.05)
+            stack.process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            refused = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+            assert refused.status_code == 503
+            return await asyncio.wait_for(asyncio.gather(*streams), 60)
+
+    assert asyncio.run(scenario()) == ["done"] * 3
+    assert stack.process.wait(60) == 0
+    survivors = [pid for pid in processes if os.path.exists(f"/proc/{pid}")]
+    assert not survivors, f"processes left behind: {survivors}"
+    assert not os.path.exists(f"{stack.ipc_dir}/scheduler.sock")

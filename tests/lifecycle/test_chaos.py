@@ -1,4 +1,4 @@
-"""Chaos: kill stages, disconnect at random, send garbage; every request still ends, nothing leaks."""
+"""Chaos: kill stages, disconnect at random, send garbage; every request ends, nothing leaks."""
 
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def test_shutdown_lets_streams_finish_and_leaves_no_process(launch_stack):
         async with httpx.AsyncClient(base_url=stack.api_url, timeout=60) as client:
             body = {**STREAM, "max_tokens": 400}
             streams = [asyncio.create_task(_stream_outcome(client, body)) for _ in range(3)]
-            while not stack.metric("scheduler", "tokenline_num_requests_running"):
+            while not stack.metric("scheduler", "tokenline_num_requests_running"):  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
             stack.process.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)

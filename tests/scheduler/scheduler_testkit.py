@@ -1,0 +1,128 @@
+"""Shared by the scheduler tests: fake sequences for the policy, a drain loop for the engine."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tokenline.protocol import SamplingParams
+from tokenline.scheduler.engine import Engine
+from tokenline.scheduler.policy import Chunk, Scheduler
+from tokenline.scheduler.sequence import Sequence, Status
+
+# Prompts of assorted lengths; "<|assistant|>" and "hello please" make the tiny model emit its
+# EOS (<|end|>) within a few greedy tokens, "a" makes it repeat itself.
+PROMPTS = [
+    "hello please",
+    "The quick brown fox jumps over the lazy dog near the river in the morning light.",
+    "你好 世界 🙂",
+    "<|assistant|>",
+    "a",
+    "request queue world",
+]
+
+INFERENCE_TENSOR_BUG = (
+    "sampler.py updates the logits in place, but they come out of runner.forward's "
+    "torch.inference_mode: penalties and min_tokens raise RuntimeError "
+    "'Inplace update to inference tensor outside InferenceMode'"
+)
+
+
+# ── policy: no model, no tensors ──────────────────────────────────────────────────────────────
+def fake_seq(uid: str, prompt_len: int, max_tokens: int = 10_000) -> Sequence:
+    return Sequence(
+        uid=uid,
+        prompt_ids=list(range(1, prompt_len + 1)),
+        sampling=SamplingParams(),
+        max_tokens=max_tokens,
+    )
+
+
+def fake_step(sched: Scheduler, token: int = 7) -> list[Chunk]:
+    """One engine step with a fake runner: schedule, check each chunk, "compute" it, sample."""
+    chunks = sched.schedule()
+    block_size = sched.pool.block_size
+    assert sum(c.num_tokens for c in chunks) <= sched.max_num_batched_tokens
+    assert len({id(c.seq) for c in chunks}) == len(chunks), "a sequence got two chunks"
+    for c in chunks:
+        assert c.seq.status is Status.RUNNING, f"{c.seq.uid} scheduled while {c.seq.status}"
+        assert c.num_tokens >= 1
+        assert c.start == c.seq.num_computed, f"{c.seq.uid} skips or repeats tokens"
+        assert len(c.seq.block_table) * block_size >= c.start + c.num_tokens, "KV slots missing"
+    sampled = [c.seq for c in chunks if c.samples]
+    for c in chunks:
+        c.seq.num_computed += c.num_tokens
+    for seq in sampled:
+        seq.output_ids.append(token)
+    return chunks
+
+
+def assert_blocks_conserved(sched: Scheduler) -> None:
+    """Every usable block is either free or owned by exactly one live sequence."""
+    pool = sched.pool
+    owned = [b for seq in sched.by_uid.values() for b in seq.block_table]
+    assert len(owned) == len(set(owned)), "a block is owned twice"
+    assert 0 not in owned, "block 0 is the padding target and must never be handed out"
+    assert len(owned) + pool.num_free == pool.num_blocks - 1, "blocks leaked or duplicated"
+    assert len(set(pool._free)) == pool.num_free, "a block is free twice"
+
+
+def assert_states_consistent(sched: Scheduler) -> None:
+    running = {s.uid for s in sched.running}
+    waiting = {s.uid for s in sched.waiting}
+    paused = set(sched.paused)
+    assert len(running) == len(sched.running) and len(waiting) == len(sched.waiting)
+    assert not (running & waiting or running & paused or waiting & paused)
+    assert running | waiting | paused == set(sched.by_uid)
+    for uid, seq in sched.by_uid.items():
+        expected = (
+            Status.RUNNING
+            if uid in running
+            else Status.WAITING
+            if uid in waiting
+            else Status.PAUSED
+        )
+        assert seq.status is expected, f"{uid} is {seq.status} but sits in {expected}"
+    assert len(sched.running) <= sched.max_num_seqs
+
+
+# ── engine: drive it until it is idle ─────────────────────────────────────────────────────────
+@dataclass
+class Drained:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+    terminals: Counter = field(default_factory=Counter)
+    steps: int = 0
+
+
+def drain(engine: Engine, max_steps: int = 2_000, into: Drained | None = None) -> Drained:
+    """Step until the engine has no work; every uid gets exactly one terminal output."""
+    seen = into or Drained()
+    while engine.has_work():
+        assert seen.steps < max_steps, f"engine still busy after {max_steps} steps"
+        collect(engine.step(), seen)
+    return seen
+
+
+def collect(outputs, seen: Drained) -> Drained:
+    seen.steps += 1
+    for out in outputs:
+        assert out.uid not in seen.reasons, f"{out.uid} got output after its terminal one"
+        seen.tokens.setdefault(out.uid, []).extend(out.token_ids)
+        if out.finish_reason is not None:
+            seen.reasons[out.uid] = out.finish_reason
+            seen.terminals[out.uid] += 1
+    return seen
+
+
+def assert_idle(engine: Engine) -> None:
+    """An engine with nothing to do holds no KV block and no request."""
+    assert not engine.has_work()
+    assert engine.pool.usage == 0.0
+    assert engine.pool.num_free == engine.pool.num_blocks - 1
+    assert not engine.scheduler.by_uid
+    assert not (engine.scheduler.running or engine.scheduler.waiting or engine.scheduler.paused)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)

@@ -235,3 +235,25 @@ async def test_twenty_concurrent_streams_complete(stack):
     results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(20))), 120)
     assert results == [("length", 16)] * 20
     await client.close()
+
+
+def test_penalties_and_min_tokens_are_served(client, stack):
+    reply = client.completions.create(
+        model=stack.model,
+        prompt="the the the",
+        max_tokens=8,
+        temperature=0,
+        presence_penalty=1.5,
+        frequency_penalty=0.5,
+        extra_body={"repetition_penalty": 1.3, "min_tokens": 4},
+    )
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    assert reply.usage.completion_tokens >= 4
+
+
+def test_stop_token_id_outside_the_vocabulary_is_400(client, stack):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(
+            model=stack.model, prompt="x", max_tokens=2, extra_body={"stop_token_ids": [10**9]}
+        )
+    assert err.value.body["param"] == "stop_token_ids"

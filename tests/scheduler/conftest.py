@@ -73,18 +73,11 @@ def make_engine(
         max_num_seqs: int = 256,
         max_model_len: int = tiny_model.MAX_POSITIONS,
         eos: list[int] | None = None,
-        zero_kv: bool = True,
     ) -> Engine:
         memory = kv_blocks * bytes_per_block if kv_blocks is not None else kv_cache_memory
         runner = ModelRunner(tiny_source, device="cpu", dtype="float32", kv_cache_memory=memory)
         if kv_blocks is not None:
             assert runner.num_blocks == kv_blocks
-        if zero_kv:
-            # The pool is allocated with torch.empty, and NaN/Inf in never-written slots poisons
-            # batched decode (test_never_written_kv_slots_cannot_poison_batched_decode). Zeroing
-            # keeps the other tests about what they test; drop it once the runner zeroes.
-            runner.k_cache.zero_()
-            runner.v_cache.zero_()
         limits = EngineLimits(max_model_len, max_num_seqs, max_num_batched_tokens)
         return Engine(runner, limits, eos_ids if eos is None else eos)
 

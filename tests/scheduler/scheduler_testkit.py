@@ -21,12 +21,6 @@ PROMPTS = [
     "request queue world",
 ]
 
-INFERENCE_TENSOR_BUG = (
-    "sampler.py updates the logits in place, but they come out of runner.forward's "
-    "torch.inference_mode: penalties and min_tokens raise RuntimeError "
-    "'Inplace update to inference tensor outside InferenceMode'"
-)
-
 
 # ── policy: no model, no tensors ──────────────────────────────────────────────────────────────
 def fake_seq(uid: str, prompt_len: int, max_tokens: int = 10_000) -> Sequence:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from scheduler_testkit import INFERENCE_TENSOR_BUG, Drained, assert_idle, collect, drain, greedy
+from scheduler_testkit import Drained, assert_idle, collect, drain, greedy
 
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.engine import KVCacheTooSmall
@@ -72,7 +72,6 @@ def test_ignore_eos_runs_past_eos_to_max_tokens(make_engine, eos_case, eos_ids):
     assert out[at] in eos_ids
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=INFERENCE_TENSOR_BUG)
 def test_min_tokens_suppresses_eos(make_engine, eos_case, eos_ids):
     ids, tokens, at = eos_case
     floor = at + 3
@@ -82,7 +81,6 @@ def test_min_tokens_suppresses_eos(make_engine, eos_case, eos_ids):
     assert out[:at] == tokens[:at]
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=INFERENCE_TENSOR_BUG)
 def test_min_tokens_suppresses_stop_token_ids(make_engine, eos_case):
     ids, tokens, _ = eos_case
     out, _ = run_one(
@@ -91,12 +89,6 @@ def test_min_tokens_suppresses_stop_token_ids(make_engine, eos_case):
     assert out[0] != tokens[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="stop_token_ids are not checked against the vocabulary (api schemas.py, engine.add); "
-    "with min_tokens > 0, sampler.py bans them with logits[row, banned] and an id >= vocab "
-    "size raises IndexError inside Engine.step, failing the whole batch",
-)
 def test_out_of_vocabulary_stop_token_id_cannot_break_the_batch(make_engine, encode):
     engine = make_engine()
     engine.add("neighbour", encode("hello please"), greedy(4, ignore_eos=True))
@@ -208,12 +200,6 @@ def test_prompt_bigger_than_the_pool_raises_kv_cache_too_small(make_engine):
     assert_idle(engine)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a request whose prompt fits but whose prompt + max_tokens outgrows the whole pool "
-    "preempts itself (policy.py _make_room) and is never readmitted (schedule() needs "
-    "blocks_for(num_tokens + 1) free): the engine spins forever and the queue behind it starves",
-)
 def test_request_outgrowing_the_whole_pool_ends_instead_of_stalling_the_queue(make_engine, encode):
     engine = make_engine(kv_blocks=5)  # 4 usable blocks, 64 tokens
     engine.add("greedy-giant", list(range(5, 15)), greedy(100, ignore_eos=True))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from scheduler_testkit import INFERENCE_TENSOR_BUG, assert_idle, drain, greedy
+from scheduler_testkit import assert_idle, drain, greedy
 
 from tokenline.protocol import SamplingParams
 
@@ -101,7 +101,6 @@ def test_sampling_narrowed_to_one_token_is_greedy(
 
 
 # ── penalties ─────────────────────────────────────────────────────────────────────────────────
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=INFERENCE_TENSOR_BUG)
 @pytest.mark.parametrize(
     "penalty",
     [{"repetition_penalty": 1.5}, {"frequency_penalty": 1.0}, {"presence_penalty": 1.0}],
@@ -116,7 +115,6 @@ def test_penalties_change_greedy_output(make_engine, encode, penalty):
         assert penalized != plain, f"{penalty} left {text!r} unchanged"
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=INFERENCE_TENSOR_BUG)
 def test_strong_presence_penalty_yields_no_repeated_tokens(make_engine, encode):
     for text in REPEATING_PROMPTS:
         tokens = run_one(

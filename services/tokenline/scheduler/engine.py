@@ -26,8 +26,18 @@ class EngineLimits:
 DEADLINE_MARGIN_S = 2.0
 
 
-class KVCacheTooSmall(ValueError):
+class InvalidRequest(ValueError):
+    """A request the engine can never serve; it fails at once with an OpenAI error."""
+
+    code = "invalid_request_error"
+    param: str | None = None
+
+
+class KVCacheTooSmall(InvalidRequest):
     """The prompt can never fit in the KV pool, however long it waits."""
+
+    code = "kv_cache_too_small"
+    param = "messages"
 
 
 class Engine:
@@ -52,7 +62,16 @@ class Engine:
                 f"the prompt needs {len(prompt_ids)} tokens of KV cache but the pool holds "
                 f"{(self.pool.num_blocks - 1) * self.pool.block_size}; raise --kv-cache-memory"
             )
-        room = self.limits.max_model_len - len(prompt_ids)
+        bad_ids = [i for i in sampling.stop_token_ids if not 0 <= i < self.runner.vocab_size]
+        if bad_ids:
+            last = self.runner.vocab_size - 1
+            error = InvalidRequest(f"stop_token_ids {bad_ids} are outside the vocabulary (0..{last})")
+            error.param = "stop_token_ids"
+            raise error
+        # A request never grows past the context or past the whole KV pool: one that outgrew
+        # the pool could only preempt itself forever.
+        capacity = (self.pool.num_blocks - 1) * self.pool.block_size
+        room = min(self.limits.max_model_len, capacity) - len(prompt_ids)
         max_tokens = min(sampling.max_tokens or room, room)
         seq = Sequence(
             uid=uid,

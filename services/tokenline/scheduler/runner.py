@@ -83,9 +83,10 @@ class ModelRunner:
         self.num_blocks = self._size_pool(kv_cache_memory, gpu_memory_utilization)
         slots = self.num_blocks * block_size
         shape = (self.num_layers, slots, self.num_kv_heads, self.head_dim)
-        # torch.empty: pages are committed as they are written, not all at start.
-        self.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        # Zeroed, not empty: batched decode reads masked padding slots, and a NaN there would
+        # still poison the row (0 × NaN is NaN).
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         decoder = self.model.model
         self._embed = decoder.embed_tokens
         self._layers = list(decoder.layers)

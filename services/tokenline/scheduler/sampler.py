@@ -29,6 +29,7 @@ def _apply_penalties(logits: torch.Tensor, row: int, seq: Sequence) -> None:
         )
 
 
+@torch.inference_mode()  # the logits come from an inference-mode forward; edits stay in it
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> list[int]:
     """One token per row of ``logits`` (float32, [len(seqs), vocab])."""
     logits = logits.float()

@@ -19,7 +19,7 @@ from tokenline.metrics import (
     serve_metrics,
 )
 from tokenline.model_source import resolve
-from tokenline.scheduler.engine import Engine, EngineLimits, KVCacheTooSmall
+from tokenline.scheduler.engine import Engine, EngineLimits, InvalidRequest
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.settings import Settings
 from tokenline.transport import SyncRing
@@ -92,15 +92,9 @@ class SchedulerStage:
             return
         try:
             self.engine.add(uid, request.prompt_ids, request.sampling, request.timeout_s)
-        except KVCacheTooSmall as exc:
+        except InvalidRequest as exc:
             self.ring.send(
-                protocol.Failed(
-                    uid=uid,
-                    code="kv_cache_too_small",
-                    message=str(exc),
-                    http_status=400,
-                    param="messages",
-                )
+                protocol.Failed(uid=uid, code=exc.code, message=str(exc), param=exc.param)
             )
             return
         self.ledger.open(uid, request.timeout_s)

@@ -38,5 +38,10 @@ test: lint
 bench: $(VENV)/.test
 	$(VENV)/bin/tokenline bench --help
 
+# Regenerate the committed Grafana dashboards, alert rules, CRD, RBAC and values schema.
+dashboards: $(VENV)/.test
+	$(PY) -m tokenline.monitoring.generate
+	$(PY) -m tokenline_operator.chartgen
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

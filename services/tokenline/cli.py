@@ -49,8 +49,13 @@ def _flag(
 ) -> None:
     env = "TOKENLINE_" + name.upper().replace("-", "_")
     raw = os.environ.get(env)
-    value = kind(raw) if raw not in (None, "") else default
-    parser.add_argument(f"--{name}", type=kind, default=value, help=f"{help} [env {env}]", **kwargs)
+    # Kubernetes injects service links such as TOKENLINE_PORT=tcp://10.0.0.1:8000 for a
+    # Service named "tokenline"; they are not settings.
+    if raw and not raw.startswith(("tcp://", "udp://")):
+        default = raw  # a string default goes through ``type`` only if the flag is used
+    parser.add_argument(
+        f"--{name}", type=kind, default=default, help=f"{help} [env {env}]", **kwargs
+    )
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

@@ -7,6 +7,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -226,10 +227,31 @@ class ExchangeStream(StreamingResponse):
             await self._events.aclose()
 
 
+def _coalesce(batch: list[tuple[int, protocol.Reply]]) -> list[tuple[int, protocol.Reply]]:
+    """Merge consecutive pieces of one choice, so a client that fell behind gets fewer,
+    larger events instead of one per token."""
+    merged: list[tuple[int, protocol.Reply]] = []
+    for index, reply in batch:
+        if merged and merged[-1][0] == index and merged[-1][1].finish_reason is None:
+            last = merged[-1][1]
+            merged[-1] = (
+                index,
+                msgspec.structs.replace(
+                    last,
+                    text=last.text + reply.text,
+                    num_tokens=last.num_tokens + reply.num_tokens,
+                    finish_reason=reply.finish_reason,
+                ),
+            )
+        else:
+            merged.append((index, reply))
+    return merged
+
+
 async def _replies(ex: Exchange, first: list) -> AsyncIterator[tuple[int, protocol.Reply]]:
     batch = first
     while batch:
-        for item in batch:
+        for item in _coalesce(batch):
             yield item
         batch = await ex.next_batch()
 

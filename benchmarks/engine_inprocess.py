@@ -1,0 +1,63 @@
+"""The engine alone, in one process, on the load `tokenline bench` sends to the stack.
+
+Closed loop: ``--concurrency`` requests in flight; as one finishes the next is added. The
+output tokens/s here is the ceiling the four-process stack is measured against (sockets and
+HTTP should cost at most 10% of it).
+
+    python benchmarks/engine_inprocess.py --model tiny --num-requests 48 --concurrency 16 \
+        --prompt-tokens 100 --output-len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+from tokenline.model_source import resolve
+from tokenline.protocol import SamplingParams
+from tokenline.scheduler.engine import Engine, EngineLimits
+from tokenline.scheduler.runner import ModelRunner
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=100)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+
+    source = resolve(args.model)
+    runner = ModelRunner(source)
+    engine = Engine(runner, EngineLimits(source.max_model_len()), source.eos_token_ids())
+    rng = random.Random(0)
+    vocab = runner.vocab_size
+    results = []
+    for _ in range(args.rounds + 1):  # the first round warms up
+        prompts = [[rng.randrange(5, vocab) for _ in range(args.prompt_tokens)]
+                   for _ in range(args.num_requests)]
+        sampling = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+        pending = list(enumerate(prompts))
+        in_flight = 0
+        tokens = 0
+        started = time.perf_counter()
+        while pending or in_flight:
+            while pending and in_flight < args.concurrency:
+                i, prompt = pending.pop(0)
+                engine.add(f"r{i}", prompt, sampling)
+                in_flight += 1
+            for out in engine.step():
+                tokens += len(out.token_ids)
+                if out.finish_reason:
+                    in_flight -= 1
+        results.append(tokens / (time.perf_counter() - started))
+    print(json.dumps({"output_tokens_per_s": round(sum(results[1:]) / args.rounds, 1),
+                      "rounds": [round(r, 1) for r in results[1:]]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -17,7 +17,7 @@ import time
 
 from tokenline.model_source import resolve
 from tokenline.protocol import SamplingParams
-from tokenline.scheduler.engine import Engine, EngineLimits
+from tokenline.scheduler.engine import Engine, EngineLimits, default_token_budget
 from tokenline.scheduler.runner import ModelRunner
 
 
@@ -29,17 +29,31 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="default: what the scheduler stage uses on this device",
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        help="default: what the scheduler stage uses (every core but one)",
+    )
     args = parser.parse_args()
 
     source = resolve(args.model)
-    runner = ModelRunner(source)
-    engine = Engine(runner, EngineLimits(source.max_model_len()), source.eos_token_ids())
+    runner = ModelRunner(source, torch_threads=args.torch_threads)
+    budget = args.max_num_batched_tokens or default_token_budget(runner.device.type)
+    limits = EngineLimits(source.max_model_len(), max_num_batched_tokens=budget)
+    engine = Engine(runner, limits, source.eos_token_ids())
     rng = random.Random(0)
     vocab = runner.vocab_size
     results = []
     for _ in range(args.rounds + 1):  # the first round warms up
-        prompts = [[rng.randrange(5, vocab) for _ in range(args.prompt_tokens)]
-                   for _ in range(args.num_requests)]
+        prompts = [
+            [rng.randrange(5, vocab) for _ in range(args.prompt_tokens)]
+            for _ in range(args.num_requests)
+        ]
         sampling = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
         pending = list(enumerate(prompts))
         in_flight = 0
@@ -55,8 +69,14 @@ def main() -> None:
                 if out.finish_reason:
                     in_flight -= 1
         results.append(tokens / (time.perf_counter() - started))
-    print(json.dumps({"output_tokens_per_s": round(sum(results[1:]) / args.rounds, 1),
-                      "rounds": [round(r, 1) for r in results[1:]]}))
+    print(
+        json.dumps(
+            {
+                "output_tokens_per_s": round(sum(results[1:]) / args.rounds, 1),
+                "rounds": [round(r, 1) for r in results[1:]],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

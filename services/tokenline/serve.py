@@ -82,12 +82,12 @@ def stage_argv(stage: str, settings: Settings) -> list[str]:
             str(s.gpu_memory_utilization),
             "--max-num-seqs",
             str(s.max_num_seqs),
-            "--max-num-batched-tokens",
-            str(s.max_num_batched_tokens),
             "--block-size",
             str(s.block_size),
         ]
         optional["kv-cache-memory"] = s.kv_cache_memory
+        optional["torch-threads"] = s.torch_threads
+        optional["max-num-batched-tokens"] = s.max_num_batched_tokens
     for flag, value in optional.items():
         if value is not None:
             argv += [f"--{flag}", str(value)]

@@ -26,6 +26,12 @@ class EngineLimits:
 DEADLINE_MARGIN_S = 2.0
 
 
+def default_token_budget(device_type: str) -> int:
+    """Per-step token budget: large steps feed a GPU; on CPU, 256-token steps measured both
+    faster and kinder to time-to-first-token (benchmarks/README.md)."""
+    return 2048 if device_type == "cuda" else 256
+
+
 class InvalidRequest(ValueError):
     """A request the engine can never serve; it fails at once with an OpenAI error."""
 
@@ -65,7 +71,9 @@ class Engine:
         bad_ids = [i for i in sampling.stop_token_ids if not 0 <= i < self.runner.vocab_size]
         if bad_ids:
             last = self.runner.vocab_size - 1
-            error = InvalidRequest(f"stop_token_ids {bad_ids} are outside the vocabulary (0..{last})")
+            error = InvalidRequest(
+                f"stop_token_ids {bad_ids} are outside the vocabulary (0..{last})"
+            )
             error.param = "stop_token_ids"
             raise error
         # A request never grows past the context or past the whole KV pool: one that outgrew

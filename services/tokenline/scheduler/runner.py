@@ -10,6 +10,7 @@ blocks. Decoding sequences share one attention call per layer; prefill chunks ge
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,41 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight for several projections of the same input (one matmul instead of three).
+
+    The original modules are left as views into the fused tensor, so no weight is held twice.
+    """
+    weight = torch.cat([lin.weight.data for lin in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([lin.bias.data for lin in linears]) if has_bias else None
+    offset = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = weight[offset : offset + rows]
+        if bias is not None:
+            lin.bias.data = bias[offset : offset + rows]
+        offset += rows
+    return weight, bias
+
+
+@dataclass
+class _Layer:
+    """A decoder layer's modules plus its fused projections."""
+
+    module: torch.nn.Module
+    qkv: tuple[torch.Tensor, torch.Tensor | None]
+    gate_up: tuple[torch.Tensor, torch.Tensor | None] | None  # None: call the module's MLP
+
+
+def _prepare_layer(layer: torch.nn.Module) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+    gated = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+    gate_up = _fuse([mlp.gate_proj, mlp.up_proj]) if gated else None
+    return _Layer(layer, qkv, gate_up)
+
+
 @dataclass
 class _Step:
     """Tensors describing one step's flat batch."""
@@ -63,10 +99,15 @@ class ModelRunner:
         block_size: int = 16,
         kv_cache_memory: int | None = None,
         gpu_memory_utilization: float = 0.9,
+        torch_threads: int | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
         self.device = pick_device(device)
+        if self.device.type == "cpu":
+            # On CPU the model shares the machine with three other stages; threads that spin
+            # against them cost more than they bring (see benchmarks/README.md).
+            torch.set_num_threads(torch_threads or max(1, (os.cpu_count() or 2) - 1))
         self.dtype = pick_dtype(dtype, self.device)
         self.model = AutoModelForCausalLM.from_pretrained(
             source.path, revision=source.revision, dtype=self.dtype
@@ -82,14 +123,15 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = self._size_pool(kv_cache_memory, gpu_memory_utilization)
         slots = self.num_blocks * block_size
-        shape = (self.num_layers, slots, self.num_kv_heads, self.head_dim)
+        # Keys and values of a slot sit side by side, so one gather fetches both.
+        shape = (self.num_layers, slots, 2 * self.num_kv_heads, self.head_dim)
         # Zeroed, not empty: batched decode reads masked padding slots, and a NaN there would
         # still poison the row (0 × NaN is NaN).
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         decoder = self.model.model
         self._embed = decoder.embed_tokens
-        self._layers = list(decoder.layers)
+        with torch.no_grad():
+            self._layers = [_prepare_layer(layer) for layer in decoder.layers]
         self._norm = decoder.norm
         self._rotary = decoder.rotary_emb
         self._lm_head = self.model.lm_head
@@ -179,42 +221,56 @@ class ModelRunner:
         hidden = self._embed(step.input_ids)  # [T, H]
         cos, sin = self._rotary(hidden.unsqueeze(0), step.positions.unsqueeze(0))
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, D]
-        for index, layer in enumerate(self._layers):
+        for index, fused in enumerate(self._layers):
+            layer = fused.module
             residual = hidden
             hidden = layer.input_layernorm(hidden)
-            hidden = self._attention(index, layer.self_attn, hidden, cos, sin, step)
+            hidden = self._attention(index, fused, hidden, cos, sin, step)
             hidden = residual + hidden
-            residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + self._mlp(fused, layer.post_attention_layernorm(hidden))
         hidden = self._norm(hidden.index_select(0, step.sample_rows))
         return self._lm_head(hidden).float()
 
-    def _attention(self, index, attn, hidden, cos, sin, step: _Step) -> torch.Tensor:
+    @staticmethod
+    def _mlp(fused: _Layer, hidden: torch.Tensor) -> torch.Tensor:
+        mlp = fused.module.mlp
+        if fused.gate_up is None:
+            return mlp(hidden)
+        gate, up = F.linear(hidden, *fused.gate_up).chunk(2, dim=-1)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
+
+    def _attention(self, index, fused: _Layer, hidden, cos, sin, step: _Step) -> torch.Tensor:
+        attn = fused.module.self_attn
         tokens = hidden.shape[0]
-        q = attn.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
-        k = attn.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = F.linear(hidden, *fused.qkv).split((q_size, kv_size, kv_size), dim=-1)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        k_pool, v_pool = self.k_cache[index], self.v_cache[index]
-        k_pool.index_copy_(0, step.slots, k.to(self.dtype))
-        v_pool.index_copy_(0, step.slots, v.to(self.dtype))
+        pool = self.kv_cache[index]
+        pool.index_copy_(0, step.slots, torch.cat((k, v), dim=1).to(self.dtype))
+        kvh = self.num_kv_heads
         scale = getattr(attn, "scaling", None)
         out = torch.empty_like(q)
         if step.decode_rows is not None:
             qd = q.index_select(0, step.decode_rows).unsqueeze(2)  # [B, heads, 1, D]
-            kd = k_pool[step.decode_gather].transpose(1, 2)  # [B, kv_heads, L, D]
-            vd = v_pool[step.decode_gather].transpose(1, 2)
+            gather = step.decode_gather
+            kv = pool.index_select(0, gather.view(-1)).view(*gather.shape, *pool.shape[1:])
+            kv = kv.transpose(1, 2)  # [B, 2 * kv_heads, L, D]
+            kd, vd = kv[:, :kvh], kv[:, kvh:]
             od = F.scaled_dot_product_attention(
                 qd, kd, vd, attn_mask=step.decode_mask, scale=scale, enable_gqa=True
             )
             out.index_copy_(0, step.decode_rows, od.squeeze(2))
         for row, n, context, start in step.prefills:
             qp = q[row : row + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, D]
-            kp = k_pool[context].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, L, D]
-            vp = v_pool[context].transpose(0, 1).unsqueeze(0)
+            kv = pool.index_select(0, context).transpose(0, 1).unsqueeze(0)  # [1, 2kvh, L, D]
+            kp, vp = kv[:, :kvh], kv[:, kvh:]
             if start == 0:
                 op = F.scaled_dot_product_attention(
                     qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True

@@ -19,7 +19,12 @@ from tokenline.metrics import (
     serve_metrics,
 )
 from tokenline.model_source import resolve
-from tokenline.scheduler.engine import Engine, EngineLimits, InvalidRequest
+from tokenline.scheduler.engine import (
+    Engine,
+    EngineLimits,
+    InvalidRequest,
+    default_token_budget,
+)
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.settings import Settings
 from tokenline.transport import SyncRing
@@ -167,11 +172,11 @@ def run(settings: Settings) -> int:
         settings.block_size,
         settings.kv_cache_memory,
         settings.gpu_memory_utilization,
+        settings.torch_threads,
     )
+    budget = settings.max_num_batched_tokens or default_token_budget(runner.device.type)
     limits = EngineLimits(
-        source.max_model_len(settings.max_model_len),
-        settings.max_num_seqs,
-        settings.max_num_batched_tokens,
+        source.max_model_len(settings.max_model_len), settings.max_num_seqs, budget
     )
     engine = Engine(runner, limits, source.eos_token_ids())
     ring = SyncRing("scheduler", settings.endpoints)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from tokenline.bench.cli import main
 from tokenline.bench.report import percentile
 from tokenline.bench.workload import poisson_arrivals

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from tokenline.bench.config import TargetConfig, normalize_base_url
 from tokenline.bench.load import round_order
 from tokenline.bench.report import Dist, percentile, ratio

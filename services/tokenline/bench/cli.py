@@ -13,6 +13,7 @@ import httpx
 from tqdm import tqdm
 
 from tokenline.bench.config import BenchConfig, TargetConfig, normalize_base_url
+from tokenline.bench.isolation import parse_pids
 from tokenline.bench.load import run_benchmark
 from tokenline.bench.records import RequestRecord
 from tokenline.bench.report import format_report, result_json
@@ -156,6 +157,21 @@ def build_parser() -> argparse.ArgumentParser:
         "default: `transformers serve` rejects unknown fields)",
     )
     compare.add_argument(
+        "--pids",
+        type=parse_pids,
+        default=[],
+        metavar="PID,...",
+        help="processes of the first server, stopped (SIGSTOP) while the second is measured",
+    )
+    compare.add_argument(
+        "--compare-pids",
+        type=parse_pids,
+        default=[],
+        metavar="PID,...",
+        help="processes of the second server, stopped while the first is measured (a server "
+        "that polls while idle otherwise takes CPU from the one under load)",
+    )
+    compare.add_argument(
         "--compare-extra-body",
         type=_json_object,
         default={},
@@ -186,6 +202,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             model=args.model,
             ignore_eos=not args.no_ignore_eos,
             extra_body=args.extra_body,
+            pids=args.pids,
         )
     ]
     if args.compare:
@@ -198,6 +215,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                 model=args.compare_model,
                 ignore_eos=args.compare_ignore_eos,
                 extra_body=args.compare_extra_body,
+                pids=args.compare_pids,
             )
         )
     concurrency = args.concurrency

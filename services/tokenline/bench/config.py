@@ -30,6 +30,7 @@ class TargetConfig:
     model: str | None = None  # None: the first model the server lists at /v1/models
     ignore_eos: bool = True  # send `ignore_eos: true` so that max_tokens fixes output length
     extra_body: dict[str, Any] = field(default_factory=dict)
+    pids: list[int] = field(default_factory=list)  # stopped while other targets are measured
 
 
 @dataclass

@@ -19,6 +19,7 @@ from contextlib import AsyncExitStack
 import httpx
 
 from tokenline.bench.config import BenchConfig, TargetConfig
+from tokenline.bench.isolation import frozen
 from tokenline.bench.records import BenchResult, Phase, RequestRecord, TargetInfo
 from tokenline.bench.request import discover_model, send_request
 from tokenline.bench.workload import RequestSpec, build_workload, poisson_arrivals
@@ -107,6 +108,11 @@ def _client(config: BenchConfig) -> httpx.AsyncClient:
     )
 
 
+def _others_frozen(config: BenchConfig, measured: TargetConfig):
+    """Stop the other targets' processes (if given) while ``measured`` is under load."""
+    return frozen([pid for t in config.targets if t is not measured for pid in t.pids])
+
+
 async def run_benchmark(
     config: BenchConfig,
     *,
@@ -138,14 +144,15 @@ async def run_benchmark(
             if not warmup_specs:
                 break
             on_phase(target.label, -1)
-            phase = await run_phase(
-                clients[target.label],
-                config,
-                target,
-                models[target.label],
-                warmup_specs,
-                concurrency=min(len(warmup_specs), config.concurrency or len(warmup_specs)),
-            )
+            with _others_frozen(config, target):
+                phase = await run_phase(
+                    clients[target.label],
+                    config,
+                    target,
+                    models[target.label],
+                    warmup_specs,
+                    concurrency=min(len(warmup_specs), config.concurrency or len(warmup_specs)),
+                )
             failed = [r for r in phase.records if not r.ok]
             if failed:
                 result.warnings.append(
@@ -157,17 +164,18 @@ async def run_benchmark(
         for round_ in range(config.rounds):
             for target in round_order(config.targets, round_):
                 on_phase(target.label, round_)
-                phase = await run_phase(
-                    clients[target.label],
-                    config,
-                    target,
-                    models[target.label],
-                    specs,
-                    round_=round_,
-                    run_start=run_start,
-                    arrivals=arrivals,
-                    concurrency=config.concurrency,
-                    on_done=on_done,
-                )
+                with _others_frozen(config, target):
+                    phase = await run_phase(
+                        clients[target.label],
+                        config,
+                        target,
+                        models[target.label],
+                        specs,
+                        round_=round_,
+                        run_start=run_start,
+                        arrivals=arrivals,
+                        concurrency=config.concurrency,
+                        on_done=on_done,
+                    )
                 result.phases.append(phase)
     return result

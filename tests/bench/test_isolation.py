@@ -1,0 +1,31 @@
+"""The other target's processes are stopped while one is measured, and always continued."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokenline.bench.isolation import frozen, parse_pids
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_frozen_stops_then_continues_a_process_even_on_error():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(RuntimeError), frozen([child.pid, 2**22 + 7]):  # one pid is gone
+            assert _state(child.pid) == "T"
+            raise RuntimeError("the measured phase failed")
+        assert _state(child.pid) in {"S", "R"}
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_parse_pids():
+    assert parse_pids("12, 34,") == [12, 34]

@@ -10,6 +10,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
+import threading
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -90,7 +93,12 @@ def _configure(sock: zmq.Socket, hwm_option: int) -> None:
 
 
 class SyncRing:
-    """Blocking sockets for the tokenizer, scheduler and detokenizer loops."""
+    """Sockets for the tokenizer, scheduler and detokenizer loops.
+
+    A receiver thread owns the inbox: it takes each frame off the socket as it arrives and
+    stamps its arrival time, so a message that waits while the stage is busy (a model step)
+    is counted as time in that stage, and the stage's loop never blocks on the socket.
+    """
 
     def __init__(self, stage: str, endpoints: RingEndpoints) -> None:
         self.stage = stage
@@ -104,29 +112,60 @@ class SyncRing:
         self._outbox.connect(endpoints.of(NEXT_STAGE[stage]))
         self._decoder = _Decoder(stage)
         self._encoder = msgspec.msgpack.Encoder()
+        self._arrived: queue.SimpleQueue[tuple[float, msgspec.Struct]] = queue.SimpleQueue()
+        self._held: list[tuple[float, msgspec.Struct]] = []  # taken off the queue by poll()
+        self._closing = threading.Event()
+        self._receiver = threading.Thread(target=self._receive, name=f"{stage}-inbox", daemon=True)
+        self._receiver.start()
+
+    def _receive(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._inbox, zmq.POLLIN)
+        try:
+            while not self._closing.is_set():
+                if not poller.poll(100):
+                    continue
+                while True:
+                    try:
+                        frame = self._inbox.recv(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    message = self._decoder.decode(frame)
+                    if message is not None:
+                        self._arrived.put((time.monotonic(), message))
+        finally:
+            self._inbox.close()
 
     def poll(self, timeout_ms: int) -> bool:
-        """True when at least one frame is waiting."""
-        return bool(self._inbox.poll(timeout_ms))
+        """True when at least one message is waiting; waits up to ``timeout_ms``."""
+        if self._held or not self._arrived.empty():
+            return True
+        try:
+            self._held.append(self._arrived.get(timeout=timeout_ms / 1000))
+        except queue.Empty:
+            return False
+        return True
+
+    def recv_timed(self, limit: int = 10_000) -> list[tuple[float, msgspec.Struct]]:
+        """Every waiting message (up to ``limit``) with its monotonic arrival time."""
+        items, self._held = self._held[:limit], self._held[limit:]
+        while len(items) < limit:
+            try:
+                items.append(self._arrived.get_nowait())
+            except queue.Empty:
+                break
+        return items
 
     def recv_ready(self, limit: int = 10_000) -> list[msgspec.Struct]:
-        """Every message already waiting (up to ``limit``), without blocking."""
-        messages: list[msgspec.Struct] = []
-        while len(messages) < limit:
-            try:
-                frame = self._inbox.recv(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                break
-            message = self._decoder.decode(frame)
-            if message is not None:
-                messages.append(message)
-        return messages
+        """Every waiting message (up to ``limit``), without blocking."""
+        return [message for _, message in self.recv_timed(limit)]
 
     def send(self, message: msgspec.Struct) -> None:
         self._outbox.send(self._encoder.encode(message), copy=False)
 
     def close(self) -> None:
-        self._inbox.close()
+        self._closing.set()
+        self._receiver.join()
         _remove_ipc_file(self._bound)
         self._outbox.close()
         self._ctx.term()

@@ -45,6 +45,8 @@ class Exchange:
     paused: bool = False
     closed: bool = False
     last_read: float = field(default_factory=time.monotonic)
+    sent_at: float = 0.0  # when the request left for the tokenizer
+    finished_at: float | None = None  # when the last choice's terminal reply arrived
     first_token_at: float | None = None
     last_token_at: float | None = None
     timings: dict[str, float] = field(default_factory=dict)

@@ -162,7 +162,7 @@ async def _serve(request: Request, body, build, chat: bool) -> Response:
 
 
 def _timings_header(ex: Exchange) -> str:
-    return ", ".join(f"{k.removesuffix('_s')}={v * 1000:.2f}ms" for k, v in ex.timings.items())
+    return ", ".join(f"{k.removesuffix('_s')}={v * 1000:.3f}ms" for k, v in ex.timings.items())
 
 
 def _usage(ex: Exchange) -> dict:

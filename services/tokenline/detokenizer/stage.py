@@ -27,7 +27,6 @@ class _Live:
     decoder: IncrementalDecoder
     prompt_tokens: int
     tokenizer_s: float = 0.0
-    busy_s: float = 0.0  # time this stage spent on the uid
     queue_s: float = 0.0
 
 
@@ -41,9 +40,11 @@ class Detokenizer:
         self._late = LATE_REPLIES.labels(stage="detokenizer")
         self._latency = STAGE_LATENCY.labels(stage="detokenizer")
 
-    def handle(self, message: protocol.ToDetokenizer) -> None:
+    def handle(self, message: protocol.ToDetokenizer, arrived: float | None = None) -> None:
+        """``arrived``: when the message reached this stage's inbox (monotonic)."""
         if isinstance(message, protocol.TokenBatch):
-            replies = [r for r in map(self._decode, message.outputs) if r is not None]
+            started = time.monotonic() if arrived is None else arrived
+            replies = [r for r in (self._decode(o, started) for o in message.outputs) if r]
             if replies:
                 self.ring.send(protocol.ReplyBatch(replies=replies))
         elif isinstance(message, protocol.Begin):
@@ -62,8 +63,7 @@ class Detokenizer:
             self._release(message.uid)
             self.ring.send(message)
 
-    def _decode(self, out: protocol.TokenOutput) -> protocol.Reply | None:
-        started = time.monotonic()
+    def _decode(self, out: protocol.TokenOutput, started: float) -> protocol.Reply | None:
         live = self.live.get(out.uid)
         if live is None:
             if out.finish_reason is None:
@@ -81,7 +81,6 @@ class Detokenizer:
             finish = "stop"
         elif finish is not None:
             text += live.decoder.flush()
-        live.busy_s += time.monotonic() - started
         reply = protocol.Reply(
             uid=out.uid, text=text, num_tokens=len(out.token_ids), finish_reason=finish
         )
@@ -91,10 +90,11 @@ class Detokenizer:
             reply.tokenizer_s = live.tokenizer_s
             reply.queue_s = live.queue_s
             reply.scheduler_s = out.scheduler_s
-            reply.detokenizer_s = live.busy_s
+            # the terminal message's own time: what this stage adds to the request's end
+            reply.detokenizer_s = time.monotonic() - started
             if out.error_code:
                 reply.error_code = out.error_code
-            self._latency.observe(live.busy_s)
+            self._latency.observe(reply.detokenizer_s)
             self._release(out.uid)
         return reply
 
@@ -121,10 +121,10 @@ def run(settings: Settings) -> int:
     try:
         while not drain.done(idle=not stage.live):
             if ring.poll(100):
-                messages = ring.recv_ready()
+                messages = ring.recv_timed()
                 inbox_depth.set(len(messages))
-                for message in messages:
-                    stage.handle(message)
+                for arrived, message in messages:
+                    stage.handle(message, arrived)
             if time.monotonic() > next_sweep:
                 stage.sweep()
                 next_sweep = time.monotonic() + 1.0

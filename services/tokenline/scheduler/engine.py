@@ -62,6 +62,7 @@ class Engine:
         prompt_ids: list[int],
         sampling: SamplingParams,
         timeout_s: float = float("inf"),
+        arrival: float | None = None,
     ) -> Sequence:
         if not self.scheduler.fits_at_all(len(prompt_ids)):
             raise KVCacheTooSmall(
@@ -87,6 +88,7 @@ class Engine:
             sampling=sampling,
             max_tokens=max_tokens,
             deadline=time.monotonic() + timeout_s,
+            arrival=time.monotonic() if arrival is None else arrival,
         )
         if sampling.seed is not None:
             seq.generator = self.runner.make_generator(sampling.seed)

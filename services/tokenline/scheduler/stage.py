@@ -57,9 +57,10 @@ class SchedulerStage:
         self._next_housekeeping = 0.0
 
     # ── inbox ──────────────────────────────────────────────────────────────────────────────────
-    def handle(self, message: protocol.ToScheduler) -> None:
+    def handle(self, message: protocol.ToScheduler, arrived: float | None = None) -> None:
+        """``arrived``: when the message reached this stage's inbox (monotonic)."""
         if isinstance(message, protocol.Tokenized):
-            self._admit(message)
+            self._admit(message, time.monotonic() if arrived is None else arrived)
         elif isinstance(message, protocol.Abort):
             if self.engine.abort(message.uid) is None:
                 self.tombstones.add(message.uid)
@@ -83,7 +84,7 @@ class SchedulerStage:
         else:  # Failed: a terminal error from upstream, on its way to the api
             self.ring.send(message)
 
-    def _admit(self, request: protocol.Tokenized) -> None:
+    def _admit(self, request: protocol.Tokenized, arrived: float) -> None:
         uid = request.uid
         if uid in self.tombstones:
             self.tombstones.discard(uid)
@@ -96,7 +97,9 @@ class SchedulerStage:
             )
             return
         try:
-            self.engine.add(uid, request.prompt_ids, request.sampling, request.timeout_s)
+            self.engine.add(
+                uid, request.prompt_ids, request.sampling, request.timeout_s, arrival=arrived
+            )
         except InvalidRequest as exc:
             self.ring.send(
                 protocol.Failed(uid=uid, code=exc.code, message=str(exc), param=exc.param)
@@ -147,10 +150,10 @@ class SchedulerStage:
         while not drain.done(idle=not self.engine.scheduler.by_uid):
             busy = self.engine.has_work()
             if self.ring.poll(0 if busy else 50):
-                messages = self.ring.recv_ready()
+                messages = self.ring.recv_timed()
                 self._depth["inbox"].set(len(messages))
-                for message in messages:
-                    self.handle(message)
+                for arrived, message in messages:
+                    self.handle(message, arrived)
             if self.engine.has_work():
                 self.step()
             self.housekeeping()

@@ -118,17 +118,19 @@ def run(settings: Settings) -> int:
         while not drain.done(idle=True):
             if not ring.poll(100):
                 continue
-            messages = ring.recv_ready(BATCH_LIMIT)
+            timed = ring.recv_timed(BATCH_LIMIT)
+            messages = [message for _, message in timed]
             inbox_depth.set(len(messages))
             requests = [m for m in messages if isinstance(m, protocol.Generate)]
             for request in requests:  # held only while this batch is tokenized
                 ledger.open(request.uid, request.timeout_s)
             results = iter(tokenizer.process(requests)) if requests else iter(())
-            for message in messages:
+            for arrived, message in timed:
                 if isinstance(message, protocol.Generate):
                     result = next(results)
                     ledger.close(message.uid)
                     if isinstance(result, protocol.Tokenized):
+                        result.tokenizer_s = time.monotonic() - arrived  # inbox wait included
                         latency.observe(result.tokenizer_s)
                     ring.send(result)
                 elif isinstance(message, protocol.Heartbeat):

@@ -52,12 +52,16 @@ def test_client_disconnect_becomes_an_abort_that_frees_every_stage(
     short_stack, stream, nothing_held
 ):
     before = _aborts(short_stack, "client_disconnect")
+    late_before = short_stack.metric("api", "tokenline_late_messages_total", stage="api")
     sock = _raw_request(short_stack, {"model": "tiny", "prompt": "bye", "stream": stream, **LONG})
     # wait until the scheduler is decoding it, then hang up without reading a byte
     assert _wait_for(lambda: short_stack.metric("scheduler", "tokenline_num_requests_running"))
     sock.close()
     assert _wait_for(lambda: _aborts(short_stack, "client_disconnect") - before == 1, 5)
     nothing_held(short_stack)
+    # the scheduler's own end for the aborted uid came back after the api let go: dropped, counted
+    late = short_stack.metric("api", "tokenline_late_messages_total", stage="api")
+    assert late > late_before
 
 
 def test_deadline_aborts_with_a_clear_error(short_stack, nothing_held):

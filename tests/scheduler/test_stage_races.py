@@ -1,0 +1,81 @@
+"""The scheduler stage's ring handling: aborts that overtake requests, and every uid's end."""
+
+from __future__ import annotations
+
+from tokenline import protocol
+from tokenline.scheduler.stage import SchedulerStage
+
+
+class RecordingRing:
+    """Stands in for the outbox only: the stage's routing is what is under test."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+
+    def terminals(self) -> dict[str, str]:
+        return {
+            o.uid: o.finish_reason
+            for m in self.sent
+            if isinstance(m, protocol.TokenBatch)
+            for o in m.outputs
+            if o.finish_reason
+        }
+
+
+def _request(uid: str) -> protocol.Tokenized:
+    return protocol.Tokenized(
+        uid=uid,
+        prompt_ids=[5, 6, 7],
+        sampling=protocol.SamplingParams(max_tokens=4, ignore_eos=True),
+        timeout_s=30,
+    )
+
+
+def test_an_abort_that_overtakes_its_request_refuses_it_on_arrival(make_engine):
+    ring = RecordingRing()
+    stage = SchedulerStage(make_engine(), ring, "tiny")
+    stage.handle(protocol.Abort(uid="late-1", reason="client_disconnect"))
+    assert isinstance(ring.sent[0], protocol.Abort)  # forwarded: later stages may hold it
+    stage.handle(_request("late-1"))
+    assert not stage.engine.holds("late-1")
+    begin = [m for m in ring.sent if isinstance(m, protocol.Begin)]
+    assert [b.uid for b in begin] == ["late-1"]  # the detokenizer sees its start...
+    assert ring.terminals() == {"late-1": "abort"}  # ...and exactly one end
+    stage.handle(_request("late-1"))  # the tombstone is spent: a retry with the uid runs
+    assert stage.engine.holds("late-1")
+
+
+def test_an_abort_for_a_held_uid_frees_its_kv_at_the_next_step(make_engine):
+    ring = RecordingRing()
+    stage = SchedulerStage(make_engine(), ring, "tiny")
+    stage.handle(_request("a"))
+    stage.step()
+    assert stage.engine.pool.usage > 0
+    stage.handle(protocol.Abort(uid="a", reason="deadline"))
+    assert stage.engine.pool.usage == 0
+    stage.step()
+    assert ring.terminals() == {"a": "abort"}
+    assert len(stage.ledger) == 0
+
+
+def test_every_admitted_uid_ends_exactly_once(make_engine):
+    ring = RecordingRing()
+    stage = SchedulerStage(make_engine(), ring, "tiny")
+    for i in range(6):
+        stage.handle(_request(f"r{i}"))
+    stage.handle(protocol.Abort(uid="r2", reason="client_disconnect"))
+    while stage.engine.has_work():
+        stage.step()
+    ends = [
+        o.uid
+        for m in ring.sent
+        if isinstance(m, protocol.TokenBatch)
+        for o in m.outputs
+        if o.finish_reason
+    ]
+    assert sorted(ends) == [f"r{i}" for i in range(6)]
+    assert ring.terminals()["r2"] == "abort"
+    assert len(stage.ledger) == 0

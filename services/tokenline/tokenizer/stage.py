@@ -41,7 +41,6 @@ class Tokenizer:
     def process(
         self, requests: list[protocol.Generate]
     ) -> list[protocol.Tokenized | protocol.Failed]:
-        started = time.monotonic()
         texts: list[str | None] = []
         failures: dict[int, protocol.Failed] = {}
         for i, request in enumerate(requests):
@@ -66,16 +65,15 @@ class Tokenizer:
             if idx:
                 batch = self.tokenizer([texts[i] for i in idx], add_special_tokens=not is_chat)
                 encoded.update(zip(idx, batch["input_ids"], strict=True))
-        elapsed = time.monotonic() - started
         out: list[protocol.Tokenized | protocol.Failed] = []
         for i, request in enumerate(requests):
             if i in failures:
                 out.append(failures[i])
                 continue
-            out.append(self._check(request, encoded[i], elapsed))
+            out.append(self._check(request, encoded[i]))
         return out
 
-    def _check(self, request: protocol.Generate, ids: list[int], elapsed: float):
+    def _check(self, request: protocol.Generate, ids: list[int]):
         limit = self.max_model_len
         asked = request.sampling.max_tokens
         if len(ids) >= limit or (asked is not None and len(ids) + asked > limit):
@@ -98,7 +96,6 @@ class Tokenizer:
             prompt_ids=ids,
             sampling=sampling,
             timeout_s=request.timeout_s,
-            tokenizer_s=elapsed,
         )
 
 

@@ -38,17 +38,56 @@ MESSAGES = {
         protocol.TokenBatch(
             outputs=[protocol.TokenOutput(uid="a-1", token_ids=[5], finish_reason="length")]
         ),
+        protocol.TokenBatch(
+            outputs=[
+                protocol.TokenOutput(
+                    uid="a-2",
+                    token_ids=[7],
+                    logprobs=[
+                        protocol.TokenLogprobs(
+                            token_id=7, logprob=-0.25, top_ids=[7, 9], top_logprobs=[-0.25, -2.0]
+                        )
+                    ],
+                )
+            ]
+        ),
     ],
     "api": [
         protocol.ReplyBatch(
             replies=[
                 protocol.Reply(
                     uid="a-1", text="ok", num_tokens=1, finish_reason="stop", prompt_tokens=3
-                )
+                ),
+                protocol.Reply(
+                    uid="a-2",
+                    text="é",
+                    num_tokens=2,
+                    logprobs=[
+                        protocol.LogprobEntry(
+                            token="\ufffd",
+                            logprob=-1.5,
+                            bytes=[195],
+                            top=[protocol.TopLogprob(token="\ufffd", logprob=-1.5, bytes=[195])],
+                        ),
+                        protocol.LogprobEntry(token="\ufffd", logprob=-0.5, bytes=[169]),
+                    ],
+                ),
             ]
         ),
     ],
 }
+
+
+def test_requests_without_logprobs_carry_nothing_for_them():
+    plain = msgspec.msgpack.Encoder()
+    assert "logprobs" not in msgspec.msgpack.decode(plain.encode(SAMPLING))
+    # array-like structs keep every position: an absent list costs one nil byte, no more
+    for message in (
+        protocol.TokenOutput(uid="a-1", token_ids=[5]),
+        protocol.Reply(uid="a-1", text="ok", num_tokens=1),
+    ):
+        assert msgspec.msgpack.decode(plain.encode(message))[-1] is None
+        assert plain.encode(message).endswith(b"\xc0")
 
 
 @pytest.mark.parametrize("stage", list(MESSAGES))

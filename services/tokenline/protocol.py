@@ -47,6 +47,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logprobs: int | None = None  # None: not wanted; N: the chosen token's plus the top N
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -134,6 +135,16 @@ class Begin(_Message, tag="begin"):
     tokenizer_s: float = 0.0
 
 
+class TokenLogprobs(msgspec.Struct, omit_defaults=True, array_like=True):
+    """One sampled token's log-probability under the model's raw distribution, with the top
+    alternatives (most likely first)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
     uid: str
     token_ids: list[int]
@@ -141,6 +152,7 @@ class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=T
     queue_s: float = 0.0  # set on the first output: time from arrival to first schedule
     scheduler_s: float = 0.0  # set on the terminal output: time the uid spent in the scheduler
     error_code: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked
 
 
 class TokenBatch(_Message, tag="tokens"):
@@ -150,6 +162,21 @@ class TokenBatch(_Message, tag="tokens"):
 
 
 # ── detokenizer → api ─────────────────────────────────────────────────────────────────────────
+
+
+class TopLogprob(msgspec.Struct, array_like=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class LogprobEntry(msgspec.Struct, omit_defaults=True, array_like=True):
+    """A token as the client sees it: its text, log-probability, UTF-8 bytes, alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top: list[TopLogprob] = []
 
 
 class Reply(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
@@ -167,6 +194,7 @@ class Reply(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
     queue_s: float = 0.0
     scheduler_s: float = 0.0
     detokenizer_s: float = 0.0
+    logprobs: list[LogprobEntry] | None = None  # per token of this reply, when asked
 
 
 class ReplyBatch(_Message, tag="replies"):

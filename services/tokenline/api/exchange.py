@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tokenline.api.errors import ApiError
-from tokenline.protocol import Reply
+from tokenline.protocol import LogprobEntry, Reply
 
 HIGH_WATER = 64
 LOW_WATER = 16
@@ -51,6 +51,7 @@ class Exchange:
     last_token_at: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
     texts: list[list[str]] = field(default_factory=list)  # filled by collect()
+    logprobs: list[list[LogprobEntry]] = field(default_factory=list)  # filled by collect()
     _buffer: deque[tuple[int, Reply]] = field(default_factory=deque)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -58,6 +59,7 @@ class Exchange:
         self.index = {uid: i for i, uid in enumerate(self.uids)}
         self.choices = [Choice(i) for i in range(len(self.uids))]
         self.texts = [[] for _ in self.uids]
+        self.logprobs = [[] for _ in self.uids]
 
     # ── listener side ──────────────────────────────────────────────────────────────────────────
     @property
@@ -108,11 +110,17 @@ class Exchange:
             self.flow.resume(self)
         return items
 
+    def keep(self, batch: list[tuple[int, Reply]]) -> None:
+        """Accumulate replies' text and logprobs per choice (non-streaming)."""
+        for index, reply in batch:
+            self.texts[index].append(reply.text)
+            if reply.logprobs:
+                self.logprobs[index].extend(reply.logprobs)
+
     async def collect(self) -> None:
         """Wait for the whole request (non-streaming); text accumulates in ``texts``."""
         while True:
             batch = await self.next_batch()
-            for index, reply in batch:
-                self.texts[index].append(reply.text)
+            self.keep(batch)
             if not batch and self.done:
                 return

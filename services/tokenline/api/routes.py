@@ -144,8 +144,7 @@ async def _serve(request: Request, body, build, chat: bool) -> Response:
                 events = (_chat_events if chat else _completion_events)(ex, body, first, meta)
                 handed_over = True
                 return ExchangeStream(events, request, pipeline, ex)
-            for index, reply in first:
-                ex.texts[index].append(reply.text)
+            ex.keep(first)
             await ex.collect()
         pipeline.close(ex)
         if ex.error is not None:
@@ -174,17 +173,58 @@ def _usage(ex: Exchange) -> dict:
     }
 
 
+# ── logprobs ───────────────────────────────────────────────────────────────────────────────────
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI and vLLM report this instead
+
+
+def _logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def _chat_logprobs(entries: list[protocol.LogprobEntry]) -> dict:
+    return {
+        "content": [
+            {
+                "token": e.token,
+                "logprob": _logprob(e.logprob),
+                "bytes": e.bytes,
+                "top_logprobs": [
+                    {"token": t.token, "logprob": _logprob(t.logprob), "bytes": t.bytes}
+                    for t in e.top
+                ],
+            }
+            for e in entries
+        ]
+    }
+
+
+def _completion_logprobs(entries: list[protocol.LogprobEntry], offset: int = 0) -> dict:
+    """The legacy completions shape; ``offset``: where the first token's text starts."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [_logprob(e.logprob) for e in entries],
+        "top_logprobs": [{t.token: _logprob(t.logprob) for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
 def _full_response(ex: Exchange, body, meta: dict, chat: bool) -> dict:
     choices = []
+    wanted = body.wanted_logprobs() is not None
     for choice in ex.choices:
         text = "".join(ex.texts[choice.index])
+        entries = ex.logprobs[choice.index]
         if chat:
             choices.append(
                 {
                     "index": choice.index,
                     "message": {"role": "assistant", "content": text},
                     "finish_reason": choice.finish_reason,
-                    "logprobs": None,
+                    "logprobs": _chat_logprobs(entries) if wanted else None,
                 }
             )
         else:
@@ -193,7 +233,7 @@ def _full_response(ex: Exchange, body, meta: dict, chat: bool) -> dict:
                     "index": choice.index,
                     "text": text,
                     "finish_reason": choice.finish_reason,
-                    "logprobs": None,
+                    "logprobs": _completion_logprobs(entries) if wanted else None,
                 }
             )
     return {
@@ -241,11 +281,20 @@ def _coalesce(batch: list[tuple[int, protocol.Reply]]) -> list[tuple[int, protoc
                     text=last.text + reply.text,
                     num_tokens=last.num_tokens + reply.num_tokens,
                     finish_reason=reply.finish_reason,
+                    logprobs=_merge_logprobs(last.logprobs, reply.logprobs),
                 ),
             )
         else:
             merged.append((index, reply))
     return merged
+
+
+def _merge_logprobs(
+    first: list[protocol.LogprobEntry] | None, second: list[protocol.LogprobEntry] | None
+) -> list[protocol.LogprobEntry] | None:
+    if first is None or second is None:
+        return first if second is None else second
+    return first + second
 
 
 async def _replies(ex: Exchange, first: list) -> AsyncIterator[tuple[int, protocol.Reply]]:
@@ -273,13 +322,21 @@ async def _chat_events(
     ex: Exchange, body: ChatCompletionRequest, first: list, meta: dict
 ) -> AsyncIterator[bytes]:
     head = {**meta, "object": "chat.completion.chunk"}
+    wanted = body.wanted_logprobs() is not None
 
-    def chunk(index: int, delta: dict, finish: str | None = None) -> bytes:
+    def chunk(
+        index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None
+    ) -> bytes:
         return event(
             {
                 **head,
                 "choices": [
-                    {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+                    {
+                        "index": index,
+                        "delta": delta,
+                        "logprobs": logprobs,
+                        "finish_reason": finish,
+                    }
                 ],
             }
         )
@@ -287,7 +344,10 @@ async def _chat_events(
     for choice in ex.choices:
         yield chunk(choice.index, {"role": "assistant", "content": ""})
     async for index, reply in _replies(ex, first):
-        if reply.text:
+        if wanted and reply.logprobs:
+            # tokens whose text is still held back get their chunk now, with empty content
+            yield chunk(index, {"content": reply.text}, logprobs=_chat_logprobs(reply.logprobs))
+        elif reply.text:
             yield chunk(index, {"content": reply.text})
         if reply.finish_reason in NORMAL_ENDS:
             yield chunk(index, {}, reply.finish_reason)
@@ -306,26 +366,38 @@ async def _completion_events(
     ex: Exchange, body: CompletionRequest, first: list, meta: dict
 ) -> AsyncIterator[bytes]:
     head = {**meta, "object": "text_completion"}
+    wanted = body.wanted_logprobs() is not None
+    offsets = [0] * len(ex.choices)  # per choice: where the next token's text starts
 
-    def chunk(index: int, text: str, finish: str | None = None) -> bytes:
+    def chunk(index: int, reply: protocol.Reply, finish: str | None = None) -> bytes:
+        logprobs = None
+        if wanted:
+            entries = reply.logprobs or []
+            logprobs = _completion_logprobs(entries, offsets[index])
+            offsets[index] += sum(len(e.token) for e in entries)
         return event(
             {
                 **head,
                 "choices": [
-                    {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+                    {
+                        "index": index,
+                        "text": reply.text,
+                        "logprobs": logprobs,
+                        "finish_reason": finish,
+                    }
                 ],
             }
         )
 
     async for index, reply in _replies(ex, first):
         if reply.finish_reason in NORMAL_ENDS:
-            yield chunk(index, reply.text, reply.finish_reason)
+            yield chunk(index, reply, reply.finish_reason)
         elif reply.finish_reason:
             yield _error_event(ex, reply)
             yield DONE
             return
-        elif reply.text:
-            yield chunk(index, reply.text)
+        elif reply.text or (wanted and reply.logprobs):
+            yield chunk(index, reply)
     if ex.error is not None:
         yield _error_event(ex, None)
     elif body.include_usage:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from tokenline.protocol import ChatMessage, SamplingParams
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI allows
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs, as OpenAI allows
 
 
 class StreamOptions(BaseModel):
@@ -38,7 +40,6 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] = Field(default_factory=list)
-    logprobs: bool | int | None = None
 
     @field_validator("stop")
     @classmethod
@@ -48,15 +49,12 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
         return [s for s in stops if s]
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool | int | None) -> None:
-        if value:
-            raise ValueError("logprobs are not supported yet; leave logprobs unset")
-        return None
-
     def wanted_tokens(self) -> int | None:
         return self.max_tokens
+
+    def wanted_logprobs(self) -> int | None:
+        """None: no logprobs; N: the chosen token's plus the top N alternatives."""
+        return None
 
     def sampling(self, index: int) -> SamplingParams:
         """Parameters for choice ``index``; a seeded request gives each choice its own seed."""
@@ -74,6 +72,7 @@ class _SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty,
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
+            logprobs=self.wanted_logprobs(),
         )
 
     @property
@@ -103,9 +102,21 @@ class ChatMessageIn(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return value
 
     def wanted_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def wanted_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def wire_messages(self) -> list[ChatMessage]:
         return [m.to_wire() for m in self.messages]
@@ -115,6 +126,10 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS, strict=True)
+
+    def wanted_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod

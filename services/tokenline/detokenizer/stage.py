@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tokenline import protocol
 from tokenline.detokenizer.incremental import IncrementalDecoder
+from tokenline.detokenizer.token_text import TokenTexts
 from tokenline.ledger import Ledger
 from tokenline.lifecycle import Drain, instance_id
 from tokenline.metrics import BUFFER_DEPTH, LATE_REPLIES, STAGE_LATENCY, serve_metrics
@@ -33,6 +34,7 @@ class _Live:
 class Detokenizer:
     def __init__(self, tokenizer, ring: SyncRing) -> None:  # tokenizer: tokenizers.Tokenizer
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)
         self.ring = ring
         self.live: dict[str, _Live] = {}
         self.ledger = Ledger("detokenizer")
@@ -84,6 +86,9 @@ class Detokenizer:
         reply = protocol.Reply(
             uid=out.uid, text=text, num_tokens=len(out.token_ids), finish_reason=finish
         )
+        if out.logprobs is not None:
+            # After a stop string, the tokens up to the one that completed the match keep theirs.
+            reply.logprobs = [self.token_texts.entry(lp) for lp in out.logprobs]
         if finish is not None:
             reply.stop_string = stop_string and out.finish_reason is None
             reply.prompt_tokens = live.prompt_tokens

@@ -12,7 +12,7 @@ from tokenline.protocol import SamplingParams, TokenOutput
 from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.policy import Scheduler
 from tokenline.scheduler.runner import ModelRunner
-from tokenline.scheduler.sampler import sample
+from tokenline.scheduler.sampler import sample_with_logprobs
 from tokenline.scheduler.sequence import Sequence
 
 
@@ -126,9 +126,9 @@ class Engine:
         sampling_seqs = [c.seq for c in chunks if c.samples]
         if not sampling_seqs:
             return outputs
-        tokens = sample(logits, sampling_seqs, self.eos_ids)
+        tokens, logprobs = sample_with_logprobs(logits, sampling_seqs, self.eos_ids)
         now = time.monotonic()
-        for seq, token in zip(sampling_seqs, tokens, strict=True):
+        for seq, token, logprob in zip(sampling_seqs, tokens, logprobs, strict=True):
             first = not seq.output_ids
             seq.output_ids.append(token)
             reason = self._finish_reason(seq, token)
@@ -137,6 +137,8 @@ class Engine:
                 outputs.append(self._terminal(seq, [token], reason))
             else:
                 outputs.append(TokenOutput(uid=seq.uid, token_ids=[token]))
+            if logprob is not None:
+                outputs[-1].logprobs = [logprob]
             if first:
                 outputs[-1].queue_s = (seq.first_scheduled or now) - seq.arrival
         return outputs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenline.protocol import TokenLogprobs
 from tokenline.scheduler.sequence import Sequence
 
 _NEG_INF = float("-inf")
@@ -30,9 +31,42 @@ def _apply_penalties(logits: torch.Tensor, row: int, seq: Sequence) -> None:
 
 
 @torch.inference_mode()  # the logits come from an inference-mode forward; edits stay in it
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> list[int]:
-    """One token per row of ``logits`` (float32, [len(seqs), vocab])."""
+def sample_with_logprobs(
+    logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """One token per row of ``logits`` ([len(seqs), vocab]), and its log-probability for the
+    rows that asked.
+
+    Log-probabilities are those of the model's raw distribution: ``log_softmax`` of the logits
+    before penalties, bans and temperature (what vLLM reports by default). They are computed
+    on the device, only for the rows that asked, and copied back once.
+    """
     logits = logits.float()
+    asked = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
+    raw = torch.log_softmax(logits[asked], dim=-1) if asked else None  # a copy: edits below
+    tokens = _sample(logits, seqs, eos_ids)
+    out: list[TokenLogprobs | None] = [None] * len(seqs)
+    if raw is None:
+        return tokens.tolist(), out
+    rows = torch.tensor(asked, device=logits.device)
+    chosen = raw.gather(1, tokens[rows].unsqueeze(1)).squeeze(1)
+    top_n = min(max(seqs[i].sampling.logprobs for i in asked), raw.shape[1])
+    top_values, top_ids = torch.topk(raw, top_n, dim=-1, sorted=True)
+    # copied back only now, after every kernel of the step is queued
+    token_list, chosen_list = tokens.tolist(), chosen.tolist()
+    top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
+    for k, i in enumerate(asked):
+        n = seqs[i].sampling.logprobs
+        out[i] = TokenLogprobs(
+            token_id=token_list[i],
+            logprob=chosen_list[k],
+            top_ids=top_ids_list[k][:n],
+            top_logprobs=top_values_list[k][:n],
+        )
+    return token_list, out
+
+
+def _sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> torch.Tensor:
     for row, seq in enumerate(seqs):
         s = seq.sampling
         if s.repetition_penalty != 1.0 or s.frequency_penalty or s.presence_penalty:
@@ -46,7 +80,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> li
     greedy = temps <= 0
     tokens = torch.argmax(logits, dim=-1)
     if bool(greedy.all()):
-        return tokens.tolist()
+        return tokens
 
     logits = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
     top_k = [s.sampling.top_k for s in seqs]
@@ -68,7 +102,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> li
         # what else shares the batch.
         if seq.generator is not None and not greedy[i]:
             tokens[i] = torch.multinomial(probs[i], 1, generator=seq.generator)[0]
-    return tokens.tolist()
+    return tokens
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

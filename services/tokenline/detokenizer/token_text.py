@@ -1,0 +1,70 @@
+"""Token ids to the text and bytes that logprobs report, one token at a time, cached per id."""
+
+from __future__ import annotations
+
+import re
+
+from tokenline.protocol import LogprobEntry, TokenLogprobs, TopLogprob
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: each printable stand-in char to its byte."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+class TokenTexts:
+    """Text of a token decoded alone, and its bytes.
+
+    A byte-level token that holds part of a multi-byte character decodes to U+FFFD; its
+    ``bytes`` are then the raw token's own bytes (byte-level BPE or ``<0xNN>`` byte fallback),
+    so a client can join the bytes of consecutive tokens into the exact text.
+    """
+
+    def __init__(self, tokenizer, max_cached: int = 1 << 20) -> None:  # tokenizers.Tokenizer
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._max_cached = max_cached
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=True)
+            hit = (text, self._bytes(token_id, text))
+            if len(self._cache) < self._max_cached:
+                self._cache[token_id] = hit
+        return hit
+
+    def _bytes(self, token_id: int, text: str) -> list[int]:
+        if "\ufffd" in text:
+            raw = self._tokenizer.id_to_token(token_id)
+            if raw:
+                fallback = _BYTE_FALLBACK.fullmatch(raw)
+                if fallback:
+                    return [int(fallback.group(1), 16)]
+                if all(c in _BYTE_LEVEL for c in raw):
+                    return [_BYTE_LEVEL[c] for c in raw]
+        return list(text.encode())
+
+    def entry(self, logprobs: TokenLogprobs) -> LogprobEntry:
+        text, raw = self.get(logprobs.token_id)
+        top = []
+        for token_id, value in zip(logprobs.top_ids, logprobs.top_logprobs, strict=True):
+            top_text, top_raw = self.get(token_id)
+            top.append(TopLogprob(token=top_text, logprob=value, bytes=top_raw))
+        return LogprobEntry(token=text, logprob=logprobs.logprob, bytes=raw, top=top)

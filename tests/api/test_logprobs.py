@@ -1,0 +1,207 @@
+"""OpenAI logprobs through the real four-process stack, read by the official openai client."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+
+@pytest.fixture
+def client(stack) -> OpenAI:
+    return OpenAI(base_url=f"{stack.api_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+CHAT = [{"role": "user", "content": "Tell me about the river and the mountain."}]
+MAX_TOKENS = 12
+
+
+def _chat(client, stack, **kw):
+    return client.chat.completions.create(
+        model=stack.model,
+        messages=CHAT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        **kw,
+    )
+
+
+def _joined_bytes(entries) -> str:
+    return b"".join(bytes(e.bytes) for e in entries).decode("utf-8")
+
+
+def test_chat_logprobs_one_entry_per_token_greedy_is_top_one(client, stack):
+    reply = _chat(client, stack)
+    choice = reply.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == reply.usage.completion_tokens > 0
+    for entry in content:
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and all(t <= 0 for t in tops)
+        # greedy: the chosen token is the most likely alternative
+        assert entry.token == entry.top_logprobs[0].token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.bytes is not None
+    # the tokens spell the message: byte for byte, and as text where no token splits a char
+    assert _joined_bytes(content) == choice.message.content
+    if not any("\ufffd" in e.token for e in content):
+        assert "".join(e.token for e in content) == choice.message.content
+
+
+def test_chat_streaming_logprobs_match_non_streaming(client, stack):
+    full = _chat(client, stack).choices[0]
+    chunks = list(_chat(client, stack, stream=True, stream_options={"include_usage": True}))
+    streamed = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.bytes) for e in streamed] == [
+        (e.token, e.bytes) for e in full.logprobs.content
+    ]
+    for got, want in zip(streamed, full.logprobs.content, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t.token for t in got.top_logprobs] == [t.token for t in want.top_logprobs]
+    assert len(streamed) == chunks[-1].usage.completion_tokens
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.message.content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_logprobs_lists_line_up_with_the_tokens(client, stack, stream):
+    kw = dict(model=stack.model, prompt="hello world", max_tokens=MAX_TOKENS, temperature=0)
+    if stream:
+        chunks = list(
+            client.completions.create(
+                **kw, logprobs=2, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        usage = chunks[-1].usage
+        parts = [c.choices[0].logprobs for c in chunks if c.choices]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        tokens = [t for p in parts for t in p.tokens]
+        token_logprobs = [t for p in parts for t in p.token_logprobs]
+        top_logprobs = [t for p in parts for t in p.top_logprobs]
+        text_offset = [t for p in parts for t in p.text_offset]
+    else:
+        reply = client.completions.create(**kw, logprobs=2)
+        usage, text, lp = reply.usage, reply.choices[0].text, reply.choices[0].logprobs
+        tokens, token_logprobs = lp.tokens, lp.token_logprobs
+        top_logprobs, text_offset = lp.top_logprobs, lp.text_offset
+    n = usage.completion_tokens
+    assert n > 0
+    assert len(tokens) == len(token_logprobs) == len(top_logprobs) == len(text_offset) == n
+    assert all(v <= 0 for v in token_logprobs)
+    for token, value, top in zip(tokens, token_logprobs, top_logprobs, strict=True):
+        assert 1 <= len(top) <= 2 and all(v <= 0 for v in top.values())
+        # two alternatives, unless two tokens render alike (part of a character, a special)
+        assert len(top) == 2 or any("\ufffd" in t or not t for t in top)
+        assert max(top.values()) <= value + 1e-6  # greedy: nothing beats the chosen token
+        if "\ufffd" not in token and token:
+            assert top[token] == pytest.approx(value)
+    # each token starts where the previous one's text ends
+    lengths = [len(t) for t in tokens]
+    assert text_offset == [sum(lengths[:i]) for i in range(n)]
+    if not any("\ufffd" in t for t in tokens):
+        assert "".join(tokens) == text
+
+
+def test_top_logprobs_without_logprobs_is_400(client, stack):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=stack.model, messages=CHAT, max_tokens=2, top_logprobs=2
+        )
+    assert err.value.body["param"] == "top_logprobs"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (
+            "chat/completions",
+            {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        (
+            "chat/completions",
+            {"messages": CHAT, "logprobs": True, "top_logprobs": -1},
+            "top_logprobs",
+        ),
+        ("completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
+        ("completions", {"prompt": "x", "logprobs": True}, "logprobs"),
+    ],
+)
+def test_out_of_range_logprobs_are_400_with_the_param_named(stack, path, body, param):
+    response = httpx.post(
+        f"{stack.api_url}/v1/{path}", json={"model": stack.model, "max_tokens": 2, **body}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param
+
+
+def test_requests_without_logprobs_still_answer_null(client, stack):
+    for stream in (False, True):
+        kw = dict(model=stack.model, max_tokens=3, temperature=0, stream=stream)
+        chat = client.chat.completions.create(messages=CHAT, **kw)
+        text = client.completions.create(prompt="hello world", **kw)
+        if stream:
+            chunks = [c for c in [*chat, *text] if c.choices]
+            assert chunks and all(c.choices[0].logprobs is None for c in chunks)
+        else:
+            assert chat.choices[0].logprobs is None and text.choices[0].logprobs is None
+    raw = httpx.post(
+        f"{stack.api_url}/v1/chat/completions",
+        json={"model": stack.model, "messages": CHAT, "max_tokens": 2},
+    ).json()
+    assert "logprobs" in raw["choices"][0] and raw["choices"][0]["logprobs"] is None
+
+
+def test_logprobs_false_is_like_not_asking(client, stack):
+    reply = client.chat.completions.create(
+        model=stack.model, messages=CHAT, max_tokens=2, logprobs=False
+    )
+    assert reply.choices[0].logprobs is None
+
+
+def test_stop_string_keeps_logprobs_through_the_matching_token(client, stack):
+    full = _chat(client, stack).choices[0].message.content
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert stop and full.find(stop) > 0
+    reply = _chat(client, stack, stop=[stop])
+    content = reply.choices[0].message.content
+    assert content == full[: full.find(stop)]
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == reply.usage.completion_tokens
+    spelled = _joined_bytes(entries)
+    # every token up to and including the one that completed the stop string, no further
+    assert spelled.startswith(content + stop)
+    assert not _joined_bytes(entries[:-1]).startswith(content + stop)
+
+
+def test_coalesced_replies_keep_every_token_logprob():
+    from tokenline.api.routes import _coalesce
+    from tokenline.protocol import LogprobEntry, Reply
+
+    def entry(token: str) -> LogprobEntry:
+        return LogprobEntry(token=token, logprob=-1.0, bytes=list(token.encode()))
+
+    batch = [
+        (0, Reply(uid="u", text="a", num_tokens=1, logprobs=[entry("a")])),
+        (0, Reply(uid="u", text="", num_tokens=1, logprobs=[entry("\ufffd")])),
+        (0, Reply(uid="u", text="bc", num_tokens=1, logprobs=[entry("c")], finish_reason="stop")),
+        (1, Reply(uid="v", text="x", num_tokens=1)),
+        (1, Reply(uid="v", text="y", num_tokens=1)),
+    ]
+    merged = _coalesce(batch)
+    assert [(i, r.text, r.num_tokens, r.finish_reason) for i, r in merged] == [
+        (0, "abc", 3, "stop"),
+        (1, "xy", 2, None),
+    ]
+    assert [e.token for e in merged[0][1].logprobs] == ["a", "\ufffd", "c"]
+    assert merged[1][1].logprobs is None

@@ -88,6 +88,7 @@ class _Step:
         tuple[int, int, torch.Tensor, int]
     ]  # (row start, n, context slots, context start)
     sample_rows: torch.Tensor  # the last token row of every chunk that samples
+    decode_only: bool = False  # every row is a decode row, in order: no gather or scatter
 
 
 class ModelRunner:
@@ -165,9 +166,12 @@ class ModelRunner:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def _prepare(self, chunks: list[Chunk]) -> _Step:
+        # Built as Python ints and turned into tensors once: a decode step has one token per
+        # sequence, and a tensor per sequence would cost more than the token.
+        bs = self.block_size
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
@@ -176,42 +180,46 @@ class ModelRunner:
         row = 0
         for chunk in chunks:
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+            table = seq.block_table
             ids.extend(seq.token_slice(start, start + n))
-            positions.append(torch.arange(start, start + n))
-            slots.append(self._slots_of(seq.block_table, start, start + n))
+            span = range(start, start + n)
+            positions.extend(span)
+            slots.extend(table[p // bs] * bs + p % bs for p in span)
             if n == 1:
                 decode_rows.append(row)
-                decode_tables.append(seq.block_table)
+                decode_tables.append(table)
                 decode_lens.append(start + 1)
             else:
-                context = self._slots_of(seq.block_table, 0, start + n).to(self.device)
+                context = self._slots_of(table, 0, start + n).to(self.device)
                 prefills.append((row, n, context, start))
             row += n
             if chunk.samples:
                 sample_rows.append(row - 1)
+        device = self.device
         step = _Step(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.cat(positions).to(self.device),
-            slots=torch.cat(slots).to(self.device),
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            slots=torch.tensor(slots, dtype=torch.long, device=device),
             decode_rows=None,
             decode_gather=None,
             decode_mask=None,
             prefills=prefills,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
         )
         if decode_rows:
-            lens = torch.tensor(decode_lens)
-            lmax = int(lens.max())
-            width = -(-lmax // self.block_size)
-            tables = torch.zeros((len(decode_tables), width), dtype=torch.long)
-            for i, table in enumerate(decode_tables):
-                tables[i, : len(table[:width])] = torch.tensor(table[:width])
+            lmax = max(decode_lens)
+            width = -(-lmax // bs)
+            tables = torch.tensor(
+                [t[:width] + [0] * (width - len(t[:width])) for t in decode_tables],
+                dtype=torch.long,
+            )
             pos = torch.arange(lmax)
-            gather = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
-            mask = pos.unsqueeze(0) < lens.unsqueeze(1)
-            step.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=self.device)
-            step.decode_gather = gather.to(self.device)
-            step.decode_mask = mask[:, None, None, :].to(self.device)
+            gather = tables[:, pos // bs] * bs + pos % bs
+            mask = pos.unsqueeze(0) < torch.tensor(decode_lens).unsqueeze(1)
+            step.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+            step.decode_gather = gather.to(device)
+            step.decode_mask = mask[:, None, None, :].to(device)
+            step.decode_only = not prefills
         return step
 
     @torch.inference_mode()
@@ -256,9 +264,10 @@ class ModelRunner:
         pool.index_copy_(0, step.slots, torch.cat((k, v), dim=1).to(self.dtype))
         kvh = self.num_kv_heads
         scale = getattr(attn, "scaling", None)
-        out = torch.empty_like(q)
+        out = None if step.decode_only else torch.empty_like(q)
         if step.decode_rows is not None:
-            qd = q.index_select(0, step.decode_rows).unsqueeze(2)  # [B, heads, 1, D]
+            qd = q if step.decode_only else q.index_select(0, step.decode_rows)
+            qd = qd.unsqueeze(2)  # [B, heads, 1, D]
             gather = step.decode_gather
             kv = pool.index_select(0, gather.view(-1)).view(*gather.shape, *pool.shape[1:])
             kv = kv.transpose(1, 2)  # [B, 2 * kv_heads, L, D]
@@ -266,7 +275,10 @@ class ModelRunner:
             od = F.scaled_dot_product_attention(
                 qd, kd, vd, attn_mask=step.decode_mask, scale=scale, enable_gqa=True
             )
-            out.index_copy_(0, step.decode_rows, od.squeeze(2))
+            if step.decode_only:
+                out = od.squeeze(2)
+            else:
+                out.index_copy_(0, step.decode_rows, od.squeeze(2))
         for row, n, context, start in step.prefills:
             qp = q[row : row + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, D]
             kv = pool.index_select(0, context).transpose(0, 1).unsqueeze(0)  # [1, 2kvh, L, D]

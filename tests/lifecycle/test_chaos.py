@@ -155,3 +155,29 @@ def test_shutdown_lets_streams_finish_and_leaves_no_process(launch_stack):
     survivors = [pid for pid in processes if os.path.exists(f"/proc/{pid}")]
     assert not survivors, f"processes left behind: {survivors}"
     assert not os.path.exists(f"{stack.ipc_dir}/scheduler.sock")
+
+
+def test_a_stalled_api_does_not_blame_the_ring(short_stack):
+    """Heartbeat loss is measured from the oldest unanswered heartbeat: an api that was itself
+    paused past the timeout (GC, SIGSTOP, an overloaded node) serves at once when it resumes."""
+    import concurrent.futures
+
+    assert _wait_ready(short_stack, True, 60)
+    api = short_stack.pid_of("api")
+    body = {"model": "tiny", "prompt": "still here", "max_tokens": 2}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        os.kill(api, signal.SIGSTOP)
+        try:
+            time.sleep(6)  # longer than the 5 s heartbeat timeout
+            # these wait in the kernel's backlog and are the first thing the api sees
+            pending = [
+                pool.submit(
+                    httpx.post, f"{short_stack.api_url}/v1/completions", json=body, timeout=30
+                )
+                for _ in range(4)
+            ]
+            time.sleep(0.5)
+        finally:
+            os.kill(api, signal.SIGCONT)
+        codes = [f.result().status_code for f in pending]
+    assert codes == [200] * 4, codes

@@ -54,7 +54,8 @@ class Pipeline:
         self._origin = f"{os.getpid()}-{os.urandom(4).hex()}"
         self._uid_counter = itertools.count()
         self._heartbeat_seq = itertools.count()
-        self._last_heartbeat: float | None = None
+        self._last_heartbeat: float | None = None  # when one last came back
+        self._unanswered_since: float | None = None  # when the oldest unanswered one left
         self._instances: dict[str, str] = {}
         self.stage_statuses: dict[str, protocol.StageStatus] = {}
         self._tasks: list[asyncio.Task] = []
@@ -81,9 +82,15 @@ class Pipeline:
 
     @property
     def ring_up(self) -> bool:
+        """Every stage answered, and no heartbeat has gone unanswered for the timeout.
+
+        Measured from the oldest unanswered heartbeat, not from the last answer: if the api
+        itself stalls (a paused process, a long GC), the ring is not blamed for it.
+        """
+        unanswered = self._unanswered_since
         return (
             self._last_heartbeat is not None
-            and time.monotonic() - self._last_heartbeat < self.heartbeat_timeout
+            and (unanswered is None or time.monotonic() - unanswered < self.heartbeat_timeout)
             and all(s in self.stage_statuses for s in ("tokenizer", "scheduler", "detokenizer"))
         )
 
@@ -276,6 +283,8 @@ class Pipeline:
             self.ring.send_nowait(
                 protocol.Heartbeat(seq=next(self._heartbeat_seq), origin=self._origin)
             )
+            if self._unanswered_since is None:
+                self._unanswered_since = time.monotonic()
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
             up = self.ring_up
             if was_up and not up:
@@ -299,6 +308,7 @@ class Pipeline:
         self._instances.update(instances)
         self.stage_statuses = {s.stage: s for s in heartbeat.statuses}
         self._last_heartbeat = time.monotonic()
+        self._unanswered_since = None
 
     # ── watchdog ───────────────────────────────────────────────────────────────────────────────
     async def _watchdog(self) -> None:

@@ -1,0 +1,69 @@
+"""What the operator renders into each container is what the real `tokenline` CLI accepts.
+
+The pod spec is built by one package and read by another; this resolves every container's
+environment the way the kubelet does (ConfigMap keys, literal values) and parses its args
+with the stage's own argument parser.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from unittest import mock
+
+import pytest
+
+from tokenline.cli import build_parser, settings_from
+from tokenline_operator import manifests, spec
+from tokenline_operator.manifests import Owner
+
+OWNER = Owner(name="chat", namespace="serving", uid="0b9c5a3e-2222-4c1b-9f44-2a4c1d6e7f80")
+SPECS: dict[str, dict[str, Any]] = {
+    "minimal": {"model": {"name": "tiny"}},
+    "tuned": {
+        "model": {"name": "Qwen/Qwen3-0.6B", "servedName": "qwen3", "revision": "main"},
+        "engine": {
+            "gpus": 1,
+            "dtype": "bfloat16",
+            "maxModelLen": 4096,
+            "kvCacheMemory": "8GiB",
+            "maxNumSeqs": 64,
+            "maxNumBatchedTokens": 4096,
+        },
+    },
+}
+
+
+def _resolved_env(container: dict[str, Any], config: dict[str, str]) -> dict[str, str]:
+    env = {}
+    for item in container["env"]:
+        source = item.get("valueFrom", {})
+        if "configMapKeyRef" in source:
+            env[item["name"]] = config[source["configMapKeyRef"]["key"]]
+        elif "value" in item:
+            env[item["name"]] = item["value"]
+    return env
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_every_stage_container_parses_with_the_real_cli(name):
+    parsed = spec.parse(OWNER.name, SPECS[name], default_image="tokenline:test")
+    config = manifests.config_map(OWNER, parsed)["data"]
+    pod = manifests.deployment(OWNER, parsed)["spec"]["template"]["spec"]
+    seen = set()
+    for container in pod["containers"]:
+        env = _resolved_env(container, config)
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("TOKENLINE_")}
+        with mock.patch.dict(os.environ, {**clean, **env}, clear=True):
+            args = build_parser().parse_args(container["args"])
+        settings = settings_from(args)
+        stage = container["args"][0]
+        seen.add(stage)
+        assert settings.model == parsed["model"]["name"]
+        if stage == "scheduler" and name == "tuned":
+            assert settings.kv_cache_memory == 8 * 2**30
+            assert settings.max_num_batched_tokens == 4096
+            assert settings.dtype == "bfloat16"
+        if stage == "api":
+            assert settings.model_name == manifests.served_model_name(parsed)
+    assert seen == {"api", "tokenizer", "scheduler", "detokenizer"}

@@ -36,6 +36,22 @@ async def _stream_outcome(
     return "cut"
 
 
+def _wait_for_restart(stack, stage: str, old_pid: int, timeout: float = 60) -> None:
+    """Until a new process of ``stage`` serves its metrics and the api is ready again."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if stack.pid_of(stage) != old_pid:
+                stack.metric(stage, "tokenline_live_uids", stage=stage)
+                break
+        except (LookupError, OSError):
+            pass
+        time.sleep(0.1)
+    else:
+        raise TimeoutError(f"{stage} was not restarted")
+    assert _wait_ready(stack, True, timeout)
+
+
 def _wait_ready(stack, ready: bool, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -181,3 +197,36 @@ def test_a_stalled_api_does_not_blame_the_ring(short_stack):
             os.kill(api, signal.SIGCONT)
         codes = [f.result().status_code for f in pending]
     assert codes == [200] * 4, codes
+
+
+def test_an_abort_lost_with_a_dead_scheduler_is_sent_again(short_stack, nothing_held):
+    """The scheduler dies with a client's abort still in its inbox; the detokenizer, which
+    saw the uid begin, must still be told: the api re-sends recent aborts after a restart."""
+    assert _wait_ready(short_stack, True, 60)
+    detokenizer_held = lambda: short_stack.metric(  # noqa: E731
+        "detokenizer", "tokenline_live_uids", stage="detokenizer"
+    )
+    import json
+    import socket as socket_module
+
+    sock = socket_module.create_connection(("127.0.0.1", short_stack.port))
+    body = json.dumps(
+        {"model": "tiny", "prompt": "lost", "stream": True, "max_tokens": 1900, "ignore_eos": True}
+    ).encode()
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    deadline = time.monotonic() + 10
+    while not detokenizer_held() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert detokenizer_held() == 1
+    scheduler = short_stack.pid_of("scheduler")
+    os.kill(scheduler, signal.SIGSTOP)  # the abort will wait in its inbox...
+    sock.close()
+    time.sleep(1.0)
+    os.kill(scheduler, signal.SIGKILL)  # ...and die there
+    _wait_for_restart(short_stack, "scheduler", scheduler)
+    # well inside the 8 s deadline + 30 s grace after which the ledger would reclaim it
+    nothing_held(short_stack, timeout=10)

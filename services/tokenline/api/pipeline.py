@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 
 from tokenline import protocol
@@ -39,6 +40,7 @@ from tokenline.transport import AsyncRing
 log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 0.5
 WATCHDOG_INTERVAL_S = 0.25
+RECENT_ABORTS = 65_536  # aborts remembered for re-sending after a stage restart
 COUNTED_ABORTS = ("client_disconnect", "deadline", "slow_client", "stage_failure", "shutdown")
 
 
@@ -54,6 +56,8 @@ class Pipeline:
         self._origin = f"{os.getpid()}-{os.urandom(4).hex()}"
         self._uid_counter = itertools.count()
         self._heartbeat_seq = itertools.count()
+        # (sent at, uid, reason): an abort queued to a stage that then died is lost with it
+        self._recent_aborts: deque[tuple[float, str, str]] = deque(maxlen=RECENT_ABORTS)
         self._last_heartbeat: float | None = None  # when one last came back
         self._unanswered_since: float | None = None  # when the oldest unanswered one left
         self._instances: dict[str, str] = {}
@@ -181,9 +185,21 @@ class Pipeline:
         if reason in COUNTED_ABORTS:
             ABORTS.labels(reason=reason).inc()
         log.info("abort %s (%s)", ",".join(live), reason)
+        now = time.monotonic()
         for uid in live:
             self.ring.send_nowait(protocol.Abort(uid=uid, reason=reason))
+            self._recent_aborts.append((now, uid, reason))
         ex.fail(abort_error(reason), abort_reason=reason)
+
+    def _resend_recent_aborts(self) -> None:
+        """After a stage restarts, send again the aborts it may have taken down with it, so
+        the stages after it free those uids now rather than at deadline plus grace."""
+        horizon = time.monotonic() - self.settings.request_timeout
+        recent = [(uid, reason) for sent, uid, reason in self._recent_aborts if sent >= horizon]
+        for uid, reason in recent:
+            self.ring.send_nowait(protocol.Abort(uid=uid, reason=reason))
+        if recent:
+            log.info("api: re-sent %d recent abort(s) after a stage restart", len(recent))
 
     def fail_all(self, reason: str) -> None:
         for ex in {id(e): e for e in self.exchanges.values()}.values():
@@ -304,6 +320,7 @@ class Pipeline:
         restarted = [s for s, i in instances.items() if self._instances.get(s, i) != i]
         if restarted:
             log.error("api: stage(s) %s restarted; failing in-flight requests", restarted)
+            self._resend_recent_aborts()
             self.fail_all("stage_failure")
         self._instances.update(instances)
         self.stage_statuses = {s.stage: s for s in heartbeat.statuses}

@@ -90,8 +90,3 @@ class Ledger:
             self._closed.add(uid)
         self._live.set(len(self._deadlines))
         return leaked
-
-    def expired(self) -> list[str]:
-        """Open uids past their deadline (no grace): the stage should end them itself."""
-        now = time.monotonic()
-        return [uid for uid, deadline in self._deadlines.items() if now > deadline]

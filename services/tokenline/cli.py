@@ -11,10 +11,10 @@ import re
 import sys
 from collections.abc import Callable
 
+from tokenline.protocol import STAGES
 from tokenline.settings import Settings
 from tokenline.transport import DEFAULT_ENDPOINTS, RingEndpoints
 
-STAGES = ("api", "tokenizer", "scheduler", "detokenizer")
 DEFAULT_METRICS_PORTS = {"tokenizer": 8001, "scheduler": 8002, "detokenizer": 8003}
 
 

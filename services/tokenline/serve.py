@@ -20,12 +20,13 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from tokenline import protocol
 from tokenline.model_source import resolve
 from tokenline.settings import Settings
 from tokenline.transport import RingEndpoints
 
 log = logging.getLogger("tokenline.serve")
-STAGES = ("scheduler", "detokenizer", "tokenizer", "api")
+START_ORDER = ("scheduler", "detokenizer", "tokenizer", "api")  # slowest to load first
 READY_TIMEOUT_S = 300.0
 RESTART_BACKOFF_S = 1.0
 
@@ -49,7 +50,7 @@ def stage_argv(stage: str, settings: Settings) -> list[str]:
         "--drain-timeout",
         str(s.drain_timeout),
     ]
-    for name in ("api", "tokenizer", "scheduler", "detokenizer"):
+    for name in protocol.STAGES:
         argv += [f"--{name}-endpoint", s.endpoints.of(name)]
     optional = {
         "served-model-name": s.served_model_name,
@@ -138,7 +139,7 @@ def serve(settings: Settings, ipc_dir: str | None = None) -> int:
     if ipc_dir is None:
         owned_dir = ipc_dir = tempfile.mkdtemp(prefix="tokenline-")
     settings.endpoints = RingEndpoints.in_directory(ipc_dir)
-    children = [Child(stage, stage_argv(stage, settings)) for stage in STAGES]
+    children = [Child(stage, stage_argv(stage, settings)) for stage in START_ORDER]
 
     stopping = False
 
@@ -175,7 +176,7 @@ def serve(settings: Settings, ipc_dir: str | None = None) -> int:
         return 0
     finally:
         _stop_all(children, settings.drain_timeout + 10)
-        for stage in ("api", "tokenizer", "scheduler", "detokenizer"):  # a killed stage's file
+        for stage in protocol.STAGES:  # a killed stage's socket file
             path = settings.endpoints.of(stage).removeprefix("ipc://")
             if os.path.exists(path):
                 os.unlink(path)

@@ -102,12 +102,16 @@ class Pipeline:
     def ready(self) -> bool:
         return self.ring_up and not self.draining
 
+    def _distinct_exchanges(self) -> list[Exchange]:
+        """Each open request once (a request of n choices is keyed by n uids)."""
+        return list(dict.fromkeys(self.exchanges.values()))
+
     @property
     def in_flight(self) -> int:
-        return len({id(ex) for ex in self.exchanges.values()})
+        return len(self._distinct_exchanges())
 
     def waiting(self) -> int:
-        return len({id(ex) for ex in self.exchanges.values() if ex.first_token_at is None})
+        return sum(ex.first_token_at is None for ex in self._distinct_exchanges())
 
     # ── admission and cleanup ──────────────────────────────────────────────────────────────────
     def new_uid(self) -> str:
@@ -202,7 +206,7 @@ class Pipeline:
             log.info("api: re-sent %d recent abort(s) after a stage restart", len(recent))
 
     def fail_all(self, reason: str) -> None:
-        for ex in {id(e): e for e in self.exchanges.values()}.values():
+        for ex in self._distinct_exchanges():
             self.abort(ex, reason)
 
     # ── flow control (called by exchanges) ─────────────────────────────────────────────────────
@@ -334,7 +338,7 @@ class Pipeline:
             self.check_exchanges(time.monotonic())
 
     def check_exchanges(self, now: float) -> None:
-        exchanges = list({id(e): e for e in self.exchanges.values()}.values())
+        exchanges = self._distinct_exchanges()
         for ex in exchanges:
             if now > ex.deadline:
                 self.abort(ex, "deadline")

@@ -83,7 +83,7 @@ class _Step:
     slots: torch.Tensor  # [T] where each token's K/V goes in the pool
     decode_rows: torch.Tensor | None  # token rows of single-token chunks
     decode_gather: torch.Tensor | None  # [B, Lmax] pool slots of their contexts
-    decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax]
+    decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] additive: 0 inside the context, -inf past it
     prefills: list[
         tuple[int, int, torch.Tensor, int]
     ]  # (row start, n, context slots, context start)
@@ -215,7 +215,9 @@ class ModelRunner:
             )
             pos = torch.arange(lmax)
             gather = tables[:, pos // bs] * bs + pos % bs
-            mask = pos.unsqueeze(0) < torch.tensor(decode_lens).unsqueeze(1)
+            past_end = pos.unsqueeze(0) >= torch.tensor(decode_lens).unsqueeze(1)
+            # Additive and in the model's dtype: SDPA would convert a boolean mask in every layer.
+            mask = torch.zeros(past_end.shape, dtype=self.dtype).masked_fill_(past_end, -torch.inf)
             step.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
             step.decode_gather = gather.to(device)
             step.decode_mask = mask[:, None, None, :].to(device)
@@ -267,18 +269,20 @@ class ModelRunner:
         out = None if step.decode_only else torch.empty_like(q)
         if step.decode_rows is not None:
             qd = q if step.decode_only else q.index_select(0, step.decode_rows)
-            qd = qd.unsqueeze(2)  # [B, heads, 1, D]
+            batch = qd.shape[0]
+            # The query heads that share a KV head attend as one group of rows, so K and V
+            # are read once per KV head instead of being repeated for every query head.
+            qd = qd.view(batch, kvh, self.num_heads // kvh, self.head_dim)
             gather = step.decode_gather
             kv = pool.index_select(0, gather.view(-1)).view(*gather.shape, *pool.shape[1:])
             kv = kv.transpose(1, 2)  # [B, 2 * kv_heads, L, D]
             kd, vd = kv[:, :kvh], kv[:, kvh:]
-            od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=step.decode_mask, scale=scale, enable_gqa=True
-            )
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=step.decode_mask, scale=scale)
+            od = od.reshape(batch, self.num_heads, self.head_dim)
             if step.decode_only:
-                out = od.squeeze(2)
+                out = od
             else:
-                out.index_copy_(0, step.decode_rows, od.squeeze(2))
+                out.index_copy_(0, step.decode_rows, od)
         for row, n, context, start in step.prefills:
             qp = q[row : row + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, D]
             kv = pool.index_select(0, context).transpose(0, 1).unsqueeze(0)  # [1, 2kvh, L, D]

@@ -64,7 +64,9 @@ def bytes_per_block(tiny_source: ModelSource) -> int:
 def make_engine(
     tiny_source: ModelSource, eos_ids: list[int], bytes_per_block: int
 ) -> Callable[..., Engine]:
-    """An engine over the tiny model on the CPU in float32; ``kv_blocks`` sizes a tiny pool."""
+    """An engine over the tiny model on the CPU in float32; ``kv_blocks`` sizes a tiny pool.
+
+    ``dense_decode=False`` runs decode attention the way a GPU does (gathered from the pool)."""
 
     def make(
         kv_blocks: int | None = None,
@@ -73,9 +75,16 @@ def make_engine(
         max_num_seqs: int = 256,
         max_model_len: int = tiny_model.MAX_POSITIONS,
         eos: list[int] | None = None,
+        dense_decode: bool = True,
     ) -> Engine:
         memory = kv_blocks * bytes_per_block if kv_blocks is not None else kv_cache_memory
-        runner = ModelRunner(tiny_source, device="cpu", dtype="float32", kv_cache_memory=memory)
+        runner = ModelRunner(
+            tiny_source,
+            device="cpu",
+            dtype="float32",
+            kv_cache_memory=memory,
+            dense_decode=dense_decode,
+        )
         if kv_blocks is not None:
             assert runner.num_blocks == kv_blocks
         limits = EngineLimits(max_model_len, max_num_seqs, max_num_batched_tokens)

@@ -116,6 +116,8 @@ def assert_idle(engine: Engine) -> None:
     assert engine.pool.num_free == engine.pool.num_blocks - 1
     assert not engine.scheduler.by_uid
     assert not (engine.scheduler.running or engine.scheduler.waiting or engine.scheduler.paused)
+    dense = engine.runner.decode_contexts
+    assert dense is None or (dense.num_rows == 0 and dense.buffer.numel() == 0)
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:

@@ -36,11 +36,15 @@ def test_reference_prompts_cover_eos_and_full_length(reference, eos_ids):
     assert ends == {True, False}
 
 
+DECODE_PATHS = pytest.mark.parametrize("dense_decode", [True, False], ids=["dense", "gather"])
+
+
+@DECODE_PATHS
 @pytest.mark.parametrize("max_num_batched_tokens", [2048, 7, 3], ids=["whole", "chunk7", "chunk3"])
 def test_greedy_batch_matches_transformers_generate_token_for_token(
-    make_engine, prompt_ids, reference, eos_ids, max_num_batched_tokens
+    make_engine, prompt_ids, reference, eos_ids, max_num_batched_tokens, dense_decode
 ):
-    engine = make_engine(max_num_batched_tokens=max_num_batched_tokens)
+    engine = make_engine(max_num_batched_tokens=max_num_batched_tokens, dense_decode=dense_decode)
     if max_num_batched_tokens < 2048:
         assert max(map(len, prompt_ids.values())) > max_num_batched_tokens  # prefill is chunked
     for uid, ids in prompt_ids.items():
@@ -53,12 +57,13 @@ def test_greedy_batch_matches_transformers_generate_token_for_token(
     assert_idle(engine)
 
 
+@DECODE_PATHS
 def test_preemption_under_a_tiny_kv_budget_keeps_greedy_tokens(
-    make_engine, prompt_ids, ignore_eos_reference
+    make_engine, prompt_ids, ignore_eos_reference, dense_decode
 ):
     # 5 usable blocks of 16 tokens: each request fits alone (at most 38 tokens, 3 blocks),
     # all six together need about 16 blocks.
-    engine = make_engine(kv_blocks=6)
+    engine = make_engine(kv_blocks=6, dense_decode=dense_decode)
     for uid, ids in prompt_ids.items():
         assert len(ids) + MAX_TOKENS <= 5 * 16
         engine.add(uid, ids, greedy(MAX_TOKENS, ignore_eos=True))
@@ -81,11 +86,12 @@ def test_preemption_with_chunked_prefill_keeps_greedy_tokens(
     assert_idle(engine)
 
 
+@DECODE_PATHS
 def test_pause_and_resume_under_kv_pressure_keep_greedy_tokens(
-    make_engine, prompt_ids, ignore_eos_reference
+    make_engine, prompt_ids, ignore_eos_reference, dense_decode
 ):
     """A paused request is parked when others need its blocks, and recomputed on resume."""
-    engine = make_engine(kv_blocks=6)
+    engine = make_engine(kv_blocks=6, dense_decode=dense_decode)
     for uid, ids in prompt_ids.items():
         engine.add(uid, ids, greedy(MAX_TOKENS, ignore_eos=True))
     paused = engine.scheduler.by_uid["p0"]
@@ -114,6 +120,7 @@ def test_never_written_kv_slots_cannot_poison_batched_decode(
     """Fresh memory may hold any bit pattern: the pool must not depend on it."""
     import torch
 
+    from tokenline.scheduler import decode_contexts
     from tokenline.scheduler import runner as runner_module
 
     class PoisonedTorch:  # torch, except that torch.empty hands back garbage
@@ -124,9 +131,12 @@ def test_never_written_kv_slots_cannot_poison_batched_decode(
         def empty(*args, **kwargs):
             return torch.empty(*args, **kwargs).fill_(garbage)
 
-    monkeypatch.setattr(runner_module, "torch", PoisonedTorch())
-    engine = make_engine()
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:
+        patch.setattr(runner_module, "torch", PoisonedTorch())
+        engine = make_engine()
+    # The dense decode rows are allocated (and grown) while the engine runs.
+    monkeypatch.setattr(decode_contexts, "torch", PoisonedTorch())
     for uid, ids in prompt_ids.items():
         engine.add(uid, ids, greedy(MAX_TOKENS, ignore_eos=True))
     assert drain(engine).tokens == ignore_eos_reference
+    assert engine.runner.decode_contexts is not None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from tokenline.protocol import SamplingParams, TokenOutput
 from tokenline.scheduler.kv_cache import BlockPool
-from tokenline.scheduler.policy import Scheduler
+from tokenline.scheduler.policy import Chunk, Scheduler
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.scheduler.sampler import sample_with_logprobs
 from tokenline.scheduler.sequence import Sequence
@@ -118,14 +118,19 @@ class Engine:
     def step(self) -> list[TokenOutput]:
         outputs, self._finished = self._finished, []
         chunks = self.scheduler.schedule()
-        if not chunks:
-            return outputs
+        if chunks:
+            self._run(chunks, outputs)
+        if not self.scheduler.running:
+            self.runner.release_decode_contexts()
+        return outputs
+
+    def _run(self, chunks: list[Chunk], outputs: list[TokenOutput]) -> None:
         logits = self.runner.forward(chunks)
         for chunk in chunks:
             chunk.seq.num_computed += chunk.num_tokens
         sampling_seqs = [c.seq for c in chunks if c.samples]
         if not sampling_seqs:
-            return outputs
+            return
         tokens, logprobs = sample_with_logprobs(logits, sampling_seqs, self.eos_ids)
         now = time.monotonic()
         for seq, token, logprob in zip(sampling_seqs, tokens, logprobs, strict=True):
@@ -141,7 +146,6 @@ class Engine:
                 outputs[-1].logprobs = [logprob]
             if first:
                 outputs[-1].queue_s = (seq.first_scheduled or now) - seq.arrival
-        return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         s = seq.sampling

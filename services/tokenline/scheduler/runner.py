@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenline.model_source import ModelSource
+from tokenline.scheduler.decode_contexts import DecodeContexts, DecodePlan
 from tokenline.scheduler.policy import Chunk
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class _Step:
     decode_rows: torch.Tensor | None  # token rows of single-token chunks
     decode_gather: torch.Tensor | None  # [B, Lmax] pool slots of their contexts
     decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] additive: 0 inside the context, -inf past it
+    decode_plan: DecodePlan | None  # instead of gather and mask when contexts are kept dense
     prefills: list[
         tuple[int, int, torch.Tensor, int]
     ]  # (row start, n, context slots, context start)
@@ -101,6 +103,7 @@ class ModelRunner:
         kv_cache_memory: int | None = None,
         gpu_memory_utilization: float = 0.9,
         torch_threads: int | None = None,
+        dense_decode: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -129,6 +132,11 @@ class ModelRunner:
         # Zeroed, not empty: batched decode reads masked padding slots, and a NaN there would
         # still poison the row (0 × NaN is NaN).
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.decode_contexts = None
+        if self.device.type == "cpu" and dense_decode:
+            self.decode_contexts = DecodeContexts(
+                self.num_layers, 2 * self.num_kv_heads, self.head_dim, self.dtype
+            )
         decoder = self.model.model
         self._embed = decoder.embed_tokens
         with torch.no_grad():
@@ -203,10 +211,19 @@ class ModelRunner:
             decode_rows=None,
             decode_gather=None,
             decode_mask=None,
+            decode_plan=None,
             prefills=prefills,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
         )
-        if decode_rows:
+        if decode_rows and self.decode_contexts is not None:
+            step.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+            step.decode_only = not prefills
+            step.decode_plan = self.decode_contexts.plan(
+                [c.seq.uid for c in chunks if c.num_tokens == 1],
+                [n - 1 for n in decode_lens],
+                lambda i, n: self.kv_cache.index_select(1, self._slots_of(decode_tables[i], 0, n)),
+            )
+        elif decode_rows:
             lmax = max(decode_lens)
             width = -(-lmax // bs)
             tables = torch.tensor(
@@ -263,7 +280,8 @@ class ModelRunner:
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         pool = self.kv_cache[index]
-        pool.index_copy_(0, step.slots, torch.cat((k, v), dim=1).to(self.dtype))
+        new_kv = torch.cat((k, v), dim=1).to(self.dtype)  # [T, 2 * kv_heads, D]
+        pool.index_copy_(0, step.slots, new_kv)
         kvh = self.num_kv_heads
         scale = getattr(attn, "scaling", None)
         out = None if step.decode_only else torch.empty_like(q)
@@ -273,11 +291,16 @@ class ModelRunner:
             # The query heads that share a KV head attend as one group of rows, so K and V
             # are read once per KV head instead of being repeated for every query head.
             qd = qd.view(batch, kvh, self.num_heads // kvh, self.head_dim)
-            gather = step.decode_gather
-            kv = pool.index_select(0, gather.view(-1)).view(*gather.shape, *pool.shape[1:])
-            kv = kv.transpose(1, 2)  # [B, 2 * kv_heads, L, D]
-            kd, vd = kv[:, :kvh], kv[:, kvh:]
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=step.decode_mask, scale=scale)
+            if step.decode_plan is not None:
+                od = self._dense_decode(index, qd, new_kv, step, scale)
+            else:
+                gather = step.decode_gather
+                kv = pool.index_select(0, gather.view(-1)).view(*gather.shape, *pool.shape[1:])
+                kv = kv.transpose(1, 2)  # [B, 2 * kv_heads, L, D]
+                kd, vd = kv[:, :kvh], kv[:, kvh:]
+                od = F.scaled_dot_product_attention(
+                    qd, kd, vd, attn_mask=step.decode_mask, scale=scale
+                )
             od = od.reshape(batch, self.num_heads, self.head_dim)
             if step.decode_only:
                 out = od
@@ -299,6 +322,28 @@ class ModelRunner:
                 )
             out[row : row + n] = op[0].transpose(0, 1)
         return attn.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def _dense_decode(self, index, qd, new_kv, step: _Step, scale) -> torch.Tensor:
+        plan = step.decode_plan
+        dense = self.decode_contexts.buffer[index]  # [rows, 2 * kv_heads, capacity, D]
+        new_kv = new_kv if step.decode_only else new_kv.index_select(0, step.decode_rows)
+        dense[plan.rows, :, plan.positions] = new_kv
+        if plan.order is not None:  # attention runs in row order
+            qd = qd.index_select(0, plan.order)
+        kvh, rows, length = self.num_kv_heads, plan.num_rows, plan.length
+        od = F.scaled_dot_product_attention(
+            qd,
+            dense[:rows, :kvh, :length],
+            dense[:rows, kvh:, :length],
+            attn_mask=plan.mask,
+            scale=scale,
+        )
+        return od if plan.order is None else od.index_select(0, plan.rows)
+
+    def release_decode_contexts(self) -> None:
+        """The engine is idle: give the dense decode copies' memory back."""
+        if self.decode_contexts is not None and self.decode_contexts.num_rows:
+            self.decode_contexts.clear()
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)

@@ -1,0 +1,133 @@
+"""Dense copies of the decoding sequences' K/V, so a CPU decode step reads them in place.
+
+A decode step on CPU is bound by memory traffic, and gathering every sequence's context out of
+the paged pool copies that whole context once per layer per step: about a fifth of the step for
+16 sequences of the tiny model (benchmarks/README.md). Here each decoding sequence owns a row of
+one dense ``[layers, rows, 2 * kv_heads, capacity, head_dim]`` tensor that grows by one token
+per step, and attention reads the rows where they lie.
+
+The paged pool stays the source of truth; this is a cache of it. A row is filled from the pool
+when its sequence starts decoding and dropped in the first step the sequence does not decode
+(finished, aborted, paused, preempted or back in prefill), so it can never go stale. Rows are
+kept packed (a dropped row is filled by the last one), which lets one attention call cover them
+all. On a GPU the gather is cheap next to the memory this copy would take, so only CPU uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+MIN_CAPACITY = 64  # tokens per row; capacity doubles when a context outgrows it
+
+
+@dataclass
+class DecodePlan:
+    """Where this step's decode tokens sit in the dense rows."""
+
+    rows: torch.Tensor  # [B] the row of each decode token, in step order
+    positions: torch.Tensor  # [B] where its K/V goes in that row
+    order: torch.Tensor | None  # [B] step index of each row; None when rows are in step order
+    num_rows: int
+    length: int  # columns attention reads: the longest context including this step's token
+    mask: torch.Tensor  # [rows, 1, 1, length] additive: 0 inside a row's context, -inf past it
+
+
+class DecodeContexts:
+    def __init__(self, num_layers: int, kv_width: int, head_dim: int, dtype: torch.dtype) -> None:
+        self._shape = (num_layers, kv_width, head_dim)
+        self.dtype = dtype
+        self.buffer = torch.empty(num_layers, 0, kv_width, 0, head_dim, dtype=dtype)
+        self._row_of: dict[str, int] = {}
+        self._uids: list[str] = []  # by row
+        self._lens: list[int] = []  # tokens held, by row
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._uids)
+
+    def clear(self) -> None:
+        """Drop every row and the memory behind them (the engine has gone idle)."""
+        num_layers, kv_width, head_dim = self._shape
+        self.buffer = torch.empty(num_layers, 0, kv_width, 0, head_dim, dtype=self.dtype)
+        self._row_of.clear()
+        self._uids.clear()
+        self._lens.clear()
+
+    def plan(
+        self,
+        uids: list[str],
+        starts: list[int],
+        fill: Callable[[int, int], torch.Tensor],
+    ) -> DecodePlan:
+        """Rows for this step's decode tokens: ``uids[i]`` feeds position ``starts[i]``.
+
+        ``fill(i, n)`` returns the first ``n`` tokens of decode token ``i``'s context from the
+        pool as ``[layers, n, kv_width, head_dim]``; it is called only for new rows.
+        """
+        wanted = dict(zip(uids, starts, strict=True))
+        for row in range(len(self._uids) - 1, -1, -1):
+            uid = self._uids[row]
+            if wanted.get(uid) != self._lens[row]:  # not decoding now, or out of step
+                self._drop(row)
+        longest = max(starts) + 1
+        self._reserve(len(uids), longest)
+        for i, (uid, start) in enumerate(zip(uids, starts, strict=True)):
+            if uid not in self._row_of:
+                row = len(self._uids)
+                self._row_of[uid] = row
+                self._uids.append(uid)
+                self._lens.append(start)
+                if start:
+                    self.buffer[:, row, :, :start] = fill(i, start).transpose(1, 2)
+        rows = [self._row_of[uid] for uid in uids]
+        for row in rows:
+            self._lens[row] += 1
+        num_rows = len(self._uids)
+        in_order = rows == list(range(num_rows))
+        lens = torch.tensor(self._lens)
+        past_end = torch.arange(longest).unsqueeze(0) >= lens.unsqueeze(1)
+        mask = torch.zeros(past_end.shape, dtype=self.dtype).masked_fill_(past_end, -torch.inf)
+        order = None
+        if not in_order:
+            by_row = [0] * num_rows
+            for i, row in enumerate(rows):
+                by_row[row] = i
+            order = torch.tensor(by_row, dtype=torch.long)
+        return DecodePlan(
+            rows=torch.tensor(rows, dtype=torch.long),
+            positions=torch.tensor(starts, dtype=torch.long),
+            order=order,
+            num_rows=num_rows,
+            length=longest,
+            mask=mask[:, None, None, :],
+        )
+
+    def _drop(self, row: int) -> None:
+        last = len(self._uids) - 1
+        del self._row_of[self._uids[row]]
+        if row != last:
+            moved = self._uids[last]
+            self.buffer[:, row] = self.buffer[:, last]
+            self._uids[row], self._lens[row] = moved, self._lens[last]
+            self._row_of[moved] = row
+        self._uids.pop()
+        self._lens.pop()
+
+    def _reserve(self, rows: int, length: int) -> None:
+        num_layers, have_rows, kv_width, capacity, head_dim = self.buffer.shape
+        if rows <= have_rows and length <= capacity:
+            return
+        new_rows = max(rows, 2 * have_rows)
+        new_capacity = capacity
+        if length > capacity:
+            new_capacity = max(length, 2 * capacity, MIN_CAPACITY)
+        # Zeroed: attention reads masked columns too, and 0 x NaN would poison a whole row.
+        grown = torch.zeros(
+            num_layers, new_rows, kv_width, new_capacity, head_dim, dtype=self.dtype
+        )
+        used = len(self._uids)
+        grown[:, :used, :, :capacity] = self.buffer[:, :used]
+        self.buffer = grown

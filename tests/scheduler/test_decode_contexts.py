@@ -1,0 +1,117 @@
+"""The dense decode rows: each decoding uid's row holds exactly its context, rows stay packed,
+and a uid that stops decoding loses its row at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenline.scheduler.decode_contexts import MIN_CAPACITY, DecodeContexts
+
+LAYERS, KV_WIDTH, HEAD_DIM = 2, 4, 3
+
+
+def value(uid: str, pos: int) -> float:
+    """What the fake pool holds for ``uid`` at ``pos``: unique per (uid, position)."""
+    return 1000.0 * (int(uid.removeprefix("u")) + 1) + pos
+
+
+class FakeRunner:
+    """Plays the runner's part: fills new rows from a "pool" and writes each step's token."""
+
+    def __init__(self) -> None:
+        self.contexts = DecodeContexts(LAYERS, KV_WIDTH, HEAD_DIM, torch.float32)
+
+    def step(self, lens: dict[str, int]):
+        """Decode one token for each uid, whose context has ``lens[uid]`` tokens before it."""
+        uids = list(lens)
+
+        def fill(i: int, n: int) -> torch.Tensor:
+            column = torch.tensor([value(uids[i], p) for p in range(n)])
+            return column[None, :, None, None].expand(LAYERS, n, KV_WIDTH, HEAD_DIM).clone()
+
+        plan = self.contexts.plan(uids, [lens[u] for u in uids], fill)
+        new = torch.tensor([value(u, lens[u]) for u in uids])[:, None, None]
+        for layer in range(LAYERS):
+            self.contexts.buffer[layer][plan.rows, :, plan.positions] = new.expand(
+                -1, KV_WIDTH, HEAD_DIM
+            )
+        return plan
+
+    def row_of(self, plan, uids: list[str], uid: str) -> int:
+        return int(plan.rows[uids.index(uid)])
+
+    def assert_holds(self, plan, lens: dict[str, int]) -> None:
+        """Every uid's row holds its context plus this step's token, and the mask agrees."""
+        uids = list(lens)
+        assert plan.num_rows == len(uids)
+        assert sorted(plan.rows.tolist()) == list(range(len(uids))), "rows are not packed"
+        assert plan.length == max(lens.values()) + 1
+        for uid, n in lens.items():
+            row = self.row_of(plan, uids, uid)
+            held = self.contexts.buffer[:, row, :, : n + 1]
+            expected = torch.tensor([value(uid, p) for p in range(n + 1)])
+            assert torch.equal(held, expected[None, None, :, None].expand_as(held)), uid
+            mask = plan.mask[row, 0, 0]
+            assert torch.all(mask[: n + 1] == 0) and torch.all(mask[n + 1 :] == -torch.inf)
+        if plan.order is not None:
+            assert plan.rows[plan.order].tolist() == list(range(len(uids)))
+
+
+def test_rows_follow_contexts_across_steps_joins_and_leaves():
+    runner = FakeRunner()
+    lens = {"u0": 5, "u1": 2}
+    for _ in range(3):
+        runner.assert_holds(runner.step(lens), lens)
+        lens = {u: n + 1 for u, n in lens.items()}
+    lens["u2"] = 9  # joins after its prefill
+    runner.assert_holds(runner.step(lens), lens)
+    lens = {u: n + 1 for u, n in lens.items()}
+    del lens["u0"]  # finished: its row is refilled by the last one
+    runner.assert_holds(runner.step(lens), lens)
+    assert runner.contexts.num_rows == 2
+
+
+def test_a_uid_that_skips_a_step_is_filled_again_from_the_pool():
+    """Paused, preempted or back in prefill: the row is dropped, never reused stale."""
+    runner = FakeRunner()
+    runner.step({"u0": 4, "u1": 4})
+    runner.step({"u1": 5})  # u0 did not decode this step
+    assert runner.contexts.num_rows == 1
+    lens = {"u0": 4, "u1": 6}  # u0 resumes at the same length it had
+    runner.assert_holds(runner.step(lens), lens)
+
+
+def test_a_row_out_of_step_with_the_pool_is_refilled():
+    """A uid whose context length is not what its row holds (recomputed after preemption)."""
+    runner = FakeRunner()
+    runner.step({"u0": 4})
+    lens = {"u0": 2}
+    runner.assert_holds(runner.step(lens), lens)
+
+
+def test_rows_in_another_order_than_the_step_are_mapped_both_ways():
+    runner = FakeRunner()
+    runner.step({"u0": 1, "u1": 1, "u2": 1})
+    lens = {"u2": 2, "u0": 2, "u1": 2}
+    plan = runner.step(lens)
+    assert plan.order is not None
+    runner.assert_holds(plan, lens)
+
+
+@pytest.mark.parametrize("first, later", [(3, MIN_CAPACITY + 5), (MIN_CAPACITY - 1, 300)])
+def test_growing_capacity_keeps_what_the_rows_hold(first, later):
+    runner = FakeRunner()
+    runner.step({"u0": first})
+    lens = {"u0": first + 1, "u1": later}
+    runner.assert_holds(runner.step(lens), lens)
+    assert runner.contexts.buffer.shape[3] >= later + 1
+
+
+def test_clear_gives_the_memory_back():
+    runner = FakeRunner()
+    runner.step({"u0": 10, "u1": 3})
+    runner.contexts.clear()
+    assert runner.contexts.num_rows == 0 and runner.contexts.buffer.numel() == 0
+    lens = {"u1": 4}
+    runner.assert_holds(runner.step(lens), lens)

@@ -99,6 +99,10 @@ def run(settings: Settings) -> int:
         log_level=settings.log_level.lower(),
         access_log=False,
         timeout_graceful_shutdown=5,
+        # Chosen, not left to "auto": the pure-Python defaults cost the api most of a core
+        # when streaming to a few dozen clients (benchmarks/README.md).
+        loop="uvloop",
+        http="httptools",
     )
     server = DrainingServer(config, app, settings.drain_timeout)
     server.run(sockets=[listening_socket(settings.host, settings.port)])

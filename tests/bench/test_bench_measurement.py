@@ -262,4 +262,4 @@ def test_an_unreachable_server_fails_fast(
 ) -> None:
     code = main(["--url", "http://127.0.0.1:9", "--no-progress", "--num-requests", "1"])
     assert code == 1
-    assert "ConnectError" in capsys.readouterr().err
+    assert "Cannot connect to host 127.0.0.1:9" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 from tokenline.bench.config import BenchConfig, TargetConfig, normalize_base_url
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             result = asyncio.run(run_benchmark(config, on_done=on_done, on_phase=on_phase))
-        except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as exc:
+        except (aiohttp.ClientError, TimeoutError, RuntimeError, KeyError, ValueError) as exc:
             bar.close()
             print(f"tokenline bench: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
+import aiohttp
 
 from tokenline.bench.config import ENDPOINT_PATHS, BenchConfig, TargetConfig
 from tokenline.bench.records import RequestRecord
@@ -32,18 +33,23 @@ def build_body(
     return body
 
 
-async def discover_model(client: httpx.AsyncClient, base_url: str) -> str:
+async def _lines(stream: aiohttp.StreamReader) -> AsyncIterator[str]:
+    async for line in stream:
+        yield line.decode("utf-8")
+
+
+async def discover_model(client: aiohttp.ClientSession, base_url: str) -> str:
     """The first model id the server lists at ``/v1/models``."""
-    response = await client.get(f"{base_url}/v1/models")
-    response.raise_for_status()
-    models = response.json().get("data") or []
+    async with client.get(f"{base_url}/v1/models") as response:
+        response.raise_for_status()
+        models = (await response.json()).get("data") or []
     if not models:
         raise RuntimeError(f"{base_url}/v1/models lists no model; pass --model")
     return str(models[0]["id"])
 
 
 async def send_request(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     config: BenchConfig,
     target: TargetConfig,
     model: str,
@@ -68,13 +74,13 @@ async def send_request(
     sent = time.perf_counter()
     record.start = sent - run_start
     try:
-        async with client.stream("POST", url, json=body) as response:
-            record.status_code = response.status_code
-            if response.status_code != 200:
-                detail = (await response.aread()).decode("utf-8", "replace")
-                record.error = f"HTTP {response.status_code}: {detail[:300]}"
+        async with client.post(url, json=body) as response:
+            record.status_code = response.status
+            if response.status != 200:
+                detail = (await response.read()).decode("utf-8", "replace")
+                record.error = f"HTTP {response.status}: {detail[:300]}"
                 return record
-            async for data in iter_sse_data(response.aiter_lines()):
+            async for data in iter_sse_data(_lines(response.content)):
                 now = time.perf_counter()
                 if data.strip() == DONE:
                     break
@@ -97,7 +103,7 @@ async def send_request(
                 if chunk.finish_reason is not None:
                     record.finish_reason = chunk.finish_reason
         record.e2e = time.perf_counter() - sent
-    except (httpx.HTTPError, ValueError) as exc:  # ValueError: a chunk that is not JSON
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: not JSON
         record.error = f"{type(exc).__name__}: {exc}"
         return record
     if usage_tokens is not None:

@@ -7,6 +7,9 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Collection
+
+DRAIN_REPORT_INTERVAL_S = 5.0
 
 
 def setup_logging(stage: str, level: str) -> None:
@@ -31,6 +34,7 @@ class Drain:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self.started: float | None = None
+        self._next_report = 0.0
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
 
@@ -47,8 +51,19 @@ class Drain:
     def draining(self) -> bool:
         return self.started is not None
 
-    def done(self, idle: bool) -> bool:
+    def done(self, held: Collection[str]) -> bool:
+        """True once draining and nothing is ``held`` (uids), or when time is up."""
         if self.started is None:
             return False
-        elapsed = time.monotonic() - self.started
-        return (idle and elapsed > 0.5) or elapsed > self.timeout
+        now = time.monotonic()
+        elapsed = now - self.started
+        if held and now >= self._next_report:  # say what a slow drain is waiting for
+            self._next_report = now + DRAIN_REPORT_INTERVAL_S
+            sample = ", ".join(sorted(held)[:5])
+            logging.getLogger(__name__).info(
+                "draining: %d request(s) still held (%s), %.0fs left",
+                len(held),
+                sample,
+                self.timeout - elapsed,
+            )
+        return (not held and elapsed > 0.5) or elapsed > self.timeout

@@ -124,7 +124,7 @@ def run(settings: Settings) -> int:
     next_sweep = 0.0
     log.info("detokenizer ready: %s", source.spec)
     try:
-        while not drain.done(idle=not stage.live):
+        while not drain.done(held=stage.live.keys()):
             if ring.poll(100):
                 messages = ring.recv_timed()
                 inbox_depth.set(len(messages))

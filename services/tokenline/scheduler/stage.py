@@ -147,7 +147,7 @@ class SchedulerStage:
         self._depth["paused"].set(len(sched.paused))
 
     def loop(self, drain: Drain) -> None:
-        while not drain.done(idle=not self.engine.scheduler.by_uid):
+        while not drain.done(held=self.engine.scheduler.by_uid.keys()):
             busy = self.engine.has_work()
             if self.ring.poll(0 if busy else 50):
                 messages = self.ring.recv_timed()

@@ -112,7 +112,7 @@ def run(settings: Settings) -> int:
     ledger = Ledger("tokenizer")
     log.info("tokenizer ready: model %s, max_model_len %d", source.spec, tokenizer.max_model_len)
     try:
-        while not drain.done(idle=True):
+        while not drain.done(held=()):
             if not ring.poll(100):
                 continue
             timed = ring.recv_timed(BATCH_LIMIT)

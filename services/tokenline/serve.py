@@ -170,6 +170,8 @@ def serve(settings: Settings, ipc_dir: str | None = None) -> int:
                     code = child.process.returncode if child.process else None
                     log.error("%s exited with %s; restarting it", child.stage, code)
                     time.sleep(RESTART_BACKOFF_S)
+                    if stopping:  # a signal during the back-off: a child started now
+                        break  # would miss the SIGTERM that the others got
                     child.restarts += 1
                     child.start()
             time.sleep(0.2)

@@ -90,6 +90,13 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+# Longer than the idle timeouts of the clients and proxies in front of us (httpx and the
+# OpenAI SDK drop pooled connections after 5 s, nginx and cloud load balancers after 60 s):
+# a server that closes an idle connection first races the client reusing it, and the
+# client's request dies with "connection reset".
+KEEP_ALIVE_TIMEOUT_S = 75
+
+
 def run(settings: Settings) -> int:
     app = create_app(settings)
     config = uvicorn.Config(
@@ -99,6 +106,7 @@ def run(settings: Settings) -> int:
         log_level=settings.log_level.lower(),
         access_log=False,
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
         # Chosen, not left to "auto": the pure-Python defaults cost the api most of a core
         # when streaming to a few dozen clients (benchmarks/README.md).
         loop="uvloop",

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from contextlib import AsyncExitStack
 
 import aiohttp
 
@@ -132,44 +131,48 @@ async def run_benchmark(
         if config.request_rate is not None
         else None
     )
-    async with AsyncExitStack() as stack:
-        clients: dict[str, aiohttp.ClientSession] = {}
-        models: dict[str, str] = {}
-        for target in config.targets:
-            client = await stack.enter_async_context(_client(config))
-            clients[target.label] = client
-            models[target.label] = target.model or await discover_model(client, target.base_url)
-        result = BenchResult(
-            config=config.describe(),
-            targets=[TargetInfo(t.label, t.base_url, models[t.label]) for t in config.targets],
-        )
-        for target in config.targets:
-            if not warmup_specs:
-                break
-            on_phase(target.label, -1)
-            with _others_frozen(config, target):
+    models: dict[str, str] = {}
+    for target in config.targets:
+        if target.model:
+            models[target.label] = target.model
+        else:
+            async with _client(config) as client:
+                models[target.label] = await discover_model(client, target.base_url)
+    result = BenchResult(
+        config=config.describe(),
+        targets=[TargetInfo(t.label, t.base_url, models[t.label]) for t in config.targets],
+    )
+    for target in config.targets:
+        if not warmup_specs:
+            break
+        on_phase(target.label, -1)
+        with _others_frozen(config, target):
+            async with _client(config) as client:
                 phase = await run_phase(
-                    clients[target.label],
+                    client,
                     config,
                     target,
                     models[target.label],
                     warmup_specs,
                     concurrency=min(len(warmup_specs), config.concurrency or len(warmup_specs)),
                 )
-            failed = [r for r in phase.records if not r.ok]
-            if failed:
-                result.warnings.append(
-                    f"{target.label}: {len(failed)} of {len(warmup_specs)} warm-up requests "
-                    f"failed, first: {failed[0].error}"
-                )
+        failed = [r for r in phase.records if not r.ok]
+        if failed:
+            result.warnings.append(
+                f"{target.label}: {len(failed)} of {len(warmup_specs)} warm-up requests "
+                f"failed, first: {failed[0].error}"
+            )
 
-        run_start = time.perf_counter()  # after warm-up: the plots' time axis starts here
-        for round_ in range(config.rounds):
-            for target in round_order(config.targets, round_):
-                on_phase(target.label, round_)
-                with _others_frozen(config, target):
+    run_start = time.perf_counter()  # after warm-up: the plots' time axis starts here
+    for round_ in range(config.rounds):
+        for target in round_order(config.targets, round_):
+            on_phase(target.label, round_)
+            # A fresh pool per phase: a keep-alive connection left idle while its server was
+            # paused for the other target is closed by that server just as it is reused.
+            with _others_frozen(config, target):
+                async with _client(config) as client:
                     phase = await run_phase(
-                        clients[target.label],
+                        client,
                         config,
                         target,
                         models[target.label],
@@ -180,5 +183,5 @@ async def run_benchmark(
                         concurrency=config.concurrency,
                         on_done=on_done,
                     )
-                result.phases.append(phase)
+            result.phases.append(phase)
     return result

@@ -76,6 +76,40 @@ def _prepare_layer(layer: torch.nn.Module) -> _Layer:
 
 
 @dataclass
+class FirstChunks:
+    """Prefill chunks that start their prompt, padded to one ``[S, n_max]`` batch.
+
+    Such a chunk attends only to its own tokens, so the step's fresh K/V serve as its context
+    (nothing is read back from the pool) and one causal attention call covers them all:
+    padding sits after each chunk's last token, where the causal mask hides it from the real
+    queries, and the padded rows' outputs are dropped.
+    """
+
+    index: torch.Tensor  # [S * n_max] token row of each padded position (padding repeats a row)
+    shape: tuple[int, int]  # (S, n_max)
+    valid: torch.Tensor | None  # positions of real tokens in the padded layout; None: no padding
+    rows: torch.Tensor  # [real tokens] their token rows, in the order of ``valid``
+
+
+def _first_chunks(spans: list[tuple[int, int]], device: torch.device) -> FirstChunks:
+    longest = max(n for _, n in spans)
+    index: list[int] = []
+    valid: list[int] = []
+    rows: list[int] = []
+    for i, (row, n) in enumerate(spans):
+        index.extend(row + min(j, n - 1) for j in range(longest))
+        valid.extend(range(i * longest, i * longest + n))
+        rows.extend(range(row, row + n))
+    padded = len(valid) != len(index)
+    return FirstChunks(
+        index=torch.tensor(index, dtype=torch.long, device=device),
+        shape=(len(spans), longest),
+        valid=torch.tensor(valid, dtype=torch.long, device=device) if padded else None,
+        rows=torch.tensor(rows, dtype=torch.long, device=device),
+    )
+
+
+@dataclass
 class _Step:
     """Tensors describing one step's flat batch."""
 
@@ -88,7 +122,8 @@ class _Step:
     decode_plan: DecodePlan | None  # instead of gather and mask when contexts are kept dense
     prefills: list[
         tuple[int, int, torch.Tensor, int]
-    ]  # (row start, n, context slots, context start)
+    ]  # chunks that continue a prompt: (row start, n, context slots, context start)
+    first_chunks: FirstChunks | None  # chunks that start a prompt, attended as one batch
     sample_rows: torch.Tensor  # the last token row of every chunk that samples
     decode_only: bool = False  # every row is a decode row, in order: no gather or scatter
 
@@ -184,6 +219,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills = []
+        first_spans: list[tuple[int, int]] = []
         sample_rows = []
         row = 0
         for chunk in chunks:
@@ -197,6 +233,8 @@ class ModelRunner:
                 decode_rows.append(row)
                 decode_tables.append(table)
                 decode_lens.append(start + 1)
+            elif start == 0:
+                first_spans.append((row, n))
             else:
                 context = self._slots_of(table, 0, start + n).to(self.device)
                 prefills.append((row, n, context, start))
@@ -213,11 +251,12 @@ class ModelRunner:
             decode_mask=None,
             decode_plan=None,
             prefills=prefills,
+            first_chunks=_first_chunks(first_spans, device) if first_spans else None,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
         )
         if decode_rows and self.decode_contexts is not None:
             step.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
-            step.decode_only = not prefills
+            step.decode_only = not (prefills or first_spans)
             step.decode_plan = self.decode_contexts.plan(
                 [c.seq.uid for c in chunks if c.num_tokens == 1],
                 [n - 1 for n in decode_lens],
@@ -238,7 +277,7 @@ class ModelRunner:
             step.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
             step.decode_gather = gather.to(device)
             step.decode_mask = mask[:, None, None, :].to(device)
-            step.decode_only = not prefills
+            step.decode_only = not (prefills or first_spans)
         return step
 
     @torch.inference_mode()
@@ -306,6 +345,8 @@ class ModelRunner:
                 out = od
             else:
                 out.index_copy_(0, step.decode_rows, od)
+        if step.first_chunks is not None:
+            self._first_chunk_attention(q, new_kv, step.first_chunks, out, scale)
         for row, n, context, start in step.prefills:
             qp = q[row : row + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, D]
             kv = pool.index_select(0, context).transpose(0, 1).unsqueeze(0)  # [1, 2kvh, L, D]
@@ -322,6 +363,22 @@ class ModelRunner:
                 )
             out[row : row + n] = op[0].transpose(0, 1)
         return attn.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def _first_chunk_attention(
+        self, q: torch.Tensor, new_kv: torch.Tensor, first: FirstChunks, out: torch.Tensor, scale
+    ) -> None:
+        batch, longest = first.shape
+        kvh = self.num_kv_heads
+        qf = q.index_select(0, first.index).view(batch, longest, self.num_heads, self.head_dim)
+        kv = new_kv.index_select(0, first.index).view(batch, longest, 2 * kvh, self.head_dim)
+        qf, kv = qf.transpose(1, 2), kv.transpose(1, 2)  # [S, heads, n_max, D]
+        of = F.scaled_dot_product_attention(
+            qf, kv[:, :kvh], kv[:, kvh:], is_causal=True, scale=scale, enable_gqa=True
+        )
+        of = of.transpose(1, 2).reshape(batch * longest, self.num_heads, self.head_dim)
+        if first.valid is not None:
+            of = of.index_select(0, first.valid)
+        out.index_copy_(0, first.rows, of)
 
     def _dense_decode(self, index, qd, new_kv, step: _Step, scale) -> torch.Tensor:
         plan = step.decode_plan

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 
 import msgspec
@@ -156,3 +158,26 @@ def test_a_running_stage_survives_garbage_on_its_socket(stack):
     client = OpenAI(base_url=f"{stack.api_url}/v1", api_key="unused")
     reply = client.completions.create(model=stack.model, prompt="still alive?", max_tokens=3)
     assert reply.choices[0].finish_reason == "length"
+
+
+def test_a_slow_signal_handler_cannot_turn_a_poll_into_an_endless_wait(tmp_path):
+    """A SIGTERM drain handler that runs past poll's timeout once left CPython's
+    SimpleQueue.get(timeout) waiting for ever: a draining stage whose peers were gone hung
+    until it was killed. poll must still return, empty, soon after the handler."""
+    ring = SyncRing("tokenizer", RingEndpoints.in_directory(str(tmp_path)))
+    main = threading.main_thread().ident
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: time.sleep(0.2))
+    interrupt = threading.Timer(0.05, signal.pthread_kill, (main, signal.SIGUSR1))
+    # If poll hangs, a message 3 s later ends the wait, so the test fails instead of hanging.
+    rescue = threading.Timer(3.0, ring._arrived.put, ((0.0, MESSAGES["tokenizer"][0]),))
+    try:
+        interrupt.start()
+        rescue.start()
+        started = time.monotonic()
+        assert ring.poll(100) is False
+        assert time.monotonic() - started < 1.0
+    finally:
+        interrupt.cancel()
+        rescue.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+        ring.close()

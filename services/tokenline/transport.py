@@ -112,7 +112,10 @@ class SyncRing:
         self._outbox.connect(endpoints.of(NEXT_STAGE[stage]))
         self._decoder = _Decoder(stage)
         self._encoder = msgspec.msgpack.Encoder()
-        self._arrived: queue.SimpleQueue[tuple[float, msgspec.Struct]] = queue.SimpleQueue()
+        # queue.Queue, not SimpleQueue: CPython's SimpleQueue.get(timeout) turns into a wait
+        # without end when a signal handler (our SIGTERM drain) runs past the timeout, and a
+        # stage that is draining never wakes up again once its peers are gone.
+        self._arrived: queue.Queue[tuple[float, msgspec.Struct]] = queue.Queue()
         self._held: list[tuple[float, msgspec.Struct]] = []  # taken off the queue by poll()
         self._closing = threading.Event()
         self._receiver = threading.Thread(target=self._receive, name=f"{stage}-inbox", daemon=True)

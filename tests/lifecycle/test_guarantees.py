@@ -83,11 +83,13 @@ def test_deadline_aborts_with_a_clear_error(short_stack, nothing_held):
 
 
 def test_deadline_in_a_stream_is_an_error_event(short_stack, nothing_held):
+    # 16 x 1900 tokens: about 30 s of decoding for this engine on the test machine, far past
+    # the short stack's 8 s deadline (4 x 1900 once finished in time as the engine got faster).
     stream = _client(short_stack).completions.create(
         model="tiny",
         prompt="slow",
         stream=True,
-        n=4,
+        n=16,
         max_tokens=1900,
         extra_body={"ignore_eos": True},
     )

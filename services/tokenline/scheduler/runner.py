@@ -4,7 +4,9 @@ Weights and layer modules come from transformers (``AutoModelForCausalLM.from_pr
 any Llama / Qwen2 / Qwen3 / Mistral style decoder loads as is. The forward is ours: it walks the
 model's own modules over a flat batch of tokens from many sequences, writes each layer's keys
 and values into a preallocated pool of fixed-size blocks, and attends over each sequence's
-blocks. Decoding sequences share one attention call per layer; prefill chunks get one each.
+blocks. Per layer, decoding sequences share one attention call (on CPU over dense copies of
+their contexts, ``decode_contexts.py``), chunks that start a prompt share another, and chunks
+that continue a prompt get one each. ``step_inputs.py`` turns a step's chunks into tensors.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from tokenline.model_source import ModelSource
-from tokenline.scheduler.decode_contexts import DecodeContexts, DecodePlan
+from tokenline.scheduler.decode_contexts import DecodeContexts
 from tokenline.scheduler.policy import Chunk
+from tokenline.scheduler.step_inputs import FirstChunks, StepInputs, build_step_inputs
 
 log = logging.getLogger(__name__)
 
@@ -73,59 +76,6 @@ def _prepare_layer(layer: torch.nn.Module) -> _Layer:
     gated = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
     gate_up = _fuse([mlp.gate_proj, mlp.up_proj]) if gated else None
     return _Layer(layer, qkv, gate_up)
-
-
-@dataclass
-class FirstChunks:
-    """Prefill chunks that start their prompt, padded to one ``[S, n_max]`` batch.
-
-    Such a chunk attends only to its own tokens, so the step's fresh K/V serve as its context
-    (nothing is read back from the pool) and one causal attention call covers them all:
-    padding sits after each chunk's last token, where the causal mask hides it from the real
-    queries, and the padded rows' outputs are dropped.
-    """
-
-    index: torch.Tensor  # [S * n_max] token row of each padded position (padding repeats a row)
-    shape: tuple[int, int]  # (S, n_max)
-    valid: torch.Tensor | None  # positions of real tokens in the padded layout; None: no padding
-    rows: torch.Tensor  # [real tokens] their token rows, in the order of ``valid``
-
-
-def _first_chunks(spans: list[tuple[int, int]], device: torch.device) -> FirstChunks:
-    longest = max(n for _, n in spans)
-    index: list[int] = []
-    valid: list[int] = []
-    rows: list[int] = []
-    for i, (row, n) in enumerate(spans):
-        index.extend(row + min(j, n - 1) for j in range(longest))
-        valid.extend(range(i * longest, i * longest + n))
-        rows.extend(range(row, row + n))
-    padded = len(valid) != len(index)
-    return FirstChunks(
-        index=torch.tensor(index, dtype=torch.long, device=device),
-        shape=(len(spans), longest),
-        valid=torch.tensor(valid, dtype=torch.long, device=device) if padded else None,
-        rows=torch.tensor(rows, dtype=torch.long, device=device),
-    )
-
-
-@dataclass
-class _Step:
-    """Tensors describing one step's flat batch."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    slots: torch.Tensor  # [T] where each token's K/V goes in the pool
-    decode_rows: torch.Tensor | None  # token rows of single-token chunks
-    decode_gather: torch.Tensor | None  # [B, Lmax] pool slots of their contexts
-    decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] additive: 0 inside the context, -inf past it
-    decode_plan: DecodePlan | None  # instead of gather and mask when contexts are kept dense
-    prefills: list[
-        tuple[int, int, torch.Tensor, int]
-    ]  # chunks that continue a prompt: (row start, n, context slots, context start)
-    first_chunks: FirstChunks | None  # chunks that start a prompt, attended as one batch
-    sample_rows: torch.Tensor  # the last token row of every chunk that samples
-    decode_only: bool = False  # every row is a decode row, in order: no gather or scatter
 
 
 class ModelRunner:
@@ -203,87 +153,17 @@ class ModelRunner:
         return max(2, kv_cache_memory // (self.bytes_per_token * self.block_size))
 
     # ── one forward pass ───────────────────────────────────────────────────────────────────────
-    def _slots_of(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        table = torch.tensor(block_table, dtype=torch.long)
-        pos = torch.arange(start, end)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
-
-    def _prepare(self, chunks: list[Chunk]) -> _Step:
-        # Built as Python ints and turned into tensors once: a decode step has one token per
-        # sequence, and a tensor per sequence would cost more than the token.
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills = []
-        first_spans: list[tuple[int, int]] = []
-        sample_rows = []
-        row = 0
-        for chunk in chunks:
-            seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
-            table = seq.block_table
-            ids.extend(seq.token_slice(start, start + n))
-            span = range(start, start + n)
-            positions.extend(span)
-            slots.extend(table[p // bs] * bs + p % bs for p in span)
-            if n == 1:
-                decode_rows.append(row)
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
-            elif start == 0:
-                first_spans.append((row, n))
-            else:
-                context = self._slots_of(table, 0, start + n).to(self.device)
-                prefills.append((row, n, context, start))
-            row += n
-            if chunk.samples:
-                sample_rows.append(row - 1)
-        device = self.device
-        step = _Step(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
-            slots=torch.tensor(slots, dtype=torch.long, device=device),
-            decode_rows=None,
-            decode_gather=None,
-            decode_mask=None,
-            decode_plan=None,
-            prefills=prefills,
-            first_chunks=_first_chunks(first_spans, device) if first_spans else None,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
-        )
-        if decode_rows and self.decode_contexts is not None:
-            step.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
-            step.decode_only = not (prefills or first_spans)
-            step.decode_plan = self.decode_contexts.plan(
-                [c.seq.uid for c in chunks if c.num_tokens == 1],
-                [n - 1 for n in decode_lens],
-                lambda i, n: self.kv_cache.index_select(1, self._slots_of(decode_tables[i], 0, n)),
-            )
-        elif decode_rows:
-            lmax = max(decode_lens)
-            width = -(-lmax // bs)
-            tables = torch.tensor(
-                [t[:width] + [0] * (width - len(t[:width])) for t in decode_tables],
-                dtype=torch.long,
-            )
-            pos = torch.arange(lmax)
-            gather = tables[:, pos // bs] * bs + pos % bs
-            past_end = pos.unsqueeze(0) >= torch.tensor(decode_lens).unsqueeze(1)
-            # Additive and in the model's dtype: SDPA would convert a boolean mask in every layer.
-            mask = torch.zeros(past_end.shape, dtype=self.dtype).masked_fill_(past_end, -torch.inf)
-            step.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
-            step.decode_gather = gather.to(device)
-            step.decode_mask = mask[:, None, None, :].to(device)
-            step.decode_only = not (prefills or first_spans)
-        return step
-
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Run the chunks; return logits [rows that sample, vocab] in float32."""
-        step = self._prepare(chunks)
+        step = build_step_inputs(
+            chunks,
+            block_size=self.block_size,
+            device=self.device,
+            dtype=self.dtype,
+            kv_cache=self.kv_cache,
+            decode_contexts=self.decode_contexts,
+        )
         hidden = self._embed(step.input_ids)  # [T, H]
         cos, sin = self._rotary(hidden.unsqueeze(0), step.positions.unsqueeze(0))
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, D]
@@ -305,7 +185,7 @@ class ModelRunner:
         gate, up = F.linear(hidden, *fused.gate_up).chunk(2, dim=-1)
         return mlp.down_proj(mlp.act_fn(gate) * up)
 
-    def _attention(self, index, fused: _Layer, hidden, cos, sin, step: _Step) -> torch.Tensor:
+    def _attention(self, index, fused: _Layer, hidden, cos, sin, step: StepInputs) -> torch.Tensor:
         attn = fused.module.self_attn
         tokens = hidden.shape[0]
         q_size = self.num_heads * self.head_dim
@@ -380,7 +260,7 @@ class ModelRunner:
             of = of.index_select(0, first.valid)
         out.index_copy_(0, first.rows, of)
 
-    def _dense_decode(self, index, qd, new_kv, step: _Step, scale) -> torch.Tensor:
+    def _dense_decode(self, index, qd, new_kv, step: StepInputs, scale) -> torch.Tensor:
         plan = step.decode_plan
         dense = self.decode_contexts.buffer[index]  # [rows, 2 * kv_heads, capacity, D]
         new_kv = new_kv if step.decode_only else new_kv.index_select(0, step.decode_rows)

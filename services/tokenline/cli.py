@@ -39,6 +39,18 @@ def parse_bytes(value: str) -> int:
     return int(float(match[1]) * _UNITS[match[2] or ""])
 
 
+def parse_bool(value: str | bool) -> bool:
+    """``--compile``, ``--compile false``, ``TOKENLINE_COMPILE=1``."""
+    if isinstance(value, bool):
+        return value
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"{value!r} is not a boolean; use true or false")
+
+
 def _flag(
     parser: argparse.ArgumentParser,
     name: str,
@@ -131,6 +143,16 @@ def _scheduler_flags(parser: argparse.ArgumentParser) -> None:
         "torch-threads",
         int,
         help="CPU threads for the model (default: every core but one, which the other stages use)",
+    )
+    _flag(
+        parser,
+        "compile",
+        parse_bool,
+        False,
+        nargs="?",
+        const=True,
+        help="compile each layer's projections, norm and MLP with torch.compile: fewer kernel "
+        "launches on a GPU; the first steps wait for compilation (measured no faster on CPU)",
     )
 
 

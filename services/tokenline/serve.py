@@ -89,6 +89,8 @@ def stage_argv(stage: str, settings: Settings) -> list[str]:
         optional["kv-cache-memory"] = s.kv_cache_memory
         optional["torch-threads"] = s.torch_threads
         optional["max-num-batched-tokens"] = s.max_num_batched_tokens
+        if s.compile:
+            argv.append("--compile")
     for flag, value in optional.items():
         if value is not None:
             argv += [f"--{flag}", str(value)]

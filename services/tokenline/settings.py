@@ -33,6 +33,7 @@ class Settings:
     max_num_batched_tokens: int | None = None  # None: 2048 on CUDA, 256 on CPU
     block_size: int = 16
     torch_threads: int | None = None  # CPU only; None: every core but one
+    compile: bool = False  # torch.compile the layers' dense tail (for GPUs)
 
     @property
     def model_name(self) -> str:

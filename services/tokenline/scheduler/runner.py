@@ -70,6 +70,39 @@ class _Layer:
     gate_up: tuple[torch.Tensor, torch.Tensor | None] | None  # None: call the module's MLP
 
 
+def _layer_tail(
+    residual: torch.Tensor,
+    attn_out: torch.Tensor,
+    o_proj: tuple[torch.Tensor, torch.Tensor | None],
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up: tuple[torch.Tensor, torch.Tensor | None],
+    down: tuple[torch.Tensor, torch.Tensor | None],
+) -> torch.Tensor:
+    """Everything after attention in a Llama-style layer, as one function of tensors, so that
+    ``--compile`` can fuse its elementwise work: output projection, residual, RMSNorm (the
+    transformers formula: in float32, weight applied after casting back), SiLU-gated MLP,
+    residual."""
+    hidden = residual + F.linear(attn_out, *o_proj)
+    x = hidden.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    x = norm_weight * x.to(hidden.dtype)
+    gate, up = F.linear(x, *gate_up).chunk(2, dim=-1)
+    return hidden + F.linear(F.silu(gate) * up, *down)
+
+
+def _fits_layer_tail(layer: torch.nn.Module, fused: _Layer, config) -> bool:
+    norm = layer.post_attention_layernorm
+    return (
+        fused.gate_up is not None
+        and getattr(config, "hidden_act", None) == "silu"
+        and type(norm).__name__.endswith("RMSNorm")
+        and hasattr(norm, "variance_epsilon")
+        and isinstance(layer.self_attn.o_proj, torch.nn.Linear)
+        and isinstance(layer.mlp.down_proj, torch.nn.Linear)
+    )
+
+
 def _prepare_layer(layer: torch.nn.Module) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -89,6 +122,7 @@ class ModelRunner:
         gpu_memory_utilization: float = 0.9,
         torch_threads: int | None = None,
         dense_decode: bool = True,
+        compile_layers: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -129,6 +163,17 @@ class ModelRunner:
         self._norm = decoder.norm
         self._rotary = decoder.rotary_emb
         self._lm_head = self.model.lm_head
+        self._tail = None
+        if compile_layers:
+            if all(_fits_layer_tail(f.module, f, config) for f in self._layers):
+                # dynamic: one graph for every token count, shared by every layer
+                self._tail = torch.compile(_layer_tail, dynamic=True)
+            else:
+                log.warning(
+                    "--compile: %s's layers are not Llama-style (RMSNorm, SiLU-gated MLP); "
+                    "running them eagerly",
+                    source.spec,
+                )
         log.info(
             "runner: %s on %s/%s, KV pool %d blocks x %d tokens",
             source.spec,
@@ -171,8 +216,20 @@ class ModelRunner:
             layer = fused.module
             residual = hidden
             hidden = layer.input_layernorm(hidden)
-            hidden = self._attention(index, fused, hidden, cos, sin, step)
-            hidden = residual + hidden
+            attn_out = self._attention(index, fused, hidden, cos, sin, step)
+            if self._tail is not None:
+                norm, mlp = layer.post_attention_layernorm, layer.mlp
+                hidden = self._tail(
+                    residual,
+                    attn_out,
+                    (layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias),
+                    norm.weight,
+                    norm.variance_epsilon,
+                    fused.gate_up,
+                    (mlp.down_proj.weight, mlp.down_proj.bias),
+                )
+                continue
+            hidden = residual + layer.self_attn.o_proj(attn_out)
             hidden = hidden + self._mlp(fused, layer.post_attention_layernorm(hidden))
         hidden = self._norm(hidden.index_select(0, step.sample_rows))
         return self._lm_head(hidden).float()
@@ -242,7 +299,7 @@ class ModelRunner:
                     qp, kp, vp, attn_mask=k_pos <= q_pos, scale=scale, enable_gqa=True
                 )
             out[row : row + n] = op[0].transpose(0, 1)
-        return attn.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return out.reshape(tokens, self.num_heads * self.head_dim)  # o_proj: the caller's
 
     def _first_chunk_attention(
         self, q: torch.Tensor, new_kv: torch.Tensor, first: FirstChunks, out: torch.Tensor, scale

@@ -176,6 +176,7 @@ def run(settings: Settings) -> int:
         settings.kv_cache_memory,
         settings.gpu_memory_utilization,
         settings.torch_threads,
+        compile_layers=settings.compile,
     )
     budget = settings.max_num_batched_tokens or default_token_budget(runner.device.type)
     limits = EngineLimits(

@@ -1,0 +1,35 @@
+"""--compile: the layers' dense tail compiled with torch.compile gives the eager engine's
+tokens (its speed-up is for GPUs; on CPU it is measured no faster, benchmarks/README.md)."""
+
+from __future__ import annotations
+
+import pytest
+from scheduler_testkit import PROMPTS, drain, greedy
+
+from tokenline import tiny_model
+from tokenline.scheduler.engine import Engine, EngineLimits
+from tokenline.scheduler.runner import ModelRunner
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(encode) -> dict[str, list[int]]:
+    return {f"p{i}": encode(text) for i, text in enumerate(PROMPTS)}
+
+
+def _engine(tiny_source, eos_ids, compile_layers: bool) -> Engine:
+    runner = ModelRunner(tiny_source, device="cpu", dtype="float32", compile_layers=compile_layers)
+    limits = EngineLimits(tiny_model.MAX_POSITIONS, max_num_batched_tokens=7)
+    return Engine(runner, limits, eos_ids)
+
+
+def test_compiled_layer_tails_give_the_eager_tokens(tiny_source, eos_ids, prompt_ids):
+    runs = {}
+    for compiled in (False, True):
+        engine = _engine(tiny_source, eos_ids, compiled)
+        assert (engine.runner._tail is not None) is compiled
+        for uid, ids in prompt_ids.items():  # 7-token steps: many different token counts
+            engine.add(uid, ids, greedy(MAX_TOKENS, ignore_eos=True))
+        runs[compiled] = drain(engine).tokens
+    assert runs[True] == runs[False]

@@ -1,0 +1,47 @@
+"""Stage flags reach Settings from the command line and from their TOKENLINE_* mirrors, and
+`serve` hands the scheduler's flags on to the scheduler process."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenline.cli import build_parser, settings_from
+from tokenline.serve import stage_argv
+
+
+def _settings(argv: list[str]):
+    return settings_from(build_parser().parse_args(argv))
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["scheduler"], False),
+        (["scheduler", "--compile"], True),
+        (["scheduler", "--compile", "false"], False),
+        (["serve", "--compile", "yes"], True),
+    ],
+)
+def test_compile_flag(argv, expected):
+    assert _settings(argv).compile is expected
+
+
+def test_compile_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TOKENLINE_COMPILE", "1")
+    assert _settings(["scheduler"]).compile is True
+
+
+def test_a_bad_boolean_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["scheduler", "--compile", "maybe"])
+    assert "'maybe' is not a boolean" in capsys.readouterr().err
+
+
+def test_serve_passes_compile_to_the_scheduler_only():
+    settings = _settings(["serve", "--compile"])
+    assert "--compile" in stage_argv("scheduler", settings)
+    assert "--compile" not in stage_argv("api", settings)
+    assert "--compile" not in stage_argv("scheduler", _settings(["serve"]))
+    # and the scheduler's own parser reads what serve wrote
+    argv = stage_argv("scheduler", settings)
+    assert _settings(argv[argv.index("scheduler") :]).compile is True

@@ -6,6 +6,7 @@ is downloaded), in bf16. For each batch size the same prompts go to the tokenlin
 Prints one JSON line per measurement and a summary table.
 
     python benchmarks/gpu_check.py                      # on the GPU machine
+    python benchmarks/gpu_check.py --compile            # also the engine with --compile
     python benchmarks/gpu_check.py --small --device cpu # a seconds-long dry run anywhere
 """
 
@@ -58,13 +59,16 @@ def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(5, vocab, (n, length), generator=generator).tolist()
 
 
-def run_engine(path: str, device: str, batch: list[list[int]], output_len: int) -> float:
+def run_engine(
+    path: str, device: str, batch: list[list[int]], output_len: int, compile_layers: bool = False
+) -> float:
     from tokenline.model_source import ModelSource
     from tokenline.protocol import SamplingParams
     from tokenline.scheduler.engine import Engine, EngineLimits, default_token_budget
     from tokenline.scheduler.runner import ModelRunner
 
-    runner = ModelRunner(ModelSource(spec="qwen3-shape", path=path), device=device)
+    source = ModelSource(spec="qwen3-shape", path=path)
+    runner = ModelRunner(source, device=device, compile_layers=compile_layers)
     limits = EngineLimits(
         4096,
         max_num_seqs=max(256, len(batch)),
@@ -83,7 +87,7 @@ def run_engine(path: str, device: str, batch: list[list[int]], output_len: int) 
             torch.cuda.synchronize()
         return tokens / (time.perf_counter() - started)
 
-    once()  # warm-up
+    once()  # warm-up (and, with compile_layers, compilation)
     return once()
 
 
@@ -119,6 +123,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--small", action="store_true", help="a tiny model of the same family")
+    parser.add_argument(
+        "--compile", action="store_true", help="also measure the engine with compiled layers"
+    )
     args = parser.parse_args()
     shape = SMALL if args.small else QWEN3_0_6B
     rows = []
@@ -128,6 +135,10 @@ def main() -> None:
             batch = prompts(size, args.prompt_len, shape["vocab_size"])
             ours = run_engine(path, args.device, batch, args.output_len)
             _release_memory(args.device)
+            compiled = None
+            if args.compile:
+                compiled = run_engine(path, args.device, batch, args.output_len, True)
+                _release_memory(args.device)
             theirs = run_transformers(path, args.device, batch, args.output_len)
             _release_memory(args.device)
             row = {
@@ -136,14 +147,21 @@ def main() -> None:
                 "transformers_generate_batch_tokens_per_s": round(theirs, 1),
                 "ratio": round(ours / theirs, 2),
             }
+            if compiled is not None:
+                row["tokenline_compiled_tokens_per_s"] = round(compiled, 1)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    print("| batch | tokenline engine tokens/s | transformers generate_batch tokens/s | ratio |")
-    print("|---|---|---|---|")
+    compiled_column = args.compile
+    print(
+        "| batch | tokenline engine tokens/s | transformers generate_batch tokens/s | ratio |"
+        + (" tokenline --compile tokens/s |" if compiled_column else "")
+    )
+    print("|---|---|---|---|" + ("---|" if compiled_column else ""))
     for r in rows:
         print(
             f"| {r['batch']} | {r['tokenline_tokens_per_s']} | "
             f"{r['transformers_generate_batch_tokens_per_s']} | {r['ratio']} |"
+            + (f" {r['tokenline_compiled_tokens_per_s']} |" if compiled_column else "")
         )
 
 

@@ -115,6 +115,17 @@ def _others_frozen(config: BenchConfig, measured: TargetConfig):
     return frozen([pid for t in config.targets if t is not measured for pid in t.pids])
 
 
+async def _isolated_phase(
+    config: BenchConfig, target: TargetConfig, model: str, specs: list[RequestSpec], **kwargs
+) -> Phase:
+    """One phase against ``target`` with the other targets paused, over a fresh connection
+    pool: a keep-alive connection left idle while its server was paused for the other target
+    is closed by that server just as it is reused."""
+    with _others_frozen(config, target):
+        async with _client(config) as client:
+            return await run_phase(client, config, target, model, specs, **kwargs)
+
+
 async def run_benchmark(
     config: BenchConfig,
     *,
@@ -146,16 +157,13 @@ async def run_benchmark(
         if not warmup_specs:
             break
         on_phase(target.label, -1)
-        with _others_frozen(config, target):
-            async with _client(config) as client:
-                phase = await run_phase(
-                    client,
-                    config,
-                    target,
-                    models[target.label],
-                    warmup_specs,
-                    concurrency=min(len(warmup_specs), config.concurrency or len(warmup_specs)),
-                )
+        phase = await _isolated_phase(
+            config,
+            target,
+            models[target.label],
+            warmup_specs,
+            concurrency=min(len(warmup_specs), config.concurrency or len(warmup_specs)),
+        )
         failed = [r for r in phase.records if not r.ok]
         if failed:
             result.warnings.append(
@@ -167,21 +175,16 @@ async def run_benchmark(
     for round_ in range(config.rounds):
         for target in round_order(config.targets, round_):
             on_phase(target.label, round_)
-            # A fresh pool per phase: a keep-alive connection left idle while its server was
-            # paused for the other target is closed by that server just as it is reused.
-            with _others_frozen(config, target):
-                async with _client(config) as client:
-                    phase = await run_phase(
-                        client,
-                        config,
-                        target,
-                        models[target.label],
-                        specs,
-                        round_=round_,
-                        run_start=run_start,
-                        arrivals=arrivals,
-                        concurrency=config.concurrency,
-                        on_done=on_done,
-                    )
+            phase = await _isolated_phase(
+                config,
+                target,
+                models[target.label],
+                specs,
+                round_=round_,
+                run_start=run_start,
+                arrivals=arrivals,
+                concurrency=config.concurrency,
+                on_done=on_done,
+            )
             result.phases.append(phase)
     return result

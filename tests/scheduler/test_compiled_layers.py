@@ -28,7 +28,7 @@ def test_compiled_layer_tails_give_the_eager_tokens(tiny_source, eos_ids, prompt
     runs = {}
     for compiled in (False, True):
         engine = _engine(tiny_source, eos_ids, compiled)
-        assert (engine.runner._tail is not None) is compiled
+        assert engine.runner.compiled_layers is compiled
         for uid, ids in prompt_ids.items():  # 7-token steps: many different token counts
             engine.add(uid, ids, greedy(MAX_TOKENS, ignore_eos=True))
         runs[compiled] = drain(engine).tokens

@@ -91,7 +91,8 @@ def _layer_tail(
     return hidden + F.linear(F.silu(gate) * up, *down)
 
 
-def _fits_layer_tail(layer: torch.nn.Module, fused: _Layer, config) -> bool:
+def _fits_layer_tail(fused: _Layer, config) -> bool:
+    layer = fused.module
     norm = layer.post_attention_layernorm
     return (
         fused.gate_up is not None
@@ -165,7 +166,7 @@ class ModelRunner:
         self._lm_head = self.model.lm_head
         self._tail = None
         if compile_layers:
-            if all(_fits_layer_tail(f.module, f, config) for f in self._layers):
+            if all(_fits_layer_tail(f, config) for f in self._layers):
                 # dynamic: one graph for every token count, shared by every layer
                 self._tail = torch.compile(_layer_tail, dynamic=True)
             else:
@@ -182,6 +183,11 @@ class ModelRunner:
             self.num_blocks,
             block_size,
         )
+
+    @property
+    def compiled_layers(self) -> bool:
+        """True when --compile took effect (the layers fit the compiled tail)."""
+        return self._tail is not None
 
     @property
     def bytes_per_token(self) -> int:

@@ -10,7 +10,9 @@ The paged pool stays the source of truth; this is a cache of it. A row is filled
 when its sequence starts decoding and dropped in the first step the sequence does not decode
 (finished, aborted, paused, preempted or back in prefill), so it can never go stale. Rows are
 kept packed (a dropped row is filled by the last one), which lets one attention call cover them
-all. On a GPU the gather is cheap next to the memory this copy would take, so only CPU uses it.
+all. The cost is memory: up to twice the running sequences' K/V again (capacity doubles as
+contexts grow), on top of the pool, given back whenever nothing runs. On a GPU the gather is
+cheap next to the memory this copy would take, so only CPU uses it.
 """
 
 from __future__ import annotations

@@ -76,33 +76,53 @@ def _sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> t
             if banned:
                 logits[row, banned] = _NEG_INF
 
-    temps = torch.tensor([s.sampling.temperature for s in seqs], device=logits.device)
-    greedy = temps <= 0
+    temperatures = [s.sampling.temperature for s in seqs]
     tokens = torch.argmax(logits, dim=-1)
-    if bool(greedy.all()):
+    sampled = [i for i, t in enumerate(temperatures) if t > 0]
+    if not sampled:
         return tokens
 
-    logits = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
+    temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=logits.device)
+    logits = logits / temps.unsqueeze(1)
     top_k = [s.sampling.top_k for s in seqs]
     top_p = [s.sampling.top_p for s in seqs]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         logits = _top_k_top_p(logits, top_k, top_p)
     probs = torch.softmax(logits, dim=-1)
-    min_p = torch.tensor([s.sampling.min_p for s in seqs], device=logits.device)
-    if bool((min_p > 0).any()):
-        keep = probs >= min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    min_p = [s.sampling.min_p for s in seqs]
+    if any(m > 0 for m in min_p):
+        floor = torch.tensor(min_p, device=logits.device).unsqueeze(1)
+        keep = probs >= floor * probs.max(dim=-1, keepdim=True).values
         probs = torch.where(keep, probs, torch.zeros_like(probs))
 
-    unseeded = [i for i, s in enumerate(seqs) if s.generator is None and not greedy[i]]
-    if unseeded:
-        rows = torch.tensor(unseeded, device=logits.device)
-        tokens[rows] = torch.multinomial(probs[rows], 1).squeeze(1)
-    for i, seq in enumerate(seqs):
-        # A seeded request draws from its own generator, so its output does not depend on
-        # what else shares the batch.
-        if seq.generator is not None and not greedy[i]:
-            tokens[i] = torch.multinomial(probs[i], 1, generator=seq.generator)[0]
+    if len(sampled) < len(seqs):
+        rows = torch.tensor(sampled, device=logits.device)
+        drawn = _draw(probs.index_select(0, rows), [seqs[i] for i in sampled])
+        # past the last token: a rounding edge of probability ~2**-24; keep the likeliest
+        tokens[rows] = torch.where(drawn < probs.shape[1], drawn, tokens.index_select(0, rows))
+    else:
+        drawn = _draw(probs, seqs)
+        tokens = torch.where(drawn < probs.shape[1], drawn, tokens)
     return tokens
+
+
+def _draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """One token per row of ``probs`` ([rows, vocab], unnormalised, >= 0) by inverse CDF.
+
+    One uniform number per row instead of ``torch.multinomial``'s one per vocabulary entry:
+    on CPU that was 0.4 ms of a 5 ms decode step for 16 rows of a 691-token vocabulary, and
+    it grows with the vocabulary. A token of probability 0 (banned, cut by top-k/top-p/min-p)
+    adds exactly 0 to the running sum, so no uniform number can select it. A seeded request
+    draws its number from its own generator, so its output does not depend on what else
+    shares the batch.
+    """
+    cdf = probs.cumsum(dim=-1)
+    uniform = torch.rand(len(seqs), 1, device=probs.device, dtype=cdf.dtype)
+    for i, seq in enumerate(seqs):
+        if seq.generator is not None:
+            uniform[i] = torch.rand(1, generator=seq.generator, device=probs.device)
+    # token t wins for u in [cdf[t-1], cdf[t]): the first running sum that passes u
+    return torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -110,17 +109,6 @@ async def _watch_disconnect(request: Request, pipeline: Pipeline, ex: Exchange) 
             return
 
 
-@contextlib.asynccontextmanager
-async def _disconnect_watch(request: Request, pipeline: Pipeline, ex: Exchange):
-    watcher = asyncio.create_task(_watch_disconnect(request, pipeline, ex))
-    try:
-        yield
-    finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
-
-
 async def _serve(request: Request, body, build, chat: bool) -> Response:
     pipeline = _pipeline(request)
     if body.model != pipeline.model:
@@ -132,25 +120,26 @@ async def _serve(request: Request, body, build, chat: bool) -> Response:
             "model",
         )
     ex = pipeline.open(body.n, build)
+    # One watcher for the request's whole life; a stream takes it over with the exchange.
+    watcher = asyncio.create_task(_watch_disconnect(request, pipeline, ex))
     handed_over = False  # once an ExchangeStream owns the exchange, it closes it
     try:
-        async with _disconnect_watch(request, pipeline, ex):
-            # Wait for the first reply before answering, so an early error (prompt too long,
-            # stage down) gets its own status code instead of a broken 200 stream.
-            first = await ex.next_batch()
-            if ex.error is not None and not first:
-                return ex.error.response()
-            meta = {
-                "id": ("chatcmpl-" if chat else "cmpl-") + ex.uids[0],
-                "created": int(time.time()),
-                "model": pipeline.model,
-            }
-            if body.stream:
-                events = (chat_events if chat else completion_events)(ex, body, first, meta)
-                handed_over = True
-                return ExchangeStream(events, request, pipeline, ex)
-            ex.keep(first)
-            await ex.collect()
+        # Wait for the first reply before answering, so an early error (prompt too long,
+        # stage down) gets its own status code instead of a broken 200 stream.
+        first = await ex.next_batch()
+        if ex.error is not None and not first:
+            return ex.error.response()
+        meta = {
+            "id": ("chatcmpl-" if chat else "cmpl-") + ex.uids[0],
+            "created": int(time.time()),
+            "model": pipeline.model,
+        }
+        if body.stream:
+            events = (chat_events if chat else completion_events)(ex, body, first, meta)
+            handed_over = True
+            return ExchangeStream(events, pipeline, ex, watcher)
+        ex.keep(first)
+        await ex.collect()
         pipeline.close(ex)
         if ex.error is not None:
             return ex.error.response()
@@ -162,27 +151,41 @@ async def _serve(request: Request, body, build, chat: bool) -> Response:
         return JSONResponse(full_response(ex, body, meta, chat), headers=headers)
     finally:
         if not handed_over:
+            watcher.cancel()
             pipeline.close(ex)
 
 
 class ExchangeStream(StreamingResponse):
-    """An SSE response that always closes its exchange and watches for disconnects.
+    """An SSE response that always closes its exchange and its disconnect watcher.
 
-    The exchange is closed in ``__call__``'s ``finally``, not in the generator: a generator
-    that never started (client gone before the first byte) would never run its cleanup.
+    It writes to the connection itself instead of through Starlette's ``StreamingResponse``,
+    whose task group (ASGI before 2.4, what uvicorn speaks) starts the writer one event-loop
+    turn later and adds a second disconnect listener: with 16 streams a turn took several
+    milliseconds, and the first token waited 4.8 ms (p50) / 27 ms (p90) between reaching the
+    api and being written. Here it is written in the turn it arrives. The exchange is closed in
+    ``__call__``'s ``finally``, not in the generator: a generator that never started (client
+    gone before the first byte) would never run its cleanup.
     """
 
     def __init__(
-        self, events: AsyncIterator[bytes], request: Request, pipeline: Pipeline, ex: Exchange
+        self,
+        events: AsyncIterator[bytes],
+        pipeline: Pipeline,
+        ex: Exchange,
+        watcher: asyncio.Task,
     ) -> None:
         super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        self._request, self._pipeline, self._ex = request, pipeline, ex
+        self._pipeline, self._ex, self._watcher = pipeline, ex, watcher
         self._events = events
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            async with _disconnect_watch(self._request, self._pipeline, self._ex):
-                await super().__call__(scope, receive, send)
+            start = {"type": "http.response.start", "status": self.status_code}
+            await send({**start, "headers": self.raw_headers})
+            async for chunk in self._events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            self._watcher.cancel()
             self._pipeline.close(self._ex)
             await self._events.aclose()

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import json
+import msgspec
 
 SSE_HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",  # proxies such as nginx must not buffer the stream
 }
 DONE = b"data: [DONE]\n\n"
+_encode = msgspec.json.Encoder().encode  # compact UTF-8, one event per token: kept cheap
 
 
 def event(payload: dict) -> bytes:
-    return (
-        b"data: "
-        + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
-        + (b"\n\n")
-    )
+    return b"data: " + _encode(payload) + b"\n\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -17,6 +18,18 @@ def setup_logging(stage: str, level: str) -> None:
         level=level.upper(),
         format=f"%(asctime)s %(levelname)s {stage}[%(process)d] %(name)s: %(message)s",
     )
+
+
+def freeze_startup_heap() -> None:
+    """Take what startup built (imports, model, tokenizer) out of the garbage collector's scans.
+
+    A full collection walks every tracked object: ~100 ms in a process with torch and
+    transformers loaded, ~15 ms for the api's imports, a pause that lands on whichever
+    requests are in flight. Those objects live as long as the process, so scanning them again
+    can never free anything; frozen, a full collection only walks what serving allocates.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def instance_id() -> str:

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from tokenline.api.errors import ApiError
 from tokenline.api.pipeline import Pipeline
 from tokenline.api.routes import router
+from tokenline.lifecycle import freeze_startup_heap
 from tokenline.settings import Settings
 from tokenline.transport import AsyncRing
 
@@ -43,6 +44,7 @@ def create_app(settings: Settings, heartbeat_timeout: float = 5.0) -> FastAPI:
         pipeline = Pipeline(settings, AsyncRing(settings.endpoints), heartbeat_timeout)
         app.state.pipeline = pipeline
         await pipeline.start()
+        freeze_startup_heap()
         try:
             yield
         finally:

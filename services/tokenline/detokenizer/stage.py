@@ -14,7 +14,7 @@ from tokenline import protocol
 from tokenline.detokenizer.incremental import IncrementalDecoder
 from tokenline.detokenizer.token_text import TokenTexts
 from tokenline.ledger import Ledger
-from tokenline.lifecycle import Drain, instance_id
+from tokenline.lifecycle import Drain, freeze_startup_heap, instance_id
 from tokenline.metrics import BUFFER_DEPTH, LATE_REPLIES, STAGE_LATENCY, serve_metrics
 from tokenline.model_source import resolve
 from tokenline.settings import Settings
@@ -122,6 +122,7 @@ def run(settings: Settings) -> int:
     stage = Detokenizer(tokenizer, ring)
     inbox_depth = BUFFER_DEPTH.labels(stage="detokenizer", buffer="inbox")
     next_sweep = 0.0
+    freeze_startup_heap()
     log.info("detokenizer ready: %s", source.spec)
     try:
         while not drain.done(held=stage.live.keys()):

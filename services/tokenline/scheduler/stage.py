@@ -7,7 +7,7 @@ import time
 
 from tokenline import protocol
 from tokenline.ledger import BoundedSet, Ledger
-from tokenline.lifecycle import Drain, instance_id
+from tokenline.lifecycle import Drain, freeze_startup_heap, instance_id
 from tokenline.metrics import (
     BUFFER_DEPTH,
     KV_CACHE_USAGE,
@@ -186,6 +186,7 @@ def run(settings: Settings) -> int:
     ring = SyncRing("scheduler", settings.endpoints)
     stage = SchedulerStage(engine, ring, settings.model_name)
     stage.housekeeping(force=True)
+    freeze_startup_heap()
     log.info("scheduler ready: %s, %d KV blocks", source.spec, runner.num_blocks)
     try:
         stage.loop(drain)

@@ -13,7 +13,7 @@ import msgspec
 
 from tokenline import protocol
 from tokenline.ledger import Ledger
-from tokenline.lifecycle import Drain, instance_id
+from tokenline.lifecycle import Drain, freeze_startup_heap, instance_id
 from tokenline.metrics import BUFFER_DEPTH, STAGE_LATENCY, serve_metrics
 from tokenline.model_source import resolve
 from tokenline.settings import Settings
@@ -110,6 +110,7 @@ def run(settings: Settings) -> int:
     inbox_depth = BUFFER_DEPTH.labels(stage="tokenizer", buffer="inbox")
     latency = STAGE_LATENCY.labels(stage="tokenizer")
     ledger = Ledger("tokenizer")
+    freeze_startup_heap()
     log.info("tokenizer ready: model %s, max_model_len %d", source.spec, tokenizer.max_model_len)
     try:
         while not drain.done(held=()):

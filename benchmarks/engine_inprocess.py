@@ -35,6 +35,13 @@ def main() -> None:
         help="default: what the scheduler stage uses on this device",
     )
     parser.add_argument(
+        "--replace-after-ms",
+        type=float,
+        default=0.0,
+        help="time between a request finishing and its replacement arriving (0: before the "
+        "next step; the stack's HTTP and socket round trip is about 5 ms)",
+    )
+    parser.add_argument(
         "--torch-threads",
         type=int,
         help="default: what the scheduler stage uses (every core but one)",
@@ -59,15 +66,23 @@ def main() -> None:
         in_flight = 0
         tokens = 0
         started = time.perf_counter()
+        delay = args.replace_after_ms / 1000
+        due = [started] * args.concurrency  # when each free slot takes its next request
         while pending or in_flight:
-            while pending and in_flight < args.concurrency:
+            now = time.perf_counter()
+            while due and due[0] <= now and pending:
+                due.pop(0)
                 i, prompt = pending.pop(0)
                 engine.add(f"r{i}", prompt, sampling)
                 in_flight += 1
+            if not in_flight:  # idle until the next replacement arrives
+                time.sleep(max(0.0, due[0] - now))
+                continue
             for out in engine.step():
                 tokens += len(out.token_ids)
                 if out.finish_reason:
                     in_flight -= 1
+                    due.append(time.perf_counter() + delay)
         results.append(tokens / (time.perf_counter() - started))
     print(
         json.dumps(

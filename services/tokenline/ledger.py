@@ -41,8 +41,13 @@ class BoundedSet:
         return len(self._items)
 
 
+LEAK_GRACE_S = 30.0  # past its deadline, a uid is reclaimed (and counted) after this long
+
+
 class Ledger:
-    def __init__(self, stage: str, grace_s: float = 30.0, closed_capacity: int = 65_536) -> None:
+    def __init__(
+        self, stage: str, grace_s: float = LEAK_GRACE_S, closed_capacity: int = 65_536
+    ) -> None:
         self.stage = stage
         self.grace_s = grace_s
         self._deadlines: dict[str, float] = {}

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from tokenline import protocol
 from tokenline.api.errors import ApiError, abort_error
 from tokenline.api.exchange import Exchange
-from tokenline.ledger import Ledger
+from tokenline.ledger import LEAK_GRACE_S, Ledger
 from tokenline.metrics import (
     ABORTS,
     BUFFER_DEPTH,
@@ -197,8 +197,13 @@ class Pipeline:
 
     def _resend_recent_aborts(self) -> None:
         """After a stage restarts, send again the aborts it may have taken down with it, so
-        the stages after it free those uids now rather than at deadline plus grace."""
-        horizon = time.monotonic() - self.settings.request_timeout
+        the stages after it free those uids now rather than at deadline plus grace.
+
+        Every abort that a stage could still be holding a uid for goes again: one sent up to
+        a request timeout plus the ledgers' grace ago. A restart that took longer than the
+        request timeout (a large model loading) still frees what the dead stage's peers hold.
+        """
+        horizon = time.monotonic() - self.settings.request_timeout - LEAK_GRACE_S
         recent = [(uid, reason) for sent, uid, reason in self._recent_aborts if sent >= horizon]
         for uid, reason in recent:
             self.ring.send_nowait(protocol.Abort(uid=uid, reason=reason))

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenline import tiny_model
 
-log = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tokenline")
 
 
@@ -32,36 +30,17 @@ class ModelSource:
     def max_model_len(self, override: int | None = None) -> int:
         """The context limit: --max-model-len if set, else the model config's.
 
-        Either way it stays within the model's sliding attention window, if it has one: the
-        runner attends over the whole context, which matches such a model only up to its
-        window, so longer contexts are refused rather than answered wrongly.
+        A sliding attention window does not shorten it: the layers that slide attend only to
+        their window (the runner reads it from each layer), the others to everything.
         """
-        config = self.load_config()
-        window = sliding_window(config)
         if override:
-            if window is not None and override > window:
-                raise SystemExit(
-                    f"--max-model-len {override} is longer than {self.spec}'s sliding attention "
-                    f"window ({window} tokens), which tokenline does not implement; use "
-                    f"--max-model-len {window} or less"
-                )
             return override
-        limit = 2048
+        config = self.load_config()
         for attr in ("max_position_embeddings", "n_positions", "max_sequence_length"):
             value = getattr(config, attr, None)
             if value:
-                limit = int(value)
-                break
-        if window is not None and window < limit:
-            log.warning(
-                "%s uses sliding-window attention (%d tokens), which tokenline does not "
-                "implement: contexts are limited to %d tokens so that outputs stay exact",
-                self.spec,
-                window,
-                window,
-            )
-            return window
-        return limit
+                return int(value)
+        return 2048
 
     def eos_token_ids(self) -> list[int]:
         """Every EOS id the model declares, from its generation config and its tokenizer."""
@@ -77,23 +56,6 @@ class ModelSource:
         eos = getattr(self.load_config(), "eos_token_id", None)
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         return sorted(ids)
-
-
-def sliding_window(config) -> int | None:
-    """The attention window of a model whose layers (some or all) slide; None if none do.
-
-    Mistral sets ``sliding_window`` for every layer; Qwen2/Qwen3 list ``layer_types`` and
-    slide only when ``use_sliding_window`` marks some layers ``sliding_attention``.
-    """
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return int(window) if "sliding_attention" in layer_types else None
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
-    return int(window)
 
 
 def resolve(model: str, cache_dir: str | None = None, revision: str | None = None) -> ModelSource:

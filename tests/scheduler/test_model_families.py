@@ -31,11 +31,27 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_greedy_matches_transformers_for_each_family(family, tmp_path):
+# Windows shorter than the prompts and the generations, so every attention path (the causal
+# batch of prompt-starting chunks, chunks that continue a prompt, decode) crosses them.
+SLIDING = {
+    "mistral-window-8": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+    "qwen2-window-8-layer-1": (  # layer 0 attends to everything, layer 1 slides
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    ),
+    "qwen3-window-8": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        {"head_dim": 32, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},
+    ),
+}
+
+
+def _greedy_against_transformers(family, spec, tmp_path, dense_decode: bool = True) -> None:
     import transformers
 
-    config_name, model_name, extra = FAMILIES[family]
+    config_name, model_name, extra = spec
     config = getattr(transformers, config_name)(**COMMON, **extra)
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config)
@@ -50,6 +66,7 @@ def test_greedy_matches_transformers_for_each_family(family, tmp_path):
         dtype="float32",
         kv_cache_memory=2**20,
         torch_threads=1,
+        dense_decode=dense_decode,
     )
     engine = Engine(runner, EngineLimits(256, max_num_batched_tokens=16), eos_ids=[])
     prompts = {f"p{i}": [(7 * i + j) % 290 + 5 for j in range(9 + 5 * i)] for i in range(3)}
@@ -71,3 +88,28 @@ def test_greedy_matches_transformers_for_each_family(family, tmp_path):
                 pad_token_id=0,
             )
         assert got[uid] == out[0, len(ids) :].tolist(), (family, uid)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_matches_transformers_for_each_family(family, tmp_path):
+    _greedy_against_transformers(family, FAMILIES[family], tmp_path)
+
+
+@pytest.mark.parametrize("dense_decode", [True, False], ids=["dense-decode", "gather-decode"])
+@pytest.mark.parametrize("family", list(SLIDING))
+def test_sliding_window_layers_match_transformers_past_the_window(family, dense_decode, tmp_path):
+    _greedy_against_transformers(family, SLIDING[family], tmp_path, dense_decode)
+
+
+def test_the_window_is_read_per_layer_from_the_model(tmp_path):
+    import transformers
+
+    config = transformers.Qwen2Config(
+        **COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=1
+    )
+    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    runner = ModelRunner(
+        ModelSource(spec="qwen2", path=str(tmp_path)), device="cpu", kv_cache_memory=2**20
+    )
+    assert runner.window == 8
+    assert runner._slides == [False, True]

@@ -35,6 +35,7 @@ class DecodePlan:
     num_rows: int
     length: int  # columns attention reads: the longest context including this step's token
     mask: torch.Tensor  # [rows, 1, 1, length] additive: 0 inside a row's context, -inf past it
+    window_mask: torch.Tensor | None = None  # the same, also -inf before a sliding window
 
 
 class DecodeContexts:
@@ -63,11 +64,13 @@ class DecodeContexts:
         uids: list[str],
         starts: list[int],
         fill: Callable[[int, int], torch.Tensor],
+        window: int | None = None,
     ) -> DecodePlan:
         """Rows for this step's decode tokens: ``uids[i]`` feeds position ``starts[i]``.
 
         ``fill(i, n)`` returns the first ``n`` tokens of decode token ``i``'s context from the
         pool as ``[layers, n, kv_width, head_dim]``; it is called only for new rows.
+        ``window``: the model's sliding attention window, if any of its layers slide.
         """
         wanted = dict(zip(uids, starts, strict=True))
         for row in range(len(self._uids) - 1, -1, -1):
@@ -90,8 +93,13 @@ class DecodeContexts:
         num_rows = len(self._uids)
         in_order = rows == list(range(num_rows))
         lens = torch.tensor(self._lens)
-        past_end = torch.arange(longest).unsqueeze(0) >= lens.unsqueeze(1)
+        columns = torch.arange(longest).unsqueeze(0)
+        past_end = columns >= lens.unsqueeze(1)
         mask = torch.zeros(past_end.shape, dtype=self.dtype).masked_fill_(past_end, -torch.inf)
+        window_mask = None
+        if window is not None and longest > window:
+            before = columns < (lens - window).unsqueeze(1)
+            window_mask = mask.masked_fill(before, -torch.inf)[:, None, None, :]
         order = None
         if not in_order:
             by_row = [0] * num_rows
@@ -105,6 +113,7 @@ class DecodeContexts:
             num_rows=num_rows,
             length=longest,
             mask=mask[:, None, None, :],
+            window_mask=window_mask,
         )
 
     def _drop(self, row: int) -> None:

@@ -7,6 +7,9 @@ and values into a preallocated pool of fixed-size blocks, and attends over each 
 blocks. Per layer, decoding sequences share one attention call (on CPU over dense copies of
 their contexts, ``decode_contexts.py``), chunks that start a prompt share another, and chunks
 that continue a prompt get one each. ``step_inputs.py`` turns a step's chunks into tensors.
+Layers with a sliding window (Mistral v0.1, Qwen2/Qwen3 with ``use_sliding_window``) make the
+same calls with the window added to their masks; their K/V stays in the pool for the whole
+context (blocks that fell out of every window are not given back early).
 """
 
 from __future__ import annotations
@@ -104,6 +107,16 @@ def _fits_layer_tail(fused: _Layer, config) -> bool:
     )
 
 
+def _layer_window(attention: torch.nn.Module, config) -> int | None:
+    """The layer's sliding attention window as its transformers module applies it; None: the
+    layer attends to the whole context."""
+    if hasattr(attention, "sliding_window"):  # Qwen2, Qwen3: set per layer type
+        return attention.sliding_window or None
+    if getattr(config, "model_type", None) == "mistral":  # every layer, from the config
+        return getattr(config, "sliding_window", None) or None
+    return None
+
+
 def _prepare_layer(layer: torch.nn.Module) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -161,6 +174,15 @@ class ModelRunner:
         self._embed = decoder.embed_tokens
         with torch.no_grad():
             self._layers = [_prepare_layer(layer) for layer in decoder.layers]
+        windows = [_layer_window(layer.self_attn, config) for layer in decoder.layers]
+        if len({w for w in windows if w}) > 1:
+            raise SystemExit(
+                f"{source.spec}: its layers slide over different windows ({windows}); tokenline "
+                "supports one window per model"
+            )
+        # A query at position i sees keys i - window < j <= i in the layers that slide.
+        self.window = next((w for w in windows if w), None)
+        self._slides = [w is not None for w in windows]
         self._norm = decoder.norm
         self._rotary = decoder.rotary_emb
         self._lm_head = self.model.lm_head
@@ -214,6 +236,7 @@ class ModelRunner:
             dtype=self.dtype,
             kv_cache=self.kv_cache,
             decode_contexts=self.decode_contexts,
+            window=self.window,
         )
         hidden = self._embed(step.input_ids)  # [T, H]
         cos, sin = self._rotary(hidden.unsqueeze(0), step.positions.unsqueeze(0))
@@ -266,6 +289,7 @@ class ModelRunner:
         pool.index_copy_(0, step.slots, new_kv)
         kvh = self.num_kv_heads
         scale = getattr(attn, "scaling", None)
+        slides = self._slides[index]
         out = None if step.decode_only else torch.empty_like(q)
         if step.decode_rows is not None:
             qd = q if step.decode_only else q.index_select(0, step.decode_rows)
@@ -274,22 +298,23 @@ class ModelRunner:
             # are read once per KV head instead of being repeated for every query head.
             qd = qd.view(batch, kvh, self.num_heads // kvh, self.head_dim)
             if step.decode_plan is not None:
-                od = self._dense_decode(index, qd, new_kv, step, scale)
+                od = self._dense_decode(index, qd, new_kv, step, scale, slides)
             else:
                 gather = step.decode_gather
                 kv = pool.index_select(0, gather.view(-1)).view(*gather.shape, *pool.shape[1:])
                 kv = kv.transpose(1, 2)  # [B, 2 * kv_heads, L, D]
                 kd, vd = kv[:, :kvh], kv[:, kvh:]
-                od = F.scaled_dot_product_attention(
-                    qd, kd, vd, attn_mask=step.decode_mask, scale=scale
-                )
+                mask = step.decode_mask
+                if slides and step.decode_window_mask is not None:
+                    mask = step.decode_window_mask
+                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
             od = od.reshape(batch, self.num_heads, self.head_dim)
             if step.decode_only:
                 out = od
             else:
                 out.index_copy_(0, step.decode_rows, od)
         if step.first_chunks is not None:
-            self._first_chunk_attention(q, new_kv, step.first_chunks, out, scale)
+            self._first_chunk_attention(q, new_kv, step.first_chunks, out, scale, slides)
         for row, n, context, start in step.prefills:
             qp = q[row : row + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, D]
             kv = pool.index_select(0, context).transpose(0, 1).unsqueeze(0)  # [1, 2kvh, L, D]
@@ -301,29 +326,42 @@ class ModelRunner:
             else:  # a later chunk sees every earlier token plus its own causal prefix
                 q_pos = torch.arange(start, start + n, device=self.device).unsqueeze(1)
                 k_pos = torch.arange(start + n, device=self.device).unsqueeze(0)
+                visible = k_pos <= q_pos
+                if slides:
+                    visible &= k_pos > q_pos - step.window
                 op = F.scaled_dot_product_attention(
-                    qp, kp, vp, attn_mask=k_pos <= q_pos, scale=scale, enable_gqa=True
+                    qp, kp, vp, attn_mask=visible, scale=scale, enable_gqa=True
                 )
             out[row : row + n] = op[0].transpose(0, 1)
         return out.reshape(tokens, self.num_heads * self.head_dim)  # o_proj: the caller's
 
     def _first_chunk_attention(
-        self, q: torch.Tensor, new_kv: torch.Tensor, first: FirstChunks, out: torch.Tensor, scale
+        self,
+        q: torch.Tensor,
+        new_kv: torch.Tensor,
+        first: FirstChunks,
+        out: torch.Tensor,
+        scale,
+        slides: bool,
     ) -> None:
         batch, longest = first.shape
         kvh = self.num_kv_heads
         qf = q.index_select(0, first.index).view(batch, longest, self.num_heads, self.head_dim)
         kv = new_kv.index_select(0, first.index).view(batch, longest, 2 * kvh, self.head_dim)
         qf, kv = qf.transpose(1, 2), kv.transpose(1, 2)  # [S, heads, n_max, D]
+        if slides and first.window_mask is not None:
+            causal = {"attn_mask": first.window_mask}
+        else:
+            causal = {"is_causal": True}
         of = F.scaled_dot_product_attention(
-            qf, kv[:, :kvh], kv[:, kvh:], is_causal=True, scale=scale, enable_gqa=True
+            qf, kv[:, :kvh], kv[:, kvh:], scale=scale, enable_gqa=True, **causal
         )
         of = of.transpose(1, 2).reshape(batch * longest, self.num_heads, self.head_dim)
         if first.valid is not None:
             of = of.index_select(0, first.valid)
         out.index_copy_(0, first.rows, of)
 
-    def _dense_decode(self, index, qd, new_kv, step: StepInputs, scale) -> torch.Tensor:
+    def _dense_decode(self, index, qd, new_kv, step: StepInputs, scale, slides) -> torch.Tensor:
         plan = step.decode_plan
         dense = self.decode_contexts.buffer[index]  # [rows, 2 * kv_heads, capacity, D]
         new_kv = new_kv if step.decode_only else new_kv.index_select(0, step.decode_rows)
@@ -335,7 +373,7 @@ class ModelRunner:
             qd,
             dense[:rows, :kvh, :length],
             dense[:rows, kvh:, :length],
-            attn_mask=plan.mask,
+            attn_mask=plan.window_mask if slides and plan.window_mask is not None else plan.mask,
             scale=scale,
         )
         return od if plan.order is None else od.index_select(0, plan.rows)

@@ -31,6 +31,7 @@ class FirstChunks:
     shape: tuple[int, int]  # (S, n_max)
     valid: torch.Tensor | None  # positions of real tokens in the padded layout; None: no padding
     rows: torch.Tensor  # [real tokens] their token rows, in the order of ``valid``
+    window_mask: torch.Tensor | None = None  # [n_max, n_max] banded causal, for sliding layers
 
 
 @dataclass
@@ -44,10 +45,12 @@ class StepInputs:
     prefills: list[
         tuple[int, int, torch.Tensor, int]
     ]  # chunks that continue a prompt: (row start, n, context slots, context start)
+    window: int | None = None  # the sliding attention window of the layers that slide
     first_chunks: FirstChunks | None = None  # chunks that start a prompt, attended as one batch
     decode_rows: torch.Tensor | None = None  # token rows of single-token chunks
     decode_gather: torch.Tensor | None = None  # [B, Lmax] pool slots of their contexts
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] additive: 0 inside, -inf past
+    decode_window_mask: torch.Tensor | None = None  # the same, also -inf before the window
     decode_plan: DecodePlan | None = None  # instead of gather and mask with dense decode rows
     decode_only: bool = False  # every row is a decode row, in order: no gather or scatter
 
@@ -67,6 +70,7 @@ def build_step_inputs(
     dtype: torch.dtype,
     kv_cache: torch.Tensor,
     decode_contexts: DecodeContexts | None,
+    window: int | None = None,
 ) -> StepInputs:
     # Built as Python ints and turned into tensors once: a decode step has one token per
     # sequence, and a tensor per sequence would cost more than the token.
@@ -108,7 +112,8 @@ def build_step_inputs(
         slots=torch.tensor(slots, dtype=torch.long, device=device),
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
         prefills=prefills,
-        first_chunks=_first_chunks(first_spans, device) if first_spans else None,
+        window=window,
+        first_chunks=_first_chunks(first_spans, device, window, dtype) if first_spans else None,
     )
     if not decode_rows:
         return step
@@ -119,6 +124,7 @@ def build_step_inputs(
             decode_uids,
             [n - 1 for n in decode_lens],
             lambda i, n: kv_cache.index_select(1, slots_of(decode_tables[i], 0, n, bs)),
+            window,
         )
         return step
     lmax = max(decode_lens)
@@ -128,15 +134,21 @@ def build_step_inputs(
     )
     pos = torch.arange(lmax)
     gather = tables[:, pos // bs] * bs + pos % bs
-    past_end = pos.unsqueeze(0) >= torch.tensor(decode_lens).unsqueeze(1)
+    lens = torch.tensor(decode_lens).unsqueeze(1)
+    past_end = pos.unsqueeze(0) >= lens
     # Additive and in the model's dtype: SDPA would convert a boolean mask in every layer.
     mask = torch.zeros(past_end.shape, dtype=dtype).masked_fill_(past_end, -torch.inf)
     step.decode_gather = gather.to(device)
     step.decode_mask = mask[:, None, None, :].to(device)
+    if window is not None and lmax > window:
+        before = pos.unsqueeze(0) < lens - window
+        step.decode_window_mask = mask.masked_fill(before, -torch.inf)[:, None, None, :].to(device)
     return step
 
 
-def _first_chunks(spans: list[tuple[int, int]], device: torch.device) -> FirstChunks:
+def _first_chunks(
+    spans: list[tuple[int, int]], device: torch.device, window: int | None, dtype: torch.dtype
+) -> FirstChunks:
     longest = max(n for _, n in spans)
     index: list[int] = []
     valid: list[int] = []
@@ -146,9 +158,19 @@ def _first_chunks(spans: list[tuple[int, int]], device: torch.device) -> FirstCh
         valid.extend(range(i * longest, i * longest + n))
         rows.extend(range(row, row + n))
     padded = len(valid) != len(index)
+    window_mask = None
+    if window is not None and longest > window:
+        # every chunk starts at position 0, so one banded causal mask serves them all
+        pos = torch.arange(longest)
+        visible = (pos.unsqueeze(0) <= pos.unsqueeze(1)) & (
+            pos.unsqueeze(0) > pos.unsqueeze(1) - window
+        )
+        window_mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, -torch.inf)
+        window_mask = window_mask.to(device)
     return FirstChunks(
         index=torch.tensor(index, dtype=torch.long, device=device),
         shape=(len(spans), longest),
         valid=torch.tensor(valid, dtype=torch.long, device=device) if padded else None,
         rows=torch.tensor(rows, dtype=torch.long, device=device),
+        window_mask=window_mask,
     )

@@ -117,6 +117,11 @@ def _layer_window(attention: torch.nn.Module, config) -> int | None:
     return None
 
 
+def _decode_mask(slides: bool, full: torch.Tensor, windowed: torch.Tensor | None) -> torch.Tensor:
+    """A sliding layer's mask when its window hides anything this step; else the full one."""
+    return windowed if slides and windowed is not None else full
+
+
 def _prepare_layer(layer: torch.nn.Module) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -304,9 +309,7 @@ class ModelRunner:
                 kv = pool.index_select(0, gather.view(-1)).view(*gather.shape, *pool.shape[1:])
                 kv = kv.transpose(1, 2)  # [B, 2 * kv_heads, L, D]
                 kd, vd = kv[:, :kvh], kv[:, kvh:]
-                mask = step.decode_mask
-                if slides and step.decode_window_mask is not None:
-                    mask = step.decode_window_mask
+                mask = _decode_mask(slides, step.decode_mask, step.decode_window_mask)
                 od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
             od = od.reshape(batch, self.num_heads, self.head_dim)
             if step.decode_only:
@@ -373,7 +376,7 @@ class ModelRunner:
             qd,
             dense[:rows, :kvh, :length],
             dense[:rows, kvh:, :length],
-            attn_mask=plan.window_mask if slides and plan.window_mask is not None else plan.mask,
+            attn_mask=_decode_mask(slides, plan.mask, plan.window_mask),
             scale=scale,
         )
         return od if plan.order is None else od.index_select(0, plan.rows)

@@ -38,6 +38,22 @@ class DecodePlan:
     window_mask: torch.Tensor | None = None  # the same, also -inf before a sliding window
 
 
+def decode_masks(
+    lens: list[int], length: int, window: int | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Additive ``[rows, 1, 1, length]`` masks for decode rows holding ``lens`` tokens: 0
+    inside a row's context, -inf past it; and, when a sliding ``window`` hides anything, the
+    same with -inf before the window too. Additive and in the model's dtype: SDPA would
+    convert a boolean mask in every layer."""
+    columns = torch.arange(length).unsqueeze(0)
+    held = torch.tensor(lens).unsqueeze(1)
+    mask = torch.zeros(len(lens), length, dtype=dtype).masked_fill_(columns >= held, -torch.inf)
+    window_mask = None
+    if window is not None and length > window:
+        window_mask = mask.masked_fill(columns < held - window, -torch.inf)[:, None, None, :]
+    return mask[:, None, None, :], window_mask
+
+
 class DecodeContexts:
     def __init__(self, num_layers: int, kv_width: int, head_dim: int, dtype: torch.dtype) -> None:
         self._shape = (num_layers, kv_width, head_dim)
@@ -92,14 +108,7 @@ class DecodeContexts:
             self._lens[row] += 1
         num_rows = len(self._uids)
         in_order = rows == list(range(num_rows))
-        lens = torch.tensor(self._lens)
-        columns = torch.arange(longest).unsqueeze(0)
-        past_end = columns >= lens.unsqueeze(1)
-        mask = torch.zeros(past_end.shape, dtype=self.dtype).masked_fill_(past_end, -torch.inf)
-        window_mask = None
-        if window is not None and longest > window:
-            before = columns < (lens - window).unsqueeze(1)
-            window_mask = mask.masked_fill(before, -torch.inf)[:, None, None, :]
+        mask, window_mask = decode_masks(self._lens, longest, window, self.dtype)
         order = None
         if not in_order:
             by_row = [0] * num_rows
@@ -112,7 +121,7 @@ class DecodeContexts:
             order=order,
             num_rows=num_rows,
             length=longest,
-            mask=mask[:, None, None, :],
+            mask=mask,
             window_mask=window_mask,
         )
 

@@ -331,7 +331,7 @@ class ModelRunner:
                 k_pos = torch.arange(start + n, device=self.device).unsqueeze(0)
                 visible = k_pos <= q_pos
                 if slides:
-                    visible &= k_pos > q_pos - step.window
+                    visible &= k_pos > q_pos - self.window
                 op = F.scaled_dot_product_attention(
                     qp, kp, vp, attn_mask=visible, scale=scale, enable_gqa=True
                 )

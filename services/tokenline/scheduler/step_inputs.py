@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenline.scheduler.decode_contexts import DecodeContexts, DecodePlan
+from tokenline.scheduler.decode_contexts import DecodeContexts, DecodePlan, decode_masks
 from tokenline.scheduler.policy import Chunk
 
 
@@ -45,7 +45,6 @@ class StepInputs:
     prefills: list[
         tuple[int, int, torch.Tensor, int]
     ]  # chunks that continue a prompt: (row start, n, context slots, context start)
-    window: int | None = None  # the sliding attention window of the layers that slide
     first_chunks: FirstChunks | None = None  # chunks that start a prompt, attended as one batch
     decode_rows: torch.Tensor | None = None  # token rows of single-token chunks
     decode_gather: torch.Tensor | None = None  # [B, Lmax] pool slots of their contexts
@@ -112,7 +111,6 @@ def build_step_inputs(
         slots=torch.tensor(slots, dtype=torch.long, device=device),
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
         prefills=prefills,
-        window=window,
         first_chunks=_first_chunks(first_spans, device, window, dtype) if first_spans else None,
     )
     if not decode_rows:
@@ -134,15 +132,11 @@ def build_step_inputs(
     )
     pos = torch.arange(lmax)
     gather = tables[:, pos // bs] * bs + pos % bs
-    lens = torch.tensor(decode_lens).unsqueeze(1)
-    past_end = pos.unsqueeze(0) >= lens
-    # Additive and in the model's dtype: SDPA would convert a boolean mask in every layer.
-    mask = torch.zeros(past_end.shape, dtype=dtype).masked_fill_(past_end, -torch.inf)
+    mask, window_mask = decode_masks(decode_lens, lmax, window, dtype)
     step.decode_gather = gather.to(device)
-    step.decode_mask = mask[:, None, None, :].to(device)
-    if window is not None and lmax > window:
-        before = pos.unsqueeze(0) < lens - window
-        step.decode_window_mask = mask.masked_fill(before, -torch.inf)[:, None, None, :].to(device)
+    step.decode_mask = mask.to(device)
+    if window_mask is not None:
+        step.decode_window_mask = window_mask.to(device)
     return step
 
 

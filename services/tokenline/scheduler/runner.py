@@ -6,23 +6,33 @@ model's own modules over a flat batch of tokens from many sequences, writes each
 and values into a preallocated pool of fixed-size blocks, and attends over each sequence's
 blocks. Per layer, decoding sequences share one attention call (on CPU over dense copies of
 their contexts, ``decode_contexts.py``), chunks that start a prompt share another, and chunks
-that continue a prompt get one each. ``step_inputs.py`` turns a step's chunks into tensors.
-Layers with a sliding window (Mistral v0.1, Qwen2/Qwen3 with ``use_sliding_window``) make the
-same calls with the window added to their masks; their K/V stays in the pool for the whole
-context (blocks that fell out of every window are not given back early).
+that continue a prompt get one each. ``step_inputs.py`` turns a step's chunks into tensors;
+``layers.py`` holds what a layer does around attention (norms, rotary, projections, MLP), with
+the weights laid out for the device. Layers with a sliding window (Mistral v0.1, Qwen2/Qwen3
+with ``use_sliding_window``) make the same calls with the window added to their masks; their
+K/V stays in the pool for the whole context (blocks that fell out of every window are not
+given back early).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from tokenline.model_source import ModelSource
 from tokenline.scheduler.decode_contexts import DecodeContexts
+from tokenline.scheduler.layers import (
+    DecoderLayer,
+    Rotary,
+    fits_layer_tail,
+    layer_tail,
+    prepare_layer,
+    rms_norm,
+    rotate,
+)
 from tokenline.scheduler.policy import Chunk
 from tokenline.scheduler.step_inputs import FirstChunks, StepInputs, build_step_inputs
 
@@ -41,72 +51,6 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight for several projections of the same input (one matmul instead of three).
-
-    The original modules are left as views into the fused tensor, so no weight is held twice.
-    """
-    weight = torch.cat([lin.weight.data for lin in linears])
-    has_bias = linears[0].bias is not None
-    bias = torch.cat([lin.bias.data for lin in linears]) if has_bias else None
-    offset = 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight.data = weight[offset : offset + rows]
-        if bias is not None:
-            lin.bias.data = bias[offset : offset + rows]
-        offset += rows
-    return weight, bias
-
-
-@dataclass
-class _Layer:
-    """A decoder layer's modules plus its fused projections."""
-
-    module: torch.nn.Module
-    qkv: tuple[torch.Tensor, torch.Tensor | None]
-    gate_up: tuple[torch.Tensor, torch.Tensor | None] | None  # None: call the module's MLP
-
-
-def _layer_tail(
-    residual: torch.Tensor,
-    attn_out: torch.Tensor,
-    o_proj: tuple[torch.Tensor, torch.Tensor | None],
-    norm_weight: torch.Tensor,
-    eps: float,
-    gate_up: tuple[torch.Tensor, torch.Tensor | None],
-    down: tuple[torch.Tensor, torch.Tensor | None],
-) -> torch.Tensor:
-    """Everything after attention in a Llama-style layer, as one function of tensors, so that
-    ``--compile`` can fuse its elementwise work: output projection, residual, RMSNorm (the
-    transformers formula: in float32, weight applied after casting back), SiLU-gated MLP,
-    residual."""
-    hidden = residual + F.linear(attn_out, *o_proj)
-    x = hidden.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    x = norm_weight * x.to(hidden.dtype)
-    gate, up = F.linear(x, *gate_up).chunk(2, dim=-1)
-    return hidden + F.linear(F.silu(gate) * up, *down)
-
-
-def _fits_layer_tail(fused: _Layer, config) -> bool:
-    layer = fused.module
-    norm = layer.post_attention_layernorm
-    return (
-        fused.gate_up is not None
-        and getattr(config, "hidden_act", None) == "silu"
-        and type(norm).__name__.endswith("RMSNorm")
-        and hasattr(norm, "variance_epsilon")
-        and isinstance(layer.self_attn.o_proj, torch.nn.Linear)
-        and isinstance(layer.mlp.down_proj, torch.nn.Linear)
-    )
-
-
 def _layer_window(attention: torch.nn.Module, config) -> int | None:
     """The layer's sliding attention window as its transformers module applies it; None: the
     layer attends to the whole context."""
@@ -120,14 +64,6 @@ def _layer_window(attention: torch.nn.Module, config) -> int | None:
 def _decode_mask(slides: bool, full: torch.Tensor, windowed: torch.Tensor | None) -> torch.Tensor:
     """A sliding layer's mask when its window hides anything this step; else the full one."""
     return windowed if slides and windowed is not None else full
-
-
-def _prepare_layer(layer: torch.nn.Module) -> _Layer:
-    attn, mlp = layer.self_attn, layer.mlp
-    qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-    gated = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-    gate_up = _fuse([mlp.gate_proj, mlp.up_proj]) if gated else None
-    return _Layer(layer, qkv, gate_up)
 
 
 class ModelRunner:
@@ -178,7 +114,8 @@ class ModelRunner:
         decoder = self.model.model
         self._embed = decoder.embed_tokens
         with torch.no_grad():
-            self._layers = [_prepare_layer(layer) for layer in decoder.layers]
+            transposed = self.device.type == "cpu"  # see layers.column_major
+            self._layers = [prepare_layer(layer, transposed) for layer in decoder.layers]
         windows = [_layer_window(layer.self_attn, config) for layer in decoder.layers]
         if len({w for w in windows if w}) > 1:
             raise SystemExit(
@@ -188,14 +125,14 @@ class ModelRunner:
         # A query at position i sees keys i - window < j <= i in the layers that slide.
         self.window = next((w for w in windows if w), None)
         self._slides = [w is not None for w in windows]
-        self._norm = decoder.norm
-        self._rotary = decoder.rotary_emb
+        self._norm = rms_norm(decoder.norm)
+        self._rotary = Rotary(decoder.rotary_emb, self.dtype, self.device)
         self._lm_head = self.model.lm_head
         self._tail = None
         if compile_layers:
-            if all(_fits_layer_tail(f, config) for f in self._layers):
+            if all(fits_layer_tail(f, config) for f in self._layers):
                 # dynamic: one graph for every token count, shared by every layer
-                self._tail = torch.compile(_layer_tail, dynamic=True)
+                self._tail = torch.compile(layer_tail, dynamic=True)
             else:
                 log.warning(
                     "--compile: %s's layers are not Llama-style (RMSNorm, SiLU-gated MLP); "
@@ -244,51 +181,42 @@ class ModelRunner:
             window=self.window,
         )
         hidden = self._embed(step.input_ids)  # [T, H]
-        cos, sin = self._rotary(hidden.unsqueeze(0), step.positions.unsqueeze(0))
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, D]
-        for index, fused in enumerate(self._layers):
-            layer = fused.module
-            residual = hidden
-            hidden = layer.input_layernorm(hidden)
-            attn_out = self._attention(index, fused, hidden, cos, sin, step)
+        cos, sin = self._rotary.at(step.positions, step.max_position)  # [T, 1, D] each
+        for index, layer in enumerate(self._layers):
+            attn_out = self._attention(index, layer, layer.input_norm(hidden), cos, sin, step)
             if self._tail is not None:
-                norm, mlp = layer.post_attention_layernorm, layer.mlp
+                module = layer.module
+                norm, mlp = module.post_attention_layernorm, module.mlp
                 hidden = self._tail(
-                    residual,
+                    hidden,
                     attn_out,
-                    (layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias),
+                    (module.self_attn.o_proj.weight, module.self_attn.o_proj.bias),
                     norm.weight,
                     norm.variance_epsilon,
-                    fused.gate_up,
+                    layer.gate_up,
                     (mlp.down_proj.weight, mlp.down_proj.bias),
                 )
                 continue
-            hidden = residual + layer.self_attn.o_proj(attn_out)
-            hidden = hidden + self._mlp(fused, layer.post_attention_layernorm(hidden))
+            hidden = layer.mlp_residual(layer.attention_residual(hidden, attn_out))
         hidden = self._norm(hidden.index_select(0, step.sample_rows))
         return self._lm_head(hidden).float()
 
-    @staticmethod
-    def _mlp(fused: _Layer, hidden: torch.Tensor) -> torch.Tensor:
-        mlp = fused.module.mlp
-        if fused.gate_up is None:
-            return mlp(hidden)
-        gate, up = F.linear(hidden, *fused.gate_up).chunk(2, dim=-1)
-        return mlp.down_proj(mlp.act_fn(gate) * up)
-
-    def _attention(self, index, fused: _Layer, hidden, cos, sin, step: StepInputs) -> torch.Tensor:
-        attn = fused.module.self_attn
+    def _attention(
+        self, index, layer: DecoderLayer, hidden, cos, sin, step: StepInputs
+    ) -> torch.Tensor:
+        attn = layer.module.self_attn
         tokens = hidden.shape[0]
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = F.linear(hidden, *fused.qkv).split((q_size, kv_size, kv_size), dim=-1)
-        q = q.reshape(tokens, self.num_heads, self.head_dim)
-        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        heads = self.num_heads
+        qk_size = (heads + self.num_kv_heads) * self.head_dim
+        qkv = F.linear(hidden, *layer.qkv)
+        qk = qkv[:, :qk_size].view(tokens, heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
+        if layer.q_norm is not None:  # Qwen3: q and k are normalised apart, then rotated
+            q = rotate(layer.q_norm(qk[:, :heads]), cos, sin)
+            k = rotate(layer.k_norm(qk[:, heads:]), cos, sin)
+        else:
+            qk = rotate(qk, cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
         pool = self.kv_cache[index]
         new_kv = torch.cat((k, v), dim=1).to(self.dtype)  # [T, 2 * kv_heads, D]
         pool.index_copy_(0, step.slots, new_kv)

@@ -40,6 +40,7 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
+    max_position: int  # the largest of them
     slots: torch.Tensor  # [T] where each token's K/V goes in the pool
     sample_rows: torch.Tensor  # the last token row of every chunk that samples
     prefills: list[
@@ -108,6 +109,7 @@ def build_step_inputs(
     step = StepInputs(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
+        max_position=max(positions),
         slots=torch.tensor(slots, dtype=torch.long, device=device),
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
         prefills=prefills,

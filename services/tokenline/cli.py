@@ -135,7 +135,7 @@ def _scheduler_flags(parser: argparse.ArgumentParser) -> None:
         "max-num-batched-tokens",
         int,
         help="token budget of one step; long prompts are prefilled in chunks of it "
-        "(default: 2048 on CUDA, 256 on CPU, where small steps measured faster)",
+        "(default: 2048 on CUDA, 128 on CPU, where small steps measured faster)",
     )
     _flag(parser, "block-size", int, 16, help="tokens per KV cache block")
     _flag(

@@ -30,7 +30,7 @@ class Settings:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 2048 on CUDA, 256 on CPU
+    max_num_batched_tokens: int | None = None  # None: 2048 on CUDA, 128 on CPU
     block_size: int = 16
     torch_threads: int | None = None  # CPU only; None: every core but one
     compile: bool = False  # torch.compile the layers' dense tail (for GPUs)

@@ -27,9 +27,11 @@ DEADLINE_MARGIN_S = 2.0
 
 
 def default_token_budget(device_type: str) -> int:
-    """Per-step token budget: large steps feed a GPU; on CPU, 256-token steps measured both
-    faster and kinder to time-to-first-token (benchmarks/README.md)."""
-    return 2048 if device_type == "cuda" else 256
+    """Per-step token budget: large steps feed a GPU. On CPU a step's time grows with its
+    tokens (prefill is compute-bound), and a request that arrives waits for the step in
+    flight: 128-token steps measured both faster and kinder to time-to-first-token than 256
+    (benchmarks/README.md)."""
+    return 2048 if device_type == "cuda" else 128
 
 
 class InvalidRequest(ValueError):

@@ -115,7 +115,7 @@ def _others_frozen(config: BenchConfig, measured: TargetConfig):
     return frozen([pid for t in config.targets if t is not measured for pid in t.pids])
 
 
-async def _isolated_phase(
+async def isolated_phase(
     config: BenchConfig, target: TargetConfig, model: str, specs: list[RequestSpec], **kwargs
 ) -> Phase:
     """One phase against ``target`` with the other targets paused, over a fresh connection
@@ -157,7 +157,7 @@ async def run_benchmark(
         if not warmup_specs:
             break
         on_phase(target.label, -1)
-        phase = await _isolated_phase(
+        phase = await isolated_phase(
             config,
             target,
             models[target.label],
@@ -175,7 +175,7 @@ async def run_benchmark(
     for round_ in range(config.rounds):
         for target in round_order(config.targets, round_):
             on_phase(target.label, round_)
-            phase = await _isolated_phase(
+            phase = await isolated_phase(
                 config,
                 target,
                 models[target.label],

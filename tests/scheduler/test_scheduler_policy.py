@@ -307,3 +307,12 @@ def test_random_traffic_keeps_block_accounting_exact_and_finishes_every_request(
         assert_states_consistent(sched)
     assert not live, f"requests never finished: {sorted(live)}"
     assert sched.pool.num_free == sched.pool.num_blocks - 1
+
+
+def test_token_slice_reads_across_prompt_and_output():
+    seq = fake_seq("a", prompt_len=4)
+    seq.output_ids = [90, 91, 92]
+    everything = seq.prompt_ids + seq.output_ids
+    for start in range(len(everything)):
+        for end in range(start, len(everything) + 1):
+            assert seq.token_slice(start, end) == everything[start:end]

@@ -22,6 +22,24 @@ PROMPTS = [
 ]
 
 
+# Small random models of each supported family, built from a config (no download).
+COMMON = dict(  # the shapes every family shares
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # per-head q/k norms
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+}
+
+
 # ── policy: no model, no tensors ──────────────────────────────────────────────────────────────
 def fake_seq(uid: str, prompt_len: int, max_tokens: int = 10_000) -> Sequence:
     return Sequence(

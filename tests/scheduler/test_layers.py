@@ -10,25 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from scheduler_testkit import COMMON, FAMILIES
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from tokenline.scheduler.layers import Rotary, column_major, prepare_layer, rms_norm, rotate
 
-SMALL = dict(
-    vocab_size=100,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
-FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
-}
+SMALL = {**COMMON, "num_hidden_layers": 1, "max_position_embeddings": 512}
 
 
 def _model(family: str, **extra) -> torch.nn.Module:

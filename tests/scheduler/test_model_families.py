@@ -8,28 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scheduler_testkit import COMMON, FAMILIES
 
 from tokenline.model_source import ModelSource
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.engine import Engine, EngineLimits
 from tokenline.scheduler.runner import ModelRunner
-
-COMMON = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
-FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # per-head q/k norms
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
-}
-
 
 # Windows shorter than the prompts and the generations, so every attention path (the causal
 # batch of prompt-starting chunks, chunks that continue a prompt, decode) crosses them.

@@ -150,7 +150,9 @@ ENGINE = {
         },
         "maxNumSeqs": _integer("Sequences decoded together at most.", default=256, minimum=1),
         "maxNumBatchedTokens": _integer(
-            "Tokens one forward step may hold at most.", default=2048, minimum=1
+            "Tokens one forward step may hold at most; defaults to the scheduler's own for its "
+            "device: 2048 on a GPU, 128 on CPU.",
+            minimum=1,
         ),
     },
 }

@@ -139,7 +139,7 @@ def engine_settings(spec: Spec) -> dict[str, str]:
         "TOKENLINE_KV_CACHE_MEMORY": engine.get("kvCacheMemory"),
         "TOKENLINE_GPU_MEMORY_UTILIZATION": engine["gpuMemoryUtilization"],
         "TOKENLINE_MAX_NUM_SEQS": engine["maxNumSeqs"],
-        "TOKENLINE_MAX_NUM_BATCHED_TOKENS": engine["maxNumBatchedTokens"],
+        "TOKENLINE_MAX_NUM_BATCHED_TOKENS": engine.get("maxNumBatchedTokens"),
     }
     return {key: str(value) for key, value in settings.items() if value is not None}
 

@@ -131,6 +131,15 @@ def test_gpu_goes_to_the_scheduler_only():
     assert manifests.engine_settings(cpu_only)["TOKENLINE_DEVICE"] == "cpu"
 
 
+def test_step_budget_is_the_schedulers_own_unless_the_spec_sets_one():
+    """The scheduler picks its step budget by device (2048 on a GPU, 128 on CPU); a default
+    in the CRD would give CPU pods GPU-sized steps."""
+    unset = parse({"model": {"name": "tiny"}, "engine": {"gpus": 0}})
+    assert "TOKENLINE_MAX_NUM_BATCHED_TOKENS" not in manifests.engine_settings(unset)
+    chosen = parse({"model": {"name": "tiny"}, "engine": {"maxNumBatchedTokens": 512}})
+    assert manifests.engine_settings(chosen)["TOKENLINE_MAX_NUM_BATCHED_TOKENS"] == "512"
+
+
 def test_each_stage_gets_only_its_own_settings_from_the_configmap():
     containers = containers_of(FULL)
     settings = manifests.engine_settings(parse(FULL))

@@ -75,7 +75,6 @@ def test_defaults_come_from_the_crd_and_leave_the_input_alone():
         "dtype": "auto",
         "gpuMemoryUtilization": 0.9,
         "maxNumSeqs": 256,
-        "maxNumBatchedTokens": 2048,
     }
     assert parsed["server"]["drainTimeoutSeconds"] == 30
     assert parsed["resources"]["scheduler"]["requests"] == {"cpu": "2", "memory": "8Gi"}

@@ -154,6 +154,12 @@ ENGINE = {
             "device: 2048 on a GPU, 128 on CPU.",
             minimum=1,
         ),
+        "compile": {
+            "type": "boolean",
+            "description": "torch.compile each layer's projections, norm and MLP (fewer kernel "
+            "launches on a GPU); the first steps wait for compilation.",
+            "default": False,
+        },
     },
 }
 

@@ -113,6 +113,7 @@ STAGE_SETTINGS: dict[str, tuple[str, ...]] = {
         "TOKENLINE_GPU_MEMORY_UTILIZATION",
         "TOKENLINE_MAX_NUM_SEQS",
         "TOKENLINE_MAX_NUM_BATCHED_TOKENS",
+        "TOKENLINE_COMPILE",
     ),
     "detokenizer": (),
 }
@@ -140,6 +141,8 @@ def engine_settings(spec: Spec) -> dict[str, str]:
         "TOKENLINE_GPU_MEMORY_UTILIZATION": engine["gpuMemoryUtilization"],
         "TOKENLINE_MAX_NUM_SEQS": engine["maxNumSeqs"],
         "TOKENLINE_MAX_NUM_BATCHED_TOKENS": engine.get("maxNumBatchedTokens"),
+        # only when on: a new key would change the settings' hash and roll every pod
+        "TOKENLINE_COMPILE": "true" if engine["compile"] else None,
     }
     return {key: str(value) for key, value in settings.items() if value is not None}
 

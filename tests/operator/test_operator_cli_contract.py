@@ -29,6 +29,7 @@ SPECS: dict[str, dict[str, Any]] = {
             "kvCacheMemory": "8GiB",
             "maxNumSeqs": 64,
             "maxNumBatchedTokens": 4096,
+            "compile": True,
         },
     },
 }
@@ -64,6 +65,10 @@ def test_every_stage_container_parses_with_the_real_cli(name):
             assert settings.kv_cache_memory == 8 * 2**30
             assert settings.max_num_batched_tokens == 4096
             assert settings.dtype == "bfloat16"
+            assert settings.compile is True
+        if stage == "scheduler" and name == "minimal":
+            assert settings.compile is False
+            assert settings.max_num_batched_tokens is None  # the scheduler's device default
         if stage == "api":
             assert settings.model_name == manifests.served_model_name(parsed)
     assert seen == {"api", "tokenizer", "scheduler", "detokenizer"}

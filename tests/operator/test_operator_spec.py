@@ -75,6 +75,7 @@ def test_defaults_come_from_the_crd_and_leave_the_input_alone():
         "dtype": "auto",
         "gpuMemoryUtilization": 0.9,
         "maxNumSeqs": 256,
+        "compile": False,
     }
     assert parsed["server"]["drainTimeoutSeconds"] == 30
     assert parsed["resources"]["scheduler"]["requests"] == {"cpu": "2", "memory": "8Gi"}

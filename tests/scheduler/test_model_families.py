@@ -97,3 +97,49 @@ def test_the_window_is_read_per_layer_from_the_model(tmp_path):
     )
     assert runner.window == 8
     assert runner._slides == [False, True]
+
+
+@pytest.mark.parametrize("dense_decode", [True, False])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bfloat16_logits_follow_transformers(family, dense_decode, tmp_path):
+    """GPUs run bf16: the same path on CPU stays within bf16 rounding of transformers' own
+    bf16 forward, for a prompt and for the decode step after it (a wrong rotation or norm
+    would be off by whole logits, not hundredths)."""
+    import transformers
+
+    from tokenline.scheduler.kv_cache import BlockPool
+    from tokenline.scheduler.policy import Chunk
+    from tokenline.scheduler.sequence import Sequence
+
+    config_name, model_name, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**COMMON, **extra))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(3.0)
+    model.save_pretrained(tmp_path)
+    reference = getattr(transformers, model_name).from_pretrained(tmp_path, dtype=torch.bfloat16)
+    runner = ModelRunner(
+        ModelSource(spec=family, path=str(tmp_path)),
+        device="cpu",
+        dtype="bfloat16",
+        kv_cache_memory=2**20,
+        torch_threads=1,
+        dense_decode=dense_decode,
+    )
+    ids = [(7 * j) % 290 + 5 for j in range(20)]
+    seq = Sequence(uid="a", prompt_ids=ids, sampling=SamplingParams(max_tokens=2), max_tokens=2)
+    pool = BlockPool(runner.num_blocks, runner.block_size)
+    pool.grow(seq, len(ids) + 1)
+
+    def logits_against_reference(chunk: Chunk) -> torch.Tensor:
+        got = runner.forward([chunk])[0]
+        with torch.inference_mode():
+            want = reference.eval()(torch.tensor([ids + seq.output_ids])).logits[0, -1].float()
+        assert (got - want).abs().max() < 0.1 * want.std(), (family, chunk.start)
+        return got
+
+    first = logits_against_reference(Chunk(seq, 0, len(ids)))  # the prompt
+    seq.num_computed = len(ids)
+    seq.output_ids.append(int(first.argmax()))
+    logits_against_reference(Chunk(seq, len(ids), 1))  # the decode step after it

@@ -32,7 +32,8 @@ SLIDING = {
 }
 
 
-def _greedy_against_transformers(family, spec, tmp_path, dense_decode: bool = True) -> None:
+def _saved_model(spec, tmp_path) -> torch.nn.Module:
+    """A small random model of ``spec``'s family, saved to ``tmp_path`` and returned."""
     import transformers
 
     config_name, model_name, extra = spec
@@ -43,15 +44,23 @@ def _greedy_against_transformers(family, spec, tmp_path, dense_decode: bool = Tr
         for param in model.parameters():
             param.mul_(3.0)
     model.save_pretrained(tmp_path)
+    return model
 
-    runner = ModelRunner(
+
+def _runner(family, tmp_path, dense_decode: bool, dtype: str = "float32") -> ModelRunner:
+    return ModelRunner(
         ModelSource(spec=family, path=str(tmp_path)),
         device="cpu",
-        dtype="float32",
+        dtype=dtype,
         kv_cache_memory=2**20,
         torch_threads=1,
         dense_decode=dense_decode,
     )
+
+
+def _greedy_against_transformers(family, spec, tmp_path, dense_decode: bool = True) -> None:
+    model = _saved_model(spec, tmp_path)
+    runner = _runner(family, tmp_path, dense_decode)
     engine = Engine(runner, EngineLimits(256, max_num_batched_tokens=16), eos_ids=[])
     prompts = {f"p{i}": [(7 * i + j) % 290 + 5 for j in range(9 + 5 * i)] for i in range(3)}
     for uid, ids in prompts.items():
@@ -105,28 +114,13 @@ def test_bfloat16_logits_follow_transformers(family, dense_decode, tmp_path):
     """GPUs run bf16: the same path on CPU stays within bf16 rounding of transformers' own
     bf16 forward, for a prompt and for the decode step after it (a wrong rotation or norm
     would be off by whole logits, not hundredths)."""
-    import transformers
-
     from tokenline.scheduler.kv_cache import BlockPool
     from tokenline.scheduler.policy import Chunk
     from tokenline.scheduler.sequence import Sequence
 
-    config_name, model_name, extra = FAMILIES[family]
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**COMMON, **extra))
-    with torch.no_grad():
-        for param in model.parameters():
-            param.mul_(3.0)
-    model.save_pretrained(tmp_path)
-    reference = getattr(transformers, model_name).from_pretrained(tmp_path, dtype=torch.bfloat16)
-    runner = ModelRunner(
-        ModelSource(spec=family, path=str(tmp_path)),
-        device="cpu",
-        dtype="bfloat16",
-        kv_cache_memory=2**20,
-        torch_threads=1,
-        dense_decode=dense_decode,
-    )
+    model = _saved_model(FAMILIES[family], tmp_path)
+    reference = type(model).from_pretrained(tmp_path, dtype=torch.bfloat16)
+    runner = _runner(family, tmp_path, dense_decode, dtype="bfloat16")
     ids = [(7 * j) % 290 + 5 for j in range(20)]
     seq = Sequence(uid="a", prompt_ids=ids, sampling=SamplingParams(max_tokens=2), max_tokens=2)
     pool = BlockPool(runner.num_blocks, runner.block_size)

@@ -90,6 +90,17 @@ def test_dynamic_rotary_is_computed_for_each_step():
     assert rotary._table.shape[0] == 0  # nothing was tabulated
 
 
+def test_a_rotary_type_per_layer_type_is_computed_for_each_step():
+    model = _model("llama")
+    model.model.rotary_emb.rope_type = {"full_attention": "default"}
+    rotary = Rotary(model.model.rotary_emb, torch.float32, torch.device("cpu"))
+    positions = torch.tensor([3, 9])
+    cos, _ = rotary.at(positions, 9)
+    want_cos, _ = model.model.rotary_emb(torch.empty(0), positions.unsqueeze(0))
+    assert torch.equal(cos[:, 0], want_cos[0])
+    assert rotary._table.shape[0] == 0
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("transposed", [False, True])
 def test_prepared_layer_gives_the_modules_results(family, transposed):

@@ -145,15 +145,16 @@ class Rotary:
     cat(-x2, x1)``; ``roll(x, D/2) * cat(-sin1, sin2)`` is the same product with the sign moved
     onto sin, bit for bit, without the slices, negation and concatenation. cos and signed sin
     are computed by the model's own module once for positions 0..n and looked up per step,
-    except for rotary types that change with the step's longest position, which are computed
-    per step as the module does.
+    except for rotary types that change with the step's longest position (and modules with a
+    rotary type per layer type), which are computed per step as the module does.
     """
 
     def __init__(self, module: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
         self._module = module
         self._dtype = dtype
         self._device = device
-        self._static = getattr(module, "rope_type", "default") not in _DYNAMIC_ROPE
+        rope_type = getattr(module, "rope_type", "default")  # or one per layer type (a dict)
+        self._static = isinstance(rope_type, str) and rope_type not in _DYNAMIC_ROPE
         self._table = torch.empty(0, 2, 0, dtype=dtype, device=device)  # [positions, 2, D]
 
     def _compute(self, positions: torch.Tensor) -> torch.Tensor:

@@ -153,6 +153,7 @@ class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=T
     scheduler_s: float = 0.0  # set on the terminal output: time the uid spent in the scheduler
     error_code: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked
+    cached_tokens: int = 0  # set on the first output: prompt tokens found in the prefix cache
 
 
 class TokenBatch(_Message, tag="tokens"):
@@ -195,6 +196,7 @@ class Reply(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
     scheduler_s: float = 0.0
     detokenizer_s: float = 0.0
     logprobs: list[LogprobEntry] | None = None  # per token of this reply, when asked
+    cached_tokens: int = 0  # on the terminal reply: prompt tokens served from the prefix cache
 
 
 class ReplyBatch(_Message, tag="replies"):

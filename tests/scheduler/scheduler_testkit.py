@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -38,20 +39,29 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # per-head q/k norms
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
 }
-
-
 # ── policy: no model, no tensors ──────────────────────────────────────────────────────────────
-def fake_seq(uid: str, prompt_len: int, max_tokens: int = 10_000) -> Sequence:
+_distinct = itertools.count(1)
+
+
+def fake_seq(
+    uid: str, prompt_len: int, max_tokens: int = 10_000, prompt_ids: list[int] | None = None
+) -> Sequence:
+    """A sequence whose prompt shares no token with any other fake's, unless ``prompt_ids``
+    says otherwise: prefix caching changes a schedule only where a test asks it to."""
+    if prompt_ids is None:
+        first = next(_distinct) * 1_000_000
+        prompt_ids = list(range(first, first + prompt_len))
     return Sequence(
         uid=uid,
-        prompt_ids=list(range(1, prompt_len + 1)),
+        prompt_ids=prompt_ids,
         sampling=SamplingParams(),
         max_tokens=max_tokens,
     )
 
 
 def fake_step(sched: Scheduler, token: int = 7) -> list[Chunk]:
-    """One engine step with a fake runner: schedule, check each chunk, "compute" it, sample."""
+    """One engine step with a fake runner: schedule, check each chunk, "compute" it (which
+    registers the blocks it filled in the prefix cache), sample."""
     chunks = sched.schedule()
     block_size = sched.pool.block_size
     assert sum(c.num_tokens for c in chunks) <= sched.max_num_batched_tokens
@@ -62,21 +72,28 @@ def fake_step(sched: Scheduler, token: int = 7) -> list[Chunk]:
         assert c.start == c.seq.num_computed, f"{c.seq.uid} skips or repeats tokens"
         assert len(c.seq.block_table) * block_size >= c.start + c.num_tokens, "KV slots missing"
     sampled = [c.seq for c in chunks if c.samples]
-    for c in chunks:
-        c.seq.num_computed += c.num_tokens
+    sched.advance(chunks)
     for seq in sampled:
         seq.output_ids.append(token)
     return chunks
 
 
 def assert_blocks_conserved(sched: Scheduler) -> None:
-    """Every usable block is either free or owned by exactly one live sequence."""
+    """Every usable block is either free (perhaps cached) or referenced by as many live
+    sequences as its reference count says; a sequence holds a block at most once."""
     pool = sched.pool
-    owned = [b for seq in sched.by_uid.values() for b in seq.block_table]
-    assert len(owned) == len(set(owned)), "a block is owned twice"
-    assert 0 not in owned, "block 0 is the padding target and must never be handed out"
-    assert len(owned) + pool.num_free == pool.num_blocks - 1, "blocks leaked or duplicated"
-    assert len(set(pool._free)) == pool.num_free, "a block is free twice"
+    holders = Counter()
+    for seq in sched.by_uid.values():
+        assert len(seq.block_table) == len(set(seq.block_table)), f"{seq.uid} holds a block twice"
+        holders.update(seq.block_table)
+    assert 0 not in holders, "block 0 is the padding target and must never be handed out"
+    for block in range(1, pool.num_blocks):
+        assert pool.refs(block) == holders[block], f"block {block}'s reference count is wrong"
+    assert len(holders) == pool.num_referenced, "blocks leaked or duplicated"
+    assert len(holders) + pool.num_free == pool.num_blocks - 1, "blocks leaked or duplicated"
+    unreferenced = pool._free + list(pool._evictable)
+    assert len(set(unreferenced)) == pool.num_free, "a block is free twice"
+    assert not set(unreferenced) & set(holders), "a held block is also free"
 
 
 def assert_states_consistent(sched: Scheduler) -> None:
@@ -131,6 +148,7 @@ def assert_idle(engine: Engine) -> None:
     """An engine with nothing to do holds no KV block and no request."""
     assert not engine.has_work()
     assert engine.pool.usage == 0.0
+    assert engine.pool.num_referenced == 0
     assert engine.pool.num_free == engine.pool.num_blocks - 1
     assert not engine.scheduler.by_uid
     assert not (engine.scheduler.running or engine.scheduler.waiting or engine.scheduler.paused)

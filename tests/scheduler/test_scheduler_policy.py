@@ -17,8 +17,29 @@ from tokenline.scheduler.policy import Scheduler
 from tokenline.scheduler.sequence import Status
 
 
-def make_sched(num_blocks: int = 64, block_size: int = 4, max_seqs: int = 8, budget: int = 16):
-    return Scheduler(BlockPool(num_blocks, block_size), max_seqs, budget)
+def make_sched(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_seqs: int = 8,
+    budget: int = 16,
+    caching: bool = True,
+):
+    return Scheduler(BlockPool(num_blocks, block_size, caching=caching), max_seqs, budget)
+
+
+CACHING = pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "prefix-cache"])
+
+
+def assert_recomputed(chunks, seq, caching: bool) -> None:
+    """The step after a preemption feeds ``seq``'s tokens again, prompt and generated alike:
+    from the start without a prefix cache, else from the block boundary where what the cache
+    kept of its own blocks ends."""
+    [(start, n)] = fed_ranges(chunks, seq.uid)
+    assert start + n == seq.num_tokens - 1, "the recompute samples the next token"
+    if caching:
+        assert start > 0 and start % 4 == 0, "its own blocks outlived it in the cache"
+    else:
+        assert start == 0
 
 
 def fed_ranges(chunks, uid):
@@ -126,8 +147,9 @@ def test_max_num_seqs_caps_the_running_set():
 
 
 # ── preemption ────────────────────────────────────────────────────────────────────────────────
-def test_newest_running_sequence_is_preempted_when_blocks_run_out():
-    sched = make_sched(num_blocks=10, block_size=4, budget=64)  # 9 usable blocks
+@CACHING
+def test_newest_running_sequence_is_preempted_when_blocks_run_out(caching):
+    sched = make_sched(num_blocks=10, block_size=4, budget=64, caching=caching)  # 9 usable
     oldest, middle, newest = fake_seq("oldest", 8), fake_seq("middle", 8), fake_seq("newest", 8)
     for seq in (oldest, middle, newest):
         sched.add(seq)
@@ -148,17 +170,18 @@ def test_newest_running_sequence_is_preempted_when_blocks_run_out():
     generated = list(newest.output_ids)
     assert generated, "the preempted request keeps what it generated"
 
-    # Once room comes back it is recomputed from scratch, prompt and generated tokens alike.
+    # Once room comes back it is recomputed.
     sched.remove("oldest")
     sched.remove("middle")
     chunks = fake_step(sched)
-    assert fed_ranges(chunks, "newest") == [(0, 8 + len(generated))]
+    assert_recomputed(chunks, newest, caching)
     assert len(newest.output_ids) == len(generated) + 1, "the recompute samples the next token"
     assert newest.output_ids[: len(generated)] == generated
 
 
-def test_paused_sequences_are_parked_before_running_ones_are_preempted():
-    sched = make_sched(num_blocks=7, block_size=4, budget=64)
+@CACHING
+def test_paused_sequences_are_parked_before_running_ones_are_preempted(caching):
+    sched = make_sched(num_blocks=7, block_size=4, budget=64, caching=caching)
     runner, parked = fake_seq("runner", 8), fake_seq("parked", 8)
     sched.add(runner)
     sched.add(parked)
@@ -180,9 +203,7 @@ def test_paused_sequences_are_parked_before_running_ones_are_preempted():
     assert sched.resume("parked")
     assert parked.status is Status.WAITING and sched.waiting[0] is parked
     sched.remove("runner")
-    everything = parked.num_tokens
-    chunks = fake_step(sched)
-    assert fed_ranges(chunks, "parked") == [(0, everything)]
+    assert_recomputed(fake_step(sched), parked, caching)
 
 
 # ── pause, resume, remove ─────────────────────────────────────────────────────────────────────

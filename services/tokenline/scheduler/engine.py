@@ -49,11 +49,20 @@ class KVCacheTooSmall(InvalidRequest):
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, limits: EngineLimits, eos_ids: list[int]) -> None:
+    """``prefix_caching`` (on by default): full KV blocks of computed tokens stay cached and
+    are shared by later requests whose prompts start with the same tokens (kv_cache.py)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        limits: EngineLimits,
+        eos_ids: list[int],
+        prefix_caching: bool = True,
+    ) -> None:
         self.runner = runner
         self.limits = limits
         self.eos_ids = eos_ids
-        self.pool = BlockPool(runner.num_blocks, runner.block_size)
+        self.pool = BlockPool(runner.num_blocks, runner.block_size, caching=prefix_caching)
         self.scheduler = Scheduler(self.pool, limits.max_num_seqs, limits.max_num_batched_tokens)
         self._finished: list[TokenOutput] = []  # terminal outputs not tied to a forward pass
 
@@ -113,6 +122,21 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._finished)
 
+    @property
+    def prefix_caching(self) -> bool:
+        return self.pool.caching
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache so far: every request's prompt, once, at
+        its first admission (a preempted request's recompute is not counted again)."""
+        return self.scheduler.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of those, the tokens found (and so not computed): the sum of ``cached_tokens``."""
+        return self.scheduler.prefix_cache_hits
+
     def holds(self, uid: str) -> bool:
         return uid in self.scheduler.by_uid
 
@@ -128,8 +152,7 @@ class Engine:
 
     def _run(self, chunks: list[Chunk], outputs: list[TokenOutput]) -> None:
         logits = self.runner.forward(chunks)
-        for chunk in chunks:
-            chunk.seq.num_computed += chunk.num_tokens
+        self.scheduler.advance(chunks)
         sampling_seqs = [c.seq for c in chunks if c.samples]
         if not sampling_seqs:
             return
@@ -148,6 +171,7 @@ class Engine:
                 outputs[-1].logprobs = [logprob]
             if first:
                 outputs[-1].queue_s = (seq.first_scheduled or now) - seq.arrival
+                outputs[-1].cached_tokens = seq.cached_tokens or 0
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         s = seq.sampling

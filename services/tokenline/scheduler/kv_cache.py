@@ -1,27 +1,81 @@
-"""KV cache block accounting: which fixed-size blocks of the pool each sequence owns."""
+"""KV cache block accounting: which fixed-size blocks of the pool each sequence holds, and which
+blocks hold a known prefix (automatic prefix caching).
+
+A full block is named by a hash chain: the hash of its parent block's name and its own token
+ids, so equal names mean equal tokens at equal positions, hence equal K/V (the model, its dtype
+and the block size are fixed for the life of a pool). Once a block's K/V is computed it is
+registered under its name; a later sequence whose prompt starts with the same tokens shares it
+by reference count instead of computing it again. A block nobody references keeps its name and
+stays cached until the pool needs room: then the least recently released goes first. Blocks
+that never got a name (partial, or a duplicate of a block already registered) are handed out
+before any cached one is evicted.
+
+Only blocks whose K/V has been written are registered (``cache_full_blocks`` runs after the
+forward pass), so a sequence can never share a block still being computed in the same step.
+A shared block is always full and a sequence only writes past its own computed tokens, so
+nothing ever writes into a shared block: no copy-on-write is needed.
+"""
 
 from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
 
 from tokenline.scheduler.sequence import Sequence
 
 
+def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    """The name of a full block: a collision-safe hash of its parent's name and its tokens.
+
+    A collision would hand one prompt another's K/V, so Python's ``hash`` (64 bits, and
+    trivially collided for ints) is not good enough; blake2b is fast and cryptographic."""
+    digest = hashlib.blake2b(parent, digest_size=32)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    """``caching=False`` turns prefix caching off: no block is named, looked up or shared."""
+
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache holds no block; raise --kv-cache-memory")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.caching = caching
         # Block 0 is kept back as the padding target of gathers, so it is never handed out.
-        self._free = list(range(num_blocks - 1, 0, -1))
+        self._free = list(range(num_blocks - 1, 0, -1))  # unreferenced and unnamed
+        # Unreferenced but named: still a cache hit; evicted oldest first when room is needed.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._refs = [0] * num_blocks
+        self._name: list[bytes | None] = [None] * num_blocks
+        self._by_name: dict[bytes, int] = {}
 
+    # ── accounting ─────────────────────────────────────────────────────────────────────────────
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can get: unreferenced ones, cached or not."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_referenced(self) -> int:
+        """Blocks some live sequence holds; 0 whenever the engine is idle."""
+        return self.num_blocks - 1 - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding a registered prefix, referenced or not."""
+        return len(self._by_name)
 
     @property
     def usage(self) -> float:
+        """Share of usable blocks that are referenced (cached, unreferenced ones are free)."""
         usable = self.num_blocks - 1
-        return (usable - len(self._free)) / usable if usable else 0.0
+        return self.num_referenced / usable if usable else 0.0
+
+    def refs(self, block: int) -> int:
+        return self._refs[block]
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -31,13 +85,96 @@ class BlockPool:
         return max(0, self.blocks_for(seq.num_computed + new_tokens) - len(seq.block_table))
 
     def can_grow(self, seq: Sequence, new_tokens: int) -> bool:
-        return self.extra_blocks(seq, new_tokens) <= len(self._free)
+        return self.extra_blocks(seq, new_tokens) <= self.num_free
 
     def grow(self, seq: Sequence, new_tokens: int) -> None:
         for _ in range(self.extra_blocks(seq, new_tokens)):
-            seq.block_table.append(self._free.pop())
+            seq.block_table.append(self._allocate())
 
     def release(self, seq: Sequence) -> None:
-        self._free.extend(reversed(seq.block_table))
+        """Drop ``seq``'s references; its named blocks stay cached.
+
+        Tail first, so that under pressure a chain loses its end before its start: a chain is
+        only reachable from its first block."""
+        for block in reversed(seq.block_table):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if self._name[block] is not None:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
         seq.block_table = []
         seq.num_computed = 0
+        seq.num_registered_blocks = 0
+
+    def _allocate(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._by_name[self._name[block]]
+            self._name[block] = None
+        self._refs[block] = 1
+        return block
+
+    # ── prefix cache ───────────────────────────────────────────────────────────────────────────
+    def lookup(self, seq: Sequence) -> list[int]:
+        """The cached blocks of ``seq``'s longest cached prefix, for a sequence holding none.
+
+        At most ``num_tokens - 1`` tokens rounded down to a block, so the last known token is
+        always computed (its logits give the next token) and the sequence's first write lands
+        in a block of its own."""
+        if not self.caching:
+            return []
+        hits: list[int] = []
+        for index in range((seq.num_tokens - 1) // self.block_size):
+            block = self._by_name.get(self._block_name(seq, index))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_admit(self, seq: Sequence, num_tokens: int, hits: list[int]) -> bool:
+        """Whether the pool holds ``num_tokens`` tokens of ``seq`` when it starts with ``hits``:
+        only the blocks it must newly get count, and a cached hit it revives is not free."""
+        revived = sum(1 for block in hits if self._refs[block] == 0)
+        return self.blocks_for(num_tokens) - len(hits) <= self.num_free - revived
+
+    def share(self, seq: Sequence, hits: list[int]) -> None:
+        """``seq`` (holding no block) starts with ``hits`` as its computed prefix."""
+        assert not seq.block_table
+        for block in hits:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+        seq.block_table = list(hits)
+        seq.num_computed = len(hits) * self.block_size
+        seq.num_registered_blocks = len(hits)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of ``seq`` that its last forward pass filled.
+
+        Called after every forward pass; costs nothing until a block fills."""
+        full = seq.num_computed // self.block_size
+        if not self.caching or full <= seq.num_registered_blocks:
+            return
+        for index in range(seq.num_registered_blocks, full):
+            name = self._block_name(seq, index)
+            block = seq.block_table[index]
+            # A block computed twice at once (two sequences missed together) is registered
+            # once; the other copy stays unnamed and is freed plainly.
+            if name not in self._by_name:
+                self._by_name[name] = block
+                self._name[block] = name
+        seq.num_registered_blocks = full
+
+    def _block_name(self, seq: Sequence, index: int) -> bytes:
+        # A sequence's tokens are only ever appended, so its names stay valid for its life,
+        # across preemption too; each is computed once.
+        names = seq.block_hashes
+        bs = self.block_size
+        while len(names) <= index:
+            i = len(names)
+            parent = names[-1] if names else b""
+            names.append(block_hash(parent, seq.token_slice(i * bs, (i + 1) * bs)))
+        return names[index]

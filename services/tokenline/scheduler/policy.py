@@ -4,7 +4,9 @@ Each step gets a token budget. Running sequences go first, oldest first: a decod
 takes one token, a sequence still in prefill takes a chunk of what remains of its prompt. Then
 waiting sequences are admitted in arrival order while the budget, ``max_num_seqs`` and the KV
 cache allow; a sequence is admitted only when the pool can hold its whole prompt, so admission
-waits for room instead of failing. When the pool runs dry mid-generation, paused sequences are
+waits for room instead of failing. An admitted sequence starts with the longest prefix of its
+tokens found in the prefix cache (kv_cache.py) already computed, and only the blocks it must
+newly get count against the pool. When the pool runs dry mid-generation, paused sequences are
 parked first (their blocks freed, recomputed on resume), then the newest running ones are
 preempted back to the head of the queue to be recomputed later: output is never corrupted.
 """
@@ -41,6 +43,12 @@ class Scheduler:
         self.paused: dict[str, Sequence] = {}
         self.by_uid: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        # Prompt tokens looked up in the prefix cache and found there, as vLLM counts them:
+        # once per request, at its first admission; a preempted request's recompute is not
+        # counted again (its cache hits then are a side effect of preemption, not of traffic).
+        # Nothing is counted while prefix caching is off.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # ── requests in and out ────────────────────────────────────────────────────────────────────
     def fits_at_all(self, num_tokens: int) -> bool:
@@ -110,9 +118,16 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if self.pool.blocks_for(seq.num_tokens + 1) > self.pool.num_free:
+            hits = self.pool.lookup(seq)
+            if not self.pool.can_admit(seq, seq.num_tokens + 1, hits):
                 break
             self.waiting.popleft()
+            self.pool.share(seq, hits)
+            if seq.cached_tokens is None:
+                seq.cached_tokens = seq.num_computed
+                if self.pool.caching:
+                    self.prefix_cache_queries += len(seq.prompt_ids)
+                    self.prefix_cache_hits += seq.num_computed
             seq.status = Status.RUNNING
             self.running.append(seq)
             if seq.first_scheduled is None:
@@ -122,6 +137,13 @@ class Scheduler:
             chunks.append(Chunk(seq, seq.num_computed, n))
             budget -= n
         return chunks
+
+    def advance(self, chunks: list[Chunk]) -> None:
+        """The chunks were computed: count their tokens and offer the blocks they filled to
+        the prefix cache."""
+        for chunk in chunks:
+            chunk.seq.num_computed += chunk.num_tokens
+            self.pool.cache_full_blocks(chunk.seq)
 
     def _make_room(self, seq: Sequence, n: int) -> bool:
         while not self.pool.can_grow(seq, n):

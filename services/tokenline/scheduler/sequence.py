@@ -27,6 +27,12 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache
+    # Prefix caching (kv_cache.py): names of the full blocks of the known tokens, as far as
+    # they were needed; how many leading blocks of block_table the cache has already seen;
+    # prompt tokens served from the cache at the first admission (None: not admitted yet).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    cached_tokens: int | None = None
     status: Status = Status.WAITING
     first_scheduled: float | None = None
     pause_requested: bool = False

@@ -39,6 +39,55 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # per-head q/k norms
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
 }
+# Windows shorter than the prompts and the generations, so every attention path (the causal
+# batch of prompt-starting chunks, chunks that continue a prompt, decode) crosses them.
+SLIDING = {
+    "mistral-window-8": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+    "qwen2-window-8-layer-1": (  # layer 0 attends to everything, layer 1 slides
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    ),
+    "qwen3-window-8": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        {"head_dim": 32, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},
+    ),
+}
+
+
+def saved_family_model(spec, path):
+    """A small random model of ``spec``'s family (a FAMILIES or SLIDING entry), saved to
+    ``path`` in Hugging Face format and returned."""
+    import torch
+    import transformers
+
+    config_name, model_name, extra = spec
+    config = getattr(transformers, config_name)(**COMMON, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config)
+    with torch.no_grad():  # larger weights, so that greedy paths diverge visibly if wrong
+        for param in model.parameters():
+            param.mul_(3.0)
+    model.save_pretrained(path)
+    return model
+
+
+def family_runner(family: str, path, dense_decode: bool = True, dtype: str = "float32"):
+    """A CPU runner over the model ``saved_family_model`` left in ``path``."""
+    from tokenline.model_source import ModelSource
+    from tokenline.scheduler.runner import ModelRunner
+
+    return ModelRunner(
+        ModelSource(spec=family, path=str(path)),
+        device="cpu",
+        dtype=dtype,
+        kv_cache_memory=2**20,
+        torch_threads=1,
+        dense_decode=dense_decode,
+    )
+
+
 # ── policy: no model, no tensors ──────────────────────────────────────────────────────────────
 _distinct = itertools.count(1)
 

@@ -8,59 +8,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scheduler_testkit import COMMON, FAMILIES
+from scheduler_testkit import COMMON, FAMILIES, SLIDING, family_runner, saved_family_model
 
 from tokenline.model_source import ModelSource
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.engine import Engine, EngineLimits
 from tokenline.scheduler.runner import ModelRunner
 
-# Windows shorter than the prompts and the generations, so every attention path (the causal
-# batch of prompt-starting chunks, chunks that continue a prompt, decode) crosses them.
-SLIDING = {
-    "mistral-window-8": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
-    "qwen2-window-8-layer-1": (  # layer 0 attends to everything, layer 1 slides
-        "Qwen2Config",
-        "Qwen2ForCausalLM",
-        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
-    ),
-    "qwen3-window-8": (
-        "Qwen3Config",
-        "Qwen3ForCausalLM",
-        {"head_dim": 32, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},
-    ),
-}
-
-
-def _saved_model(spec, tmp_path) -> torch.nn.Module:
-    """A small random model of ``spec``'s family, saved to ``tmp_path`` and returned."""
-    import transformers
-
-    config_name, model_name, extra = spec
-    config = getattr(transformers, config_name)(**COMMON, **extra)
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config)
-    with torch.no_grad():  # larger weights, so that greedy paths diverge visibly if wrong
-        for param in model.parameters():
-            param.mul_(3.0)
-    model.save_pretrained(tmp_path)
-    return model
-
-
-def _runner(family, tmp_path, dense_decode: bool, dtype: str = "float32") -> ModelRunner:
-    return ModelRunner(
-        ModelSource(spec=family, path=str(tmp_path)),
-        device="cpu",
-        dtype=dtype,
-        kv_cache_memory=2**20,
-        torch_threads=1,
-        dense_decode=dense_decode,
-    )
-
 
 def _greedy_against_transformers(family, spec, tmp_path, dense_decode: bool = True) -> None:
-    model = _saved_model(spec, tmp_path)
-    runner = _runner(family, tmp_path, dense_decode)
+    model = saved_family_model(spec, tmp_path)
+    runner = family_runner(family, tmp_path, dense_decode)
     engine = Engine(runner, EngineLimits(256, max_num_batched_tokens=16), eos_ids=[])
     prompts = {f"p{i}": [(7 * i + j) % 290 + 5 for j in range(9 + 5 * i)] for i in range(3)}
     for uid, ids in prompts.items():
@@ -118,9 +76,9 @@ def test_bfloat16_logits_follow_transformers(family, dense_decode, tmp_path):
     from tokenline.scheduler.policy import Chunk
     from tokenline.scheduler.sequence import Sequence
 
-    model = _saved_model(FAMILIES[family], tmp_path)
+    model = saved_family_model(FAMILIES[family], tmp_path)
     reference = type(model).from_pretrained(tmp_path, dtype=torch.bfloat16)
-    runner = _runner(family, tmp_path, dense_decode, dtype="bfloat16")
+    runner = family_runner(family, tmp_path, dense_decode, dtype="bfloat16")
     ids = [(7 * j) % 290 + 5 for j in range(20)]
     seq = Sequence(uid="a", prompt_ids=ids, sampling=SamplingParams(max_tokens=2), max_tokens=2)
     pool = BlockPool(runner.num_blocks, runner.block_size)

@@ -76,6 +76,7 @@ def make_engine(
         max_model_len: int = tiny_model.MAX_POSITIONS,
         eos: list[int] | None = None,
         dense_decode: bool = True,
+        prefix_caching: bool = True,
     ) -> Engine:
         memory = kv_blocks * bytes_per_block if kv_blocks is not None else kv_cache_memory
         runner = ModelRunner(
@@ -88,7 +89,7 @@ def make_engine(
         if kv_blocks is not None:
             assert runner.num_blocks == kv_blocks
         limits = EngineLimits(max_model_len, max_num_seqs, max_num_batched_tokens)
-        return Engine(runner, limits, eos_ids if eos is None else eos)
+        return Engine(runner, limits, eos_ids if eos is None else eos, prefix_caching)
 
     return make
 

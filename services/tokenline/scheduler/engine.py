@@ -65,6 +65,7 @@ class Engine:
         self.pool = BlockPool(runner.num_blocks, runner.block_size, caching=prefix_caching)
         self.scheduler = Scheduler(self.pool, limits.max_num_seqs, limits.max_num_batched_tokens)
         self._finished: list[TokenOutput] = []  # terminal outputs not tied to a forward pass
+        self.step_uids: list[str] = []  # the sequences of the last step
 
     # ── requests ───────────────────────────────────────────────────────────────────────────────
     def add(
@@ -75,6 +76,10 @@ class Engine:
         timeout_s: float = float("inf"),
         arrival: float | None = None,
     ) -> Sequence:
+        if not prompt_ids:
+            error = InvalidRequest("the prompt is empty; send at least one token")
+            error.param = "prompt"
+            raise error
         if not self.scheduler.fits_at_all(len(prompt_ids)):
             raise KVCacheTooSmall(
                 f"the prompt needs {len(prompt_ids)} tokens of KV cache but the pool holds "
@@ -142,13 +147,34 @@ class Engine:
 
     # ── one step ───────────────────────────────────────────────────────────────────────────────
     def step(self) -> list[TokenOutput]:
-        outputs, self._finished = self._finished, []
+        """One forward pass. If it raises, nothing is lost but the step itself: terminal
+        outputs made before it wait for the next step, and `step_uids` names the sequences
+        that were in it (their state is suspect; the caller ends them)."""
         chunks = self.scheduler.schedule()
+        self.step_uids = [c.seq.uid for c in chunks]
+        computed: list[TokenOutput] = []
         if chunks:
-            self._run(chunks, outputs)
+            self._run(chunks, computed)
+        outputs, self._finished = self._finished, []
         if not self.scheduler.running:
             self.runner.release_decode_contexts()
-        return outputs
+        return outputs + computed
+
+    def drop(self, uid: str) -> bool:
+        """Forget a uid without a terminal output (its end is reported by the caller)."""
+        return self.scheduler.remove(uid) is not None
+
+    def held_uids(self) -> list[str]:
+        return list(self.scheduler.by_uid)
+
+    def counts(self) -> dict[str, int]:
+        """Sequences waiting, running and paused right now."""
+        sched = self.scheduler
+        return {
+            "waiting": len(sched.waiting),
+            "running": len(sched.running),
+            "paused": len(sched.paused),
+        }
 
     def _run(self, chunks: list[Chunk], outputs: list[TokenOutput]) -> None:
         logits = self.runner.forward(chunks)

@@ -95,7 +95,15 @@ REQUESTS_WAITING = Gauge(
     "tokenline_num_requests_waiting", "Requests waiting for admission.", ["model"]
 )
 KV_CACHE_USAGE = Gauge(
-    "tokenline_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", ["model"]
+    "tokenline_kv_cache_usage_ratio",
+    "Fraction of KV cache blocks referenced by requests (cached, unreferenced ones are free).",
+    ["model"],
+)
+PREFIX_CACHE_QUERIES = Counter(
+    "tokenline_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", ["model"]
+)
+PREFIX_CACHE_HITS = Counter(
+    "tokenline_prefix_cache_hits", "Prompt tokens found in the prefix cache.", ["model"]
 )
 
 

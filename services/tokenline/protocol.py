@@ -113,13 +113,31 @@ class Heartbeat(_Message, tag="heartbeat"):
 
 
 class Failed(_Message, tag="failed"):
-    """A terminal error found before decoding; travels forward to the api."""
+    """A terminal error for a uid; travels forward to the api.
+
+    Found early (a bad template, a prompt too long) or by containment: a stage whose handling
+    of the uid raised. ``stage`` names the stage that ended it, so the api knows whether stages
+    before that one may still hold the uid.
+    """
 
     uid: str
     code: str
     message: str
     param: str | None = None
     http_status: int = 400
+    stage: str = ""
+
+
+class Link(_Message, tag="link"):
+    """A stage saw the connection from its upstream peer open or close (a ZMQ socket event).
+
+    A stage that dies drops its connections at once, so its neighbours know within
+    milliseconds, long before a heartbeat could time out; the report travels forward to the api.
+    """
+
+    reporter: str  # the stage whose inbox saw the event
+    peer: str  # the stage upstream of it
+    up: bool
 
 
 # ── scheduler → detokenizer ───────────────────────────────────────────────────────────────────
@@ -133,6 +151,7 @@ class Begin(_Message, tag="begin"):
     stop: list[str] = []
     timeout_s: float = 0.0
     tokenizer_s: float = 0.0
+    prompt_tail: list[int] = []  # the prompt's last ids: the detokenizer primes its stream
 
 
 class TokenLogprobs(msgspec.Struct, omit_defaults=True, array_like=True):
@@ -152,8 +171,8 @@ class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=T
     queue_s: float = 0.0  # set on the first output: time from arrival to first schedule
     scheduler_s: float = 0.0  # set on the terminal output: time the uid spent in the scheduler
     error_code: str | None = None
-    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked
     cached_tokens: int = 0  # set on the first output: prompt tokens found in the prefix cache
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked
 
 
 class TokenBatch(_Message, tag="tokens"):
@@ -195,8 +214,8 @@ class Reply(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
     queue_s: float = 0.0
     scheduler_s: float = 0.0
     detokenizer_s: float = 0.0
-    logprobs: list[LogprobEntry] | None = None  # per token of this reply, when asked
     cached_tokens: int = 0  # on the terminal reply: prompt tokens served from the prefix cache
+    logprobs: list[LogprobEntry] | None = None  # per token of this reply, when asked
 
 
 class ReplyBatch(_Message, tag="replies"):
@@ -204,9 +223,47 @@ class ReplyBatch(_Message, tag="replies"):
 
 
 ToTokenizer = Generate | Abort | Pause | Resume | Heartbeat
-ToScheduler = Tokenized | Failed | Abort | Pause | Resume | Heartbeat
-ToDetokenizer = Begin | TokenBatch | Failed | Abort | Heartbeat
-ToApi = ReplyBatch | Failed | Abort | Heartbeat
+ToScheduler = Tokenized | Failed | Abort | Pause | Resume | Heartbeat | Link
+ToDetokenizer = Begin | TokenBatch | Failed | Abort | Heartbeat | Link
+ToApi = ReplyBatch | Failed | Abort | Heartbeat | Link
+
+
+# ── what a message means for a uid's lifetime (the runtime's ledger and the simulation) ───────
+
+
+def started_uids(message: msgspec.Struct) -> list[tuple[str, float]]:
+    """(uid, timeout) for each uid whose state a stage creates when ``message`` arrives."""
+    if isinstance(message, Generate | Tokenized | Begin):
+        return [(message.uid, message.timeout_s)]
+    return []
+
+
+def ended_uids(message: msgspec.Struct) -> list[str]:
+    """Uids that ``message``, sent onward, ends: no stage before it holds them any longer."""
+    if isinstance(message, Failed | Abort):
+        return [message.uid]
+    if isinstance(message, TokenBatch):
+        return [o.uid for o in message.outputs if o.finish_reason is not None]
+    if isinstance(message, ReplyBatch):
+        return [r.uid for r in message.replies if r.finish_reason is not None]
+    return []
+
+
+def released_uids(message: msgspec.Struct) -> list[str]:
+    """Uids the sending stage lets go of by sending ``message``: their end, or a hand-off."""
+    if isinstance(message, Tokenized):
+        return [message.uid]
+    return ended_uids(message)
+
+
+def uids_of(message: msgspec.Struct) -> list[str]:
+    """Every uid a message concerns."""
+    if isinstance(message, TokenBatch):
+        return [o.uid for o in message.outputs]
+    if isinstance(message, ReplyBatch):
+        return [r.uid for r in message.replies]
+    uid = getattr(message, "uid", None)
+    return [uid] if uid is not None else []
 
 
 class Codec:

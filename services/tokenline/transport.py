@@ -7,17 +7,20 @@ counted in ``tokenline_malformed_frames_total`` and dropped, never raised.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from tokenline import protocol
 from tokenline.metrics import MALFORMED_FRAMES
@@ -92,6 +95,44 @@ def _configure(sock: zmq.Socket, hwm_option: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
 
 
+_PEER_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+class PeerConnections:
+    """Whether a socket's peer is connected, from the socket's ZMQ monitor events.
+
+    A peer that exits, crashes or is killed has its connections closed by the kernel, so this
+    flips within milliseconds; a peer that hangs keeps them open (the heartbeat catches it).
+    Connections are counted by file descriptor: a bound socket may see a stray connection
+    (a port scan) come and go without its real peer changing.
+    """
+
+    def __init__(self) -> None:
+        self._fds: set[int] = set()
+
+    @property
+    def up(self) -> bool:
+        return bool(self._fds)
+
+    def on_event(self, frames: list[bytes]) -> bool | None:
+        """Apply one monitor event; the new state when it changed, else None."""
+        event = parse_monitor_message(frames)
+        was = self.up
+        if event["event"] in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
+            self._fds.add(int(event["value"]))
+        elif event["event"] == zmq.EVENT_DISCONNECTED:
+            self._fds.discard(int(event["value"]))
+        return self.up if self.up != was else None
+
+
+@dataclass(frozen=True)
+class UpstreamLink:
+    """Put on a stage's inbox queue when the connection from its upstream peer opens or
+    closes; the stage runtime turns it into a `protocol.Link` report."""
+
+    up: bool
+
+
 class SyncRing:
     """Sockets for the tokenizer, scheduler and detokenizer loops.
 
@@ -105,6 +146,8 @@ class SyncRing:
         self._ctx = zmq.Context()
         self._inbox = self._ctx.socket(zmq.PULL)
         _configure(self._inbox, zmq.RCVHWM)
+        self._inbox_monitor = self._inbox.get_monitor_socket(_PEER_EVENTS)
+        self._upstream = PeerConnections()
         self._bound = endpoints.of(stage)
         self._inbox.bind(self._bound)
         self._outbox = self._ctx.socket(zmq.PUSH)
@@ -115,8 +158,8 @@ class SyncRing:
         # queue.Queue, not SimpleQueue: CPython's SimpleQueue.get(timeout) turns into a wait
         # without end when a signal handler (our SIGTERM drain) runs past the timeout, and a
         # stage that is draining never wakes up again once its peers are gone.
-        self._arrived: queue.Queue[tuple[float, msgspec.Struct]] = queue.Queue()
-        self._held: list[tuple[float, msgspec.Struct]] = []  # taken off the queue by poll()
+        self._arrived: queue.Queue[tuple[float, msgspec.Struct | UpstreamLink]] = queue.Queue()
+        self._held: list[tuple[float, msgspec.Struct | UpstreamLink]] = []  # taken by poll()
         self._closing = threading.Event()
         self._receiver = threading.Thread(target=self._receive, name=f"{stage}-inbox", daemon=True)
         self._receiver.start()
@@ -124,9 +167,15 @@ class SyncRing:
     def _receive(self) -> None:
         poller = zmq.Poller()
         poller.register(self._inbox, zmq.POLLIN)
+        poller.register(self._inbox_monitor, zmq.POLLIN)
         try:
             while not self._closing.is_set():
-                if not poller.poll(100):
+                ready = dict(poller.poll(100))
+                if self._inbox_monitor in ready:
+                    changed = self._upstream.on_event(self._inbox_monitor.recv_multipart())
+                    if changed is not None:
+                        self._arrived.put((time.monotonic(), UpstreamLink(changed)))
+                if self._inbox not in ready:
                     continue
                 while True:
                     try:
@@ -137,6 +186,8 @@ class SyncRing:
                     if message is not None:
                         self._arrived.put((time.monotonic(), message))
         finally:
+            self._inbox.disable_monitor()
+            self._inbox_monitor.close()
             self._inbox.close()
 
     def poll(self, timeout_ms: int) -> bool:
@@ -149,8 +200,9 @@ class SyncRing:
             return False
         return True
 
-    def recv_timed(self, limit: int = 10_000) -> list[tuple[float, msgspec.Struct]]:
-        """Every waiting message (up to ``limit``) with its monotonic arrival time."""
+    def recv_timed(self, limit: int = 10_000) -> list[tuple[float, msgspec.Struct | UpstreamLink]]:
+        """Every waiting message (up to ``limit``) with its monotonic arrival time; link
+        changes of the upstream peer come in order among them."""
         items, self._held = self._held[:limit], self._held[limit:]
         while len(items) < limit:
             try:
@@ -158,10 +210,6 @@ class SyncRing:
             except queue.Empty:
                 break
         return items
-
-    def recv_ready(self, limit: int = 10_000) -> list[msgspec.Struct]:
-        """Every waiting message (up to ``limit``), without blocking."""
-        return [message for _, message in self.recv_timed(limit)]
 
     def send(self, message: msgspec.Struct) -> None:
         self._outbox.send(self._encoder.encode(message), copy=False)
@@ -181,12 +229,16 @@ class AsyncRing:
         self._ctx = zmq.asyncio.Context()
         self._inbox = self._ctx.socket(zmq.PULL)
         _configure(self._inbox, zmq.RCVHWM)
+        self._inbox_monitor = self._inbox.get_monitor_socket(_PEER_EVENTS)
         self._bound = endpoints.api
         self._inbox.bind(self._bound)
         # A plain socket: sends never wait, so no future is left unobserved.
         self._sync_ctx = zmq.Context()
         self._outbox = self._sync_ctx.socket(zmq.PUSH)
         _configure(self._outbox, zmq.SNDHWM)
+        self._outbox_monitor = zmq.asyncio.Socket.from_socket(
+            self._outbox.get_monitor_socket(_PEER_EVENTS)
+        )
         self._outbox.connect(endpoints.tokenizer)
         self._decoder = _Decoder("api")
         self._encoder = msgspec.msgpack.Encoder()
@@ -196,11 +248,36 @@ class AsyncRing:
         frame = await self._inbox.recv(copy=True)
         return self._decoder.decode(frame)
 
+    async def watch_peers(self, on_change: Callable[[str, bool], None]) -> None:
+        """Call ``on_change(stage, up)`` whenever the tokenizer (the outbox's peer) or the
+        detokenizer (the inbox's peer) connects or goes away. Runs until cancelled."""
+
+        async def watch(monitor: zmq.asyncio.Socket, stage: str) -> None:
+            peer = PeerConnections()
+            while True:
+                changed = peer.on_event(await monitor.recv_multipart())
+                if changed is not None:
+                    on_change(stage, changed)
+
+        await asyncio.gather(
+            watch(self._outbox_monitor, "tokenizer"), watch(self._inbox_monitor, "detokenizer")
+        )
+
+    def encode(self, message: msgspec.Struct) -> bytes:
+        """Raises (OverflowError, UnicodeEncodeError) for what MessagePack cannot carry."""
+        return self._encoder.encode(message)
+
+    def send_frame(self, frame: bytes) -> None:
+        """Queue an encoded message for the tokenizer; never waits (the HWM is far above real
+        load)."""
+        self._outbox.send(frame, flags=zmq.NOBLOCK, copy=False)
+
     def send_nowait(self, message: msgspec.Struct) -> None:
-        """Queue a message for the tokenizer; never waits (the HWM is far above real load)."""
-        self._outbox.send(self._encoder.encode(message), flags=zmq.NOBLOCK, copy=False)
+        self.send_frame(self._encoder.encode(message))
 
     def close(self) -> None:
+        self._inbox_monitor.close()
+        self._outbox_monitor.close()
         self._inbox.close()
         _remove_ipc_file(self._bound)
         self._outbox.close()

@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import time
+
 from tokenline import protocol
 from tokenline.scheduler.stage import SchedulerStage
+from tokenline.stage_runtime import StageRuntime
 
 
 class RecordingRing:
-    """Stands in for the outbox only: the stage's routing is what is under test."""
+    """The stage handler under its runtime, with a list for an outbox."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine) -> None:
         self.sent: list = []
+        self.handler = SchedulerStage(engine, "tiny")
+        self.runtime = StageRuntime(self.handler, self.sent.append)
+        self.engine = engine
+        self.ledger = self.runtime.ledger
 
-    def send(self, message) -> None:
-        self.sent.append(message)
+    def handle(self, message) -> None:
+        self.runtime.process([(time.monotonic(), message)])
+
+    def step(self) -> None:
+        self.runtime.step()
 
     def terminals(self) -> dict[str, str]:
         return {
@@ -35,8 +45,7 @@ def _request(uid: str) -> protocol.Tokenized:
 
 
 def test_an_abort_that_overtakes_its_request_refuses_it_on_arrival(make_engine):
-    ring = RecordingRing()
-    stage = SchedulerStage(make_engine(), ring, "tiny")
+    stage = ring = RecordingRing(make_engine())
     stage.handle(protocol.Abort(uid="late-1", reason="client_disconnect"))
     assert isinstance(ring.sent[0], protocol.Abort)  # forwarded: later stages may hold it
     stage.handle(_request("late-1"))
@@ -49,8 +58,7 @@ def test_an_abort_that_overtakes_its_request_refuses_it_on_arrival(make_engine):
 
 
 def test_an_abort_for_a_held_uid_frees_its_kv_at_the_next_step(make_engine):
-    ring = RecordingRing()
-    stage = SchedulerStage(make_engine(), ring, "tiny")
+    stage = ring = RecordingRing(make_engine())
     stage.handle(_request("a"))
     stage.step()
     assert stage.engine.pool.usage > 0
@@ -62,8 +70,7 @@ def test_an_abort_for_a_held_uid_frees_its_kv_at_the_next_step(make_engine):
 
 
 def test_every_admitted_uid_ends_exactly_once(make_engine):
-    ring = RecordingRing()
-    stage = SchedulerStage(make_engine(), ring, "tiny")
+    stage = ring = RecordingRing(make_engine())
     for i in range(6):
         stage.handle(_request(f"r{i}"))
     stage.handle(protocol.Abort(uid="r2", reason="client_disconnect"))

@@ -12,9 +12,17 @@ from tokenizers.decoders import DecodeStream
 
 
 class IncrementalDecoder:
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: list[str] | None = None,
+        prompt_tail: list[int] | None = None,
+    ) -> None:
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        # Primed with the prompt's last ids, as vLLM primes it: a SentencePiece decoder drops
+        # the leading space of a sequence's first piece, and the first generated token is not
+        # the sequence's first piece.
+        self._stream = DecodeStream(ids=list(prompt_tail or ()), skip_special_tokens=True)
         self._stop = [s for s in (stop or []) if s]
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self._text = ""  # decoded text not yet emitted

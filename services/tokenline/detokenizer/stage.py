@@ -1,7 +1,9 @@
 """The detokenizer stage: token ids to text for every live uid; one reply batch per step.
 
 Per-uid state is created on `Begin` and freed on every terminal event: the scheduler's final
-output, a stop string, a `Failed`, or an `Abort` for a uid still held.
+output, a stop string, a `Failed`, or an `Abort` for a uid still held. A uid this stage ended
+early (a stop string, a failure) is remembered until the scheduler's own end for it arrives,
+so the tokens decoded meanwhile are dropped quietly: they are expected, not anomalies.
 """
 
 from __future__ import annotations
@@ -10,14 +12,17 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
+
 from tokenline import protocol
 from tokenline.detokenizer.incremental import IncrementalDecoder
 from tokenline.detokenizer.token_text import TokenTexts
-from tokenline.ledger import Ledger
-from tokenline.lifecycle import Drain, freeze_startup_heap, instance_id
-from tokenline.metrics import BUFFER_DEPTH, LATE_REPLIES, STAGE_LATENCY, serve_metrics
+from tokenline.ledger import BoundedSet
+from tokenline.lifecycle import Drain
+from tokenline.metrics import LATE_REPLIES, STAGE_LATENCY, serve_metrics
 from tokenline.model_source import resolve
 from tokenline.settings import Settings
+from tokenline.stage_runtime import internal_error, serve_stage
 from tokenline.transport import SyncRing
 
 log = logging.getLogger(__name__)
@@ -29,53 +34,71 @@ class _Live:
     prompt_tokens: int
     tokenizer_s: float = 0.0
     queue_s: float = 0.0
+    cached_tokens: int = 0
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, ring: SyncRing) -> None:  # tokenizer: tokenizers.Tokenizer
+    stage = "detokenizer"
+
+    def __init__(self, tokenizer) -> None:  # tokenizer: tokenizers.Tokenizer
         self.tokenizer = tokenizer
         self.token_texts = TokenTexts(tokenizer)
-        self.ring = ring
         self.live: dict[str, _Live] = {}
-        self.ledger = Ledger("detokenizer")
-        self.instance = instance_id()
+        # Ended here before the scheduler ended them; the scheduler's end is still to come.
+        self.ended_early = BoundedSet(65_536)
         self._late = LATE_REPLIES.labels(stage="detokenizer")
         self._latency = STAGE_LATENCY.labels(stage="detokenizer")
 
-    def handle(self, message: protocol.ToDetokenizer, arrived: float | None = None) -> None:
+    def handle(self, message: msgspec.Struct, arrived: float) -> list[msgspec.Struct]:
         """``arrived``: when the message reached this stage's inbox (monotonic)."""
         if isinstance(message, protocol.TokenBatch):
-            started = time.monotonic() if arrived is None else arrived
-            replies = [r for r in (self._decode(o, started) for o in message.outputs) if r]
+            out: list[msgspec.Struct] = []
+            replies = []
+            for output in message.outputs:
+                try:
+                    reply = self._decode(output, arrived)
+                except Exception as exc:  # one uid's failure is that uid's alone
+                    log.exception("detokenizer: decoding %s raised", output.uid)
+                    self.fail(output.uid)
+                    out.append(internal_error(output.uid, self.stage, exc))
+                    continue
+                if reply is not None:
+                    replies.append(reply)
             if replies:
-                self.ring.send(protocol.ReplyBatch(replies=replies))
-        elif isinstance(message, protocol.Begin):
+                out.insert(0, protocol.ReplyBatch(replies=replies))
+            return out
+        if isinstance(message, protocol.Begin):
             self.live[message.uid] = _Live(
-                IncrementalDecoder(self.tokenizer, message.stop),
+                IncrementalDecoder(self.tokenizer, message.stop, message.prompt_tail),
                 message.prompt_tokens,
                 message.tokenizer_s,
             )
-            self.ledger.open(message.uid, message.timeout_s or 3600.0)
-        elif isinstance(message, protocol.Heartbeat):
-            message.statuses.append(
-                protocol.StageStatus(stage="detokenizer", instance=self.instance)
-            )
-            self.ring.send(message)
-        else:  # Failed, Abort: the end of a uid; free it if held, pass the message on
-            self._release(message.uid)
-            self.ring.send(message)
+            return []
+        # Failed, Abort: the end of a uid; free it if held, pass the message on
+        self.live.pop(message.uid, None)
+        return [message]
 
     def _decode(self, out: protocol.TokenOutput, started: float) -> protocol.Reply | None:
         live = self.live.get(out.uid)
         if live is None:
+            if out.uid in self.ended_early:
+                if out.finish_reason is None:
+                    return None
+                # The scheduler's own end: passed on so the api settles the abort it sent.
+                self.ended_early.discard(out.uid)
+                return protocol.Reply(
+                    uid=out.uid, text="", num_tokens=0, finish_reason=out.finish_reason
+                )
             if out.finish_reason is None:
-                self._late.inc()  # tokens for a uid already ended here (stop string, abort)
+                self._late.inc()  # tokens for a uid this stage never began or already ended
                 return None
             return protocol.Reply(
                 uid=out.uid, text="", num_tokens=len(out.token_ids), finish_reason=out.finish_reason
             )
         if out.queue_s:
             live.queue_s = out.queue_s
+        if out.cached_tokens:
+            live.cached_tokens = out.cached_tokens
         text = live.decoder.feed(out.token_ids)
         finish = out.finish_reason
         stop_string = live.decoder.stopped
@@ -92,6 +115,7 @@ class Detokenizer:
         if finish is not None:
             reply.stop_string = stop_string and out.finish_reason is None
             reply.prompt_tokens = live.prompt_tokens
+            reply.cached_tokens = live.cached_tokens
             reply.tokenizer_s = live.tokenizer_s
             reply.queue_s = live.queue_s
             reply.scheduler_s = out.scheduler_s
@@ -100,16 +124,37 @@ class Detokenizer:
             if out.error_code:
                 reply.error_code = out.error_code
             self._latency.observe(reply.detokenizer_s)
-            self._release(out.uid)
+            del self.live[out.uid]
+            if reply.stop_string:
+                self.ended_early.add(out.uid)
         return reply
 
-    def _release(self, uid: str) -> None:
-        if self.live.pop(uid, None) is not None:
-            self.ledger.close(uid)
+    # ── the rest of the handler interface ──────────────────────────────────────────────────────
+    def has_work(self) -> bool:
+        return False
 
-    def sweep(self) -> None:
-        for uid in self.ledger.sweep(list(self.live)):
-            self.live.pop(uid, None)
+    def step(self) -> list[msgspec.Struct]:
+        return []
+
+    def step_uids(self) -> list[str]:
+        return []
+
+    def held(self) -> list[str]:
+        return list(self.live)
+
+    def status(self) -> protocol.StageStatus:
+        return protocol.StageStatus(stage=self.stage, instance="", running=len(self.live))
+
+    def fail(self, uid: str) -> list[msgspec.Struct]:
+        if self.live.pop(uid, None) is not None:
+            self.ended_early.add(uid)
+        return []
+
+    def housekeeping(self, now: float) -> list[msgspec.Struct]:
+        return []
+
+    def shutdown(self) -> list[msgspec.Struct]:
+        return []
 
 
 def run(settings: Settings) -> int:
@@ -119,21 +164,6 @@ def run(settings: Settings) -> int:
     if settings.metrics_port:
         serve_metrics(settings.metrics_port)
     ring = SyncRing("detokenizer", settings.endpoints)
-    stage = Detokenizer(tokenizer, ring)
-    inbox_depth = BUFFER_DEPTH.labels(stage="detokenizer", buffer="inbox")
-    next_sweep = 0.0
-    freeze_startup_heap()
     log.info("detokenizer ready: %s", source.spec)
-    try:
-        while not drain.done(held=stage.live.keys()):
-            if ring.poll(100):
-                messages = ring.recv_timed()
-                inbox_depth.set(len(messages))
-                for arrived, message in messages:
-                    stage.handle(message, arrived)
-            if time.monotonic() > next_sweep:
-                stage.sweep()
-                next_sweep = time.monotonic() + 1.0
-    finally:
-        ring.close()
+    serve_stage(Detokenizer(tokenizer), ring, drain)
     return 0

@@ -1,17 +1,24 @@
-"""The scheduler stage: drains its inbox between engine steps and sends one batch per step."""
+"""The scheduler stage: routes ring messages into the engine and engine outputs onto the ring.
+
+The runtime (`stage_runtime`) drains the inbox between engine steps and sends one batch per
+step; this handler only decides what each message means for the engine.
+"""
 
 from __future__ import annotations
 
 import logging
-import time
+
+import msgspec
 
 from tokenline import protocol
-from tokenline.ledger import BoundedSet, Ledger
-from tokenline.lifecycle import Drain, freeze_startup_heap, instance_id
+from tokenline.ledger import BoundedSet
+from tokenline.lifecycle import Drain
 from tokenline.metrics import (
     BUFFER_DEPTH,
     KV_CACHE_USAGE,
     LATE_REPLIES,
+    PREFIX_CACHE_HITS,
+    PREFIX_CACHE_QUERIES,
     QUEUE_TIME,
     REQUESTS_RUNNING,
     REQUESTS_WAITING,
@@ -27,20 +34,18 @@ from tokenline.scheduler.engine import (
 )
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.settings import Settings
+from tokenline.stage_runtime import serve_stage
 from tokenline.transport import SyncRing
 
 log = logging.getLogger(__name__)
-HOUSEKEEPING_INTERVAL_S = 0.5
+PROMPT_TAIL = 8  # prompt ids the detokenizer primes its stream with
 
 
 class SchedulerStage:
-    """Routes ring messages into the engine and engine outputs onto the ring."""
+    stage = "scheduler"
 
-    def __init__(self, engine: Engine, ring: SyncRing, model_name: str) -> None:
+    def __init__(self, engine: Engine, model_name: str) -> None:
         self.engine = engine
-        self.ring = ring
-        self.instance = instance_id()
-        self.ledger = Ledger("scheduler")
         # An abort that overtakes its request (for example after a restart upstream) is
         # remembered here, so the request is refused when it arrives.
         self.tombstones = BoundedSet(65_536)
@@ -50,117 +55,113 @@ class SchedulerStage:
         self._running = REQUESTS_RUNNING.labels(model=model_name)
         self._waiting = REQUESTS_WAITING.labels(model=model_name)
         self._kv_usage = KV_CACHE_USAGE.labels(model=model_name)
+        self._prefix_queries = PREFIX_CACHE_QUERIES.labels(model=model_name)
+        self._prefix_hits = PREFIX_CACHE_HITS.labels(model=model_name)
+        self._prefix_counted = (0, 0)
         self._depth = {
             b: BUFFER_DEPTH.labels(stage="scheduler", buffer=b)
-            for b in ("waiting", "running", "paused", "inbox")
+            for b in ("waiting", "running", "paused")
         }
-        self._next_housekeeping = 0.0
 
     # ── inbox ──────────────────────────────────────────────────────────────────────────────────
-    def handle(self, message: protocol.ToScheduler, arrived: float | None = None) -> None:
-        """``arrived``: when the message reached this stage's inbox (monotonic)."""
+    def handle(self, message: msgspec.Struct, arrived: float) -> list[msgspec.Struct]:
         if isinstance(message, protocol.Tokenized):
-            self._admit(message, time.monotonic() if arrived is None else arrived)
-        elif isinstance(message, protocol.Abort):
+            return self._admit(message, arrived)
+        if isinstance(message, protocol.Abort):
             if self.engine.abort(message.uid) is None:
                 self.tombstones.add(message.uid)
-                self.ring.send(message)
-            # else: the engine emits the terminal output behind everything sent so far
-        elif isinstance(message, protocol.Pause):
+                return [message]
+            return []  # the engine emits the terminal output behind everything sent so far
+        if isinstance(message, protocol.Pause):
             self.engine.pause(message.uid)
         elif isinstance(message, protocol.Resume):
             self.engine.resume(message.uid)
-        elif isinstance(message, protocol.Heartbeat):
-            sched = self.engine.scheduler
-            message.statuses.append(
-                protocol.StageStatus(
-                    stage="scheduler",
-                    instance=self.instance,
-                    waiting=len(sched.waiting),
-                    running=len(sched.running),
-                )
-            )
-            self.ring.send(message)
         else:  # Failed: a terminal error from upstream, on its way to the api
-            self.ring.send(message)
+            return [message]
+        return []
 
-    def _admit(self, request: protocol.Tokenized, arrived: float) -> None:
+    def _admit(self, request: protocol.Tokenized, arrived: float) -> list[msgspec.Struct]:
         uid = request.uid
+        prompt_tokens = len(request.prompt_ids)
         if uid in self.tombstones:
             self.tombstones.discard(uid)
             self._late.inc()
-            self.ring.send(protocol.Begin(uid=uid, prompt_tokens=len(request.prompt_ids)))
-            self.ring.send(
+            return [
+                protocol.Begin(uid=uid, prompt_tokens=prompt_tokens),
                 protocol.TokenBatch(
                     outputs=[protocol.TokenOutput(uid=uid, token_ids=[], finish_reason="abort")]
-                )
-            )
-            return
+                ),
+            ]
         try:
             self.engine.add(
                 uid, request.prompt_ids, request.sampling, request.timeout_s, arrival=arrived
             )
         except InvalidRequest as exc:
-            self.ring.send(
-                protocol.Failed(uid=uid, code=exc.code, message=str(exc), param=exc.param)
-            )
-            return
-        self.ledger.open(uid, request.timeout_s)
-        self.ring.send(
+            return [
+                protocol.Failed(
+                    uid=uid, code=exc.code, message=str(exc), param=exc.param, stage=self.stage
+                )
+            ]
+        return [
             protocol.Begin(
                 uid=uid,
-                prompt_tokens=len(request.prompt_ids),
+                prompt_tokens=prompt_tokens,
                 stop=request.sampling.stop,
                 timeout_s=request.timeout_s,
                 tokenizer_s=request.tokenizer_s,
+                prompt_tail=request.prompt_ids[-PROMPT_TAIL:],
             )
-        )
+        ]
 
     # ── engine ─────────────────────────────────────────────────────────────────────────────────
-    def step(self) -> None:
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def step(self) -> list[msgspec.Struct]:
         outputs = self.engine.step()
         if not outputs:
-            return
+            return []
         for out in outputs:
             if out.queue_s:
                 self._queue_time.observe(out.queue_s)
             if out.finish_reason is not None:
-                self.ledger.close(out.uid)
                 self._latency.observe(out.scheduler_s)
-        self.ring.send(protocol.TokenBatch(outputs=outputs))
+        return [protocol.TokenBatch(outputs=outputs)]
 
-    def housekeeping(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now < self._next_housekeeping:
-            return
-        self._next_housekeeping = now + HOUSEKEEPING_INTERVAL_S
-        self.engine.expire(now)
-        held = list(self.engine.scheduler.by_uid)
-        for uid in self.ledger.sweep(held):
-            self.engine.abort(uid)
-        sched = self.engine.scheduler
-        self._running.set(len(sched.running))
-        self._waiting.set(len(sched.waiting))
+    def step_uids(self) -> list[str]:
+        return list(self.engine.step_uids)
+
+    def held(self) -> list[str]:
+        return self.engine.held_uids()
+
+    def status(self) -> protocol.StageStatus:
+        counts = self.engine.counts()
+        return protocol.StageStatus(
+            stage=self.stage, instance="", waiting=counts["waiting"], running=counts["running"]
+        )
+
+    def fail(self, uid: str) -> list[msgspec.Struct]:
+        self.engine.drop(uid)
+        return []
+
+    def housekeeping(self, now: float) -> list[msgspec.Struct]:
+        self.engine.expire(now)  # their terminal outputs leave with the next step
+        counts = self.engine.counts()
+        self._running.set(counts["running"])
+        self._waiting.set(counts["waiting"])
         self._kv_usage.set(self.engine.pool.usage)
-        self._depth["waiting"].set(len(sched.waiting))
-        self._depth["running"].set(len(sched.running))
-        self._depth["paused"].set(len(sched.paused))
+        for buffer, gauge in self._depth.items():
+            gauge.set(counts[buffer])
+        queries, hits = self.engine.prefix_cache_queries, self.engine.prefix_cache_hits
+        self._prefix_queries.inc(queries - self._prefix_counted[0])
+        self._prefix_hits.inc(hits - self._prefix_counted[1])
+        self._prefix_counted = (queries, hits)
+        return []
 
-    def loop(self, drain: Drain) -> None:
-        while not drain.done(held=self.engine.scheduler.by_uid.keys()):
-            busy = self.engine.has_work()
-            if self.ring.poll(0 if busy else 50):
-                messages = self.ring.recv_timed()
-                self._depth["inbox"].set(len(messages))
-                for arrived, message in messages:
-                    self.handle(message, arrived)
-            if self.engine.has_work():
-                self.step()
-            self.housekeeping()
-        for uid in list(self.engine.scheduler.by_uid):  # drain time is up
+    def shutdown(self) -> list[msgspec.Struct]:
+        for uid in self.engine.held_uids():  # drain time is up
             self.engine.abort(uid)
-        self.step()
-        self.housekeeping(force=True)
+        return self.step()
 
 
 def run(settings: Settings) -> int:
@@ -182,14 +183,15 @@ def run(settings: Settings) -> int:
     limits = EngineLimits(
         source.max_model_len(settings.max_model_len), settings.max_num_seqs, budget
     )
-    engine = Engine(runner, limits, source.eos_token_ids())
+    engine = Engine(
+        runner, limits, source.eos_token_ids(), prefix_caching=not settings.no_prefix_caching
+    )
     ring = SyncRing("scheduler", settings.endpoints)
-    stage = SchedulerStage(engine, ring, settings.model_name)
-    stage.housekeeping(force=True)
-    freeze_startup_heap()
-    log.info("scheduler ready: %s, %d KV blocks", source.spec, runner.num_blocks)
-    try:
-        stage.loop(drain)
-    finally:
-        ring.close()
+    log.info(
+        "scheduler ready: %s, %d KV blocks, prefix caching %s",
+        source.spec,
+        runner.num_blocks,
+        "on" if engine.prefix_caching else "off",
+    )
+    serve_stage(SchedulerStage(engine, settings.model_name), ring, drain)
     return 0

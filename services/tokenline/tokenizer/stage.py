@@ -12,15 +12,14 @@ import time
 import msgspec
 
 from tokenline import protocol
-from tokenline.ledger import Ledger
-from tokenline.lifecycle import Drain, freeze_startup_heap, instance_id
-from tokenline.metrics import BUFFER_DEPTH, STAGE_LATENCY, serve_metrics
+from tokenline.lifecycle import Drain
+from tokenline.metrics import STAGE_LATENCY, serve_metrics
 from tokenline.model_source import resolve
 from tokenline.settings import Settings
+from tokenline.stage_runtime import serve_stage
 from tokenline.transport import SyncRing
 
 log = logging.getLogger(__name__)
-BATCH_LIMIT = 256
 
 
 class Tokenizer:
@@ -74,6 +73,14 @@ class Tokenizer:
         return out
 
     def _check(self, request: protocol.Generate, ids: list[int]):
+        param = "messages" if request.messages is not None else "prompt"
+        if not ids:
+            return protocol.Failed(
+                uid=request.uid,
+                code="invalid_request_error",
+                param=param,
+                message=f"the {param} is empty after tokenization; send at least one token",
+            )
         limit = self.max_model_len
         asked = request.sampling.max_tokens
         if len(ids) >= limit or (asked is not None and len(ids) + asked > limit):
@@ -81,7 +88,7 @@ class Tokenizer:
             return protocol.Failed(
                 uid=request.uid,
                 code="context_length_exceeded",
-                param="messages" if request.messages is not None else "prompt",
+                param=param,
                 message=(
                     f"This model's maximum context length is {limit} tokens. However, you "
                     f"requested {wanted} tokens ({len(ids)} in the prompt, {asked or 0} for the "
@@ -99,44 +106,67 @@ class Tokenizer:
         )
 
 
+class TokenizerStage:
+    """The tokenizer as a stage handler: it holds nothing between batches, so every message
+    leaves in the batch that brought it, in order, and aborts never overtake their request."""
+
+    stage = "tokenizer"
+    batch_limit = 256  # a batch is tokenized at once; heartbeats wait behind it
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._latency = STAGE_LATENCY.labels(stage="tokenizer")
+
+    def handle_batch(self, batch: list[tuple[float, msgspec.Struct]]) -> list[msgspec.Struct]:
+        requests = [m for _, m in batch if isinstance(m, protocol.Generate)]
+        results = iter(self.tokenizer.process(requests)) if requests else iter(())
+        out: list[msgspec.Struct] = []
+        for arrived, message in batch:
+            if isinstance(message, protocol.Generate):
+                result = next(results)
+                if isinstance(result, protocol.Tokenized):
+                    result.tokenizer_s = time.monotonic() - arrived  # inbox wait included
+                    self._latency.observe(result.tokenizer_s)
+                out.append(result)
+            else:  # Abort, Pause, Resume: nothing held here, pass them on
+                out.append(message)
+        return out
+
+    def handle(self, message: msgspec.Struct, arrived: float) -> list[msgspec.Struct]:
+        return self.handle_batch([(arrived, message)])
+
+    def has_work(self) -> bool:
+        return False
+
+    def step(self) -> list[msgspec.Struct]:
+        return []
+
+    def step_uids(self) -> list[str]:
+        return []
+
+    def held(self) -> tuple[str, ...]:
+        return ()
+
+    def status(self) -> protocol.StageStatus:
+        return protocol.StageStatus(stage=self.stage, instance="")
+
+    def fail(self, uid: str) -> list[msgspec.Struct]:
+        return []
+
+    def housekeeping(self, now: float) -> list[msgspec.Struct]:
+        return []
+
+    def shutdown(self) -> list[msgspec.Struct]:
+        return []
+
+
 def run(settings: Settings) -> int:
     drain = Drain(settings.drain_timeout)
     source = resolve(settings.model, settings.model_cache_dir, settings.revision)
     tokenizer = Tokenizer(source.load_tokenizer(), source.max_model_len(settings.max_model_len))
-    ring = SyncRing("tokenizer", settings.endpoints)
     if settings.metrics_port:
         serve_metrics(settings.metrics_port)
-    me = instance_id()
-    inbox_depth = BUFFER_DEPTH.labels(stage="tokenizer", buffer="inbox")
-    latency = STAGE_LATENCY.labels(stage="tokenizer")
-    ledger = Ledger("tokenizer")
-    freeze_startup_heap()
+    ring = SyncRing("tokenizer", settings.endpoints)
     log.info("tokenizer ready: model %s, max_model_len %d", source.spec, tokenizer.max_model_len)
-    try:
-        while not drain.done(held=()):
-            if not ring.poll(100):
-                continue
-            timed = ring.recv_timed(BATCH_LIMIT)
-            messages = [message for _, message in timed]
-            inbox_depth.set(len(messages))
-            requests = [m for m in messages if isinstance(m, protocol.Generate)]
-            for request in requests:  # held only while this batch is tokenized
-                ledger.open(request.uid, request.timeout_s)
-            results = iter(tokenizer.process(requests)) if requests else iter(())
-            for arrived, message in timed:
-                if isinstance(message, protocol.Generate):
-                    result = next(results)
-                    ledger.close(message.uid)
-                    if isinstance(result, protocol.Tokenized):
-                        result.tokenizer_s = time.monotonic() - arrived  # inbox wait included
-                        latency.observe(result.tokenizer_s)
-                    ring.send(result)
-                elif isinstance(message, protocol.Heartbeat):
-                    message.statuses.append(protocol.StageStatus(stage="tokenizer", instance=me))
-                    ring.send(message)
-                else:  # Abort, Pause, Resume: nothing held here, pass them on
-                    ring.send(message)
-            inbox_depth.set(0)
-    finally:
-        ring.close()
+    serve_stage(TokenizerStage(tokenizer), ring, drain)
     return 0

@@ -236,3 +236,64 @@ def test_an_abort_lost_with_a_dead_scheduler_is_sent_again(short_stack, nothing_
     _wait_for_restart(short_stack, "scheduler", scheduler)
     # well inside the 8 s deadline + 30 s grace after which the ledger would reclaim it
     nothing_held(short_stack, timeout=10)
+
+
+@pytest.mark.parametrize("stage", ["tokenizer", "scheduler", "detokenizer"])
+def test_ready_and_admission_agree_through_a_killed_stage(short_stack, stage, nothing_held):
+    """A request every 50 ms and /ready polled at 20 Hz while ``stage`` is killed (-9):
+    /ready turns non-200 within 1 s; no request is refused as ``stage_unavailable`` before a
+    /ready that still answered 200; once /ready is 200 again, requests succeed."""
+    assert _wait_ready(short_stack, True, 60)
+    body = {"model": "tiny", "prompt": "steady", "max_tokens": 4}
+
+    async def scenario() -> tuple[float, list, list]:
+        polls: list[tuple[float, float, int]] = []  # (sent, received, status)
+        requests: list[tuple[float, float, int, str]] = []  # (sent, received, status, code)
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(
+            base_url=short_stack.api_url, timeout=30, limits=limits
+        ) as client:
+
+            async def poll() -> None:
+                sent = time.monotonic()
+                r = await client.get("/ready")
+                polls.append((sent, time.monotonic(), r.status_code))
+
+            async def request() -> None:
+                sent = time.monotonic()
+                r = await client.post("/v1/completions", json=body)
+                code = r.json().get("error", {}).get("code", "") if r.status_code != 200 else ""
+                requests.append((sent, time.monotonic(), r.status_code, code))
+
+            tasks: list[asyncio.Task] = []
+            killed_at = None
+            back_at = None
+            started = time.monotonic()
+            while time.monotonic() - started < 60:
+                tasks += [asyncio.create_task(poll()), asyncio.create_task(request())]
+                await asyncio.sleep(0.05)
+                now = time.monotonic()
+                if killed_at is None and now - started > 1.0:
+                    os.kill(short_stack.pid_of(stage), signal.SIGKILL)
+                    killed_at = time.monotonic()
+                if killed_at and back_at is None:
+                    flipped = [p for p in polls if p[0] > killed_at and p[2] != 200]
+                    if flipped and any(p[0] > flipped[0][0] and p[2] == 200 for p in polls):
+                        back_at = now
+                if back_at and now - back_at > 1.5:
+                    break
+            await asyncio.gather(*tasks)
+            return killed_at, sorted(polls), sorted(requests)
+
+    killed_at, polls, requests = asyncio.run(scenario())
+    flipped = [p for p in polls if p[0] > killed_at and p[2] != 200]
+    assert flipped, "/ready never turned non-200 after the kill"
+    assert flipped[0][1] - killed_at < 1.0, f"/ready took {flipped[0][1] - killed_at:.2f}s"
+    last_ready_before = max(p[0] for p in polls if p[2] == 200 and p[0] < flipped[0][0])
+    refused = [r for r in requests if r[3] == "stage_unavailable"]
+    early = [r for r in refused if r[1] < last_ready_before]
+    assert not early, f"refused while /ready still answered 200: {early}"
+    back = min(p[1] for p in polls if p[0] > flipped[0][0] and p[2] == 200)
+    after = [r for r in requests if r[0] > back]
+    assert after and all(r[2] == 200 for r in after), [r for r in after if r[2] != 200]
+    nothing_held(short_stack)

@@ -1,9 +1,11 @@
-"""The api's side of the ring: admission, the reply listener, heartbeats and the watchdog.
+"""The api's side of the ring: admission, reply routing, and the loops that keep both honest.
 
-One listener task routes replies by uid into each request's `Exchange`. A heartbeat travels
-the ring every ``HEARTBEAT_INTERVAL_S``; when it stops coming back, or a stage comes back with
-a new identity, every in-flight request fails at once with ``stage_failure`` instead of hanging.
-A watchdog enforces deadlines and slow-client limits and sweeps the leak ledger.
+One listener task routes replies by uid into each request's `Exchange`. Whether the ring can
+take a request is `RingHealth`'s one answer, shared by `/ready` and admission, so the two never
+disagree. A stage that dies (its connections drop) or hangs (heartbeats stop coming back)
+fails every in-flight request at once with ``stage_failure`` instead of letting it hang;
+after a restart, aborts the dead stage may have swallowed go again (`AbortLog`). A watchdog
+enforces deadlines and slow-client limits and sweeps the leak ledger.
 """
 
 from __future__ import annotations
@@ -14,34 +16,26 @@ import itertools
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 
+import msgspec
+
 from tokenline import protocol
+from tokenline.api.abort_log import AbortLog
 from tokenline.api.errors import ApiError, abort_error
 from tokenline.api.exchange import Exchange
+from tokenline.api.request_metrics import RequestMetrics
+from tokenline.api.ring_health import RingHealth
+from tokenline.api.watchdog import overdue
 from tokenline.ledger import LEAK_GRACE_S, Ledger
-from tokenline.metrics import (
-    ABORTS,
-    BUFFER_DEPTH,
-    E2E_LATENCY,
-    GENERATION_TOKENS,
-    INTER_TOKEN_LATENCY,
-    LATE_REPLIES,
-    PROMPT_TOKENS,
-    REQUEST_ERRORS,
-    REQUESTS,
-    STAGE_LATENCY,
-    TIME_TO_FIRST_TOKEN,
-)
+from tokenline.metrics import BUFFER_DEPTH, LATE_REPLIES
 from tokenline.settings import Settings
 from tokenline.transport import AsyncRing
 
 log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 0.5
+RECOVERY_HEARTBEAT_INTERVAL_S = 0.05  # while the ring is down: trusted again soon after
 WATCHDOG_INTERVAL_S = 0.25
-RECENT_ABORTS = 65_536  # aborts remembered for re-sending after a stage restart
-COUNTED_ABORTS = ("client_disconnect", "deadline", "slow_client", "stage_failure", "shutdown")
 
 
 class Pipeline:
@@ -49,31 +43,22 @@ class Pipeline:
         self.settings = settings
         self.ring = ring
         self.model = settings.model_name
-        self.heartbeat_timeout = heartbeat_timeout
         self.exchanges: dict[str, Exchange] = {}  # uid → exchange
         self.draining = False
         self.ledger = Ledger("api")
+        self.health = RingHealth(heartbeat_timeout)
+        self.aborts = AbortLog(horizon_s=settings.request_timeout + LEAK_GRACE_S)
+        self.metrics = RequestMetrics(self.model)
         self._origin = f"{os.getpid()}-{os.urandom(4).hex()}"
         self._uid_counter = itertools.count()
-        self._heartbeat_seq = itertools.count()
-        # (sent at, uid, reason): an abort queued to a stage that then died is lost with it
-        self._recent_aborts: deque[tuple[float, str, str]] = deque(maxlen=RECENT_ABORTS)
-        self._last_heartbeat: float | None = None  # when one last came back
-        self._unanswered_since: float | None = None  # when the oldest unanswered one left
-        self._instances: dict[str, str] = {}
-        self.stage_statuses: dict[str, protocol.StageStatus] = {}
+        self._outage: tuple[float, str] | None = (time.monotonic(), "starting")
         self._tasks: list[asyncio.Task] = []
         self._late = LATE_REPLIES.labels(stage="api")
         self._depth = BUFFER_DEPTH.labels(stage="api", buffer="replies")
-        self._latency = STAGE_LATENCY.labels(stage="api")
-        for reason in COUNTED_ABORTS:
-            ABORTS.labels(reason=reason)  # export zeros so rate() works from the start
-        for reason in ("stop", "length", "abort", "error"):
-            REQUESTS.labels(model=self.model, finish_reason=reason)
 
     # ── lifecycle ──────────────────────────────────────────────────────────────────────────────
     async def start(self) -> None:
-        for loop in (self._listen, self._heartbeats, self._watchdog):
+        for loop in (self._listen, self._heartbeats, self._watchdog, self._watch_links):
             self._tasks.append(asyncio.create_task(loop(), name=loop.__name__))
 
     async def stop(self) -> None:
@@ -85,22 +70,18 @@ class Pipeline:
         self.ring.close()
 
     @property
-    def ring_up(self) -> bool:
-        """Every stage answered, and no heartbeat has gone unanswered for the timeout.
+    def stage_statuses(self) -> dict[str, protocol.StageStatus]:
+        return self.health.statuses
 
-        Measured from the oldest unanswered heartbeat, not from the last answer: if the api
-        itself stalls (a paused process, a long GC), the ring is not blamed for it.
-        """
-        unanswered = self._unanswered_since
-        return (
-            self._last_heartbeat is not None
-            and (unanswered is None or time.monotonic() - unanswered < self.heartbeat_timeout)
-            and all(s in self.stage_statuses for s in ("tokenizer", "scheduler", "detokenizer"))
-        )
+    def problem(self) -> str | None:
+        """Why a request would be refused now (None: it would be admitted)."""
+        if self.draining:
+            return "draining"
+        return self.health.problem(time.monotonic())
 
     @property
     def ready(self) -> bool:
-        return self.ring_up and not self.draining
+        return self.problem() is None
 
     def _distinct_exchanges(self) -> list[Exchange]:
         """Each open request once (a request of n choices is keyed by n uids)."""
@@ -130,10 +111,11 @@ class Pipeline:
                 "shutting_down",
                 retry_after=1,
             )
-        if not self.ring_up:
+        problem = self.health.problem(time.monotonic())
+        if problem is not None:
             raise ApiError(
                 503,
-                "the pipeline is not ready (a stage is down or starting); retry shortly",
+                f"the pipeline is not ready ({problem}); retry shortly",
                 "stage_unavailable",
                 retry_after=1,
             )
@@ -146,12 +128,15 @@ class Pipeline:
             )
         base = self.new_uid()
         uids = [base] if n == 1 else [f"{base}.{i}" for i in range(n)]
+        # Everything is built and encoded before any state exists, so a request that cannot
+        # be encoded leaves nothing behind.
+        frames = [self.ring.encode(build(uid, i)) for i, uid in enumerate(uids)]
         timeout = self.settings.request_timeout
         ex = Exchange(uids=uids, deadline=time.monotonic() + timeout, flow=self)
-        for i, uid in enumerate(uids):
+        for uid, frame in zip(uids, frames, strict=True):
             self.exchanges[uid] = ex
             self.ledger.open(uid, timeout)
-            self.ring.send_nowait(build(uid, i))
+            self.ring.send_frame(frame)
         ex.sent_at = time.monotonic()
         return ex
 
@@ -163,7 +148,7 @@ class Pipeline:
         if not ex.done:
             self.abort(ex, "client_disconnect")
         self._forget(ex)
-        self._observe_end(ex)
+        self.metrics.end(ex)
 
     @contextlib.contextmanager
     def exchange(
@@ -181,34 +166,20 @@ class Pipeline:
                 del self.exchanges[uid]
             self.ledger.close(uid)
 
+    def _send_abort(self, uid: str, reason: str) -> None:
+        self.ring.send_nowait(protocol.Abort(uid=uid, reason=reason))
+        self.aborts.sent(uid, reason, time.monotonic())
+
     def abort(self, ex: Exchange, reason: str) -> None:
         """End ``ex`` now with ``reason``; tell every stage to drop its unfinished uids."""
         live = ex.live_uids()
         if ex.done or not live:
             return
-        if reason in COUNTED_ABORTS:
-            ABORTS.labels(reason=reason).inc()
+        self.metrics.abort(reason)
         log.info("abort %s (%s)", ",".join(live), reason)
-        now = time.monotonic()
         for uid in live:
-            self.ring.send_nowait(protocol.Abort(uid=uid, reason=reason))
-            self._recent_aborts.append((now, uid, reason))
+            self._send_abort(uid, reason)
         ex.fail(abort_error(reason), abort_reason=reason)
-
-    def _resend_recent_aborts(self) -> None:
-        """After a stage restarts, send again the aborts it may have taken down with it, so
-        the stages after it free those uids now rather than at deadline plus grace.
-
-        Every abort that a stage could still be holding a uid for goes again: one sent up to
-        a request timeout plus the ledgers' grace ago. A restart that took longer than the
-        request timeout (a large model loading) still frees what the dead stage's peers hold.
-        """
-        horizon = time.monotonic() - self.settings.request_timeout - LEAK_GRACE_S
-        recent = [(uid, reason) for sent, uid, reason in self._recent_aborts if sent >= horizon]
-        for uid, reason in recent:
-            self.ring.send_nowait(protocol.Abort(uid=uid, reason=reason))
-        if recent:
-            log.info("api: re-sent %d recent abort(s) after a stage restart", len(recent))
 
     def fail_all(self, reason: str) -> None:
         for ex in self._distinct_exchanges():
@@ -228,113 +199,114 @@ class Pipeline:
         while True:
             message = await self.ring.recv()
             try:
-                self._route(message)
+                self.route(message)
             except Exception:  # a bug in routing one message must not stop every request
                 log.exception("api: failed to route %r", type(message).__name__)
 
-    def _route(self, message: protocol.ToApi | None) -> None:
+    def route(self, message: msgspec.Struct | None) -> None:
         if isinstance(message, protocol.ReplyBatch):
             now = time.monotonic()
             for reply in message.replies:
-                if reply.stop_string:  # the detokenizer ended it; free the scheduler's copy
-                    self.ring.send_nowait(protocol.Abort(uid=reply.uid, reason="stop_string"))
-                ex = self.exchanges.get(reply.uid)
-                if ex is None:
-                    self._late.inc()
-                    continue
-                self._observe_tokens(ex, reply, now)
-                ex.deliver(reply)
-                if ex.done:
-                    ex.finished_at = now
-                if reply.finish_reason:
-                    del self.exchanges[reply.uid]
-                    self.ledger.close(reply.uid)
+                self._route_reply(reply, now)
         elif isinstance(message, protocol.Failed):
-            ex = self.exchanges.get(message.uid)
-            if ex is None:
-                self._late.inc()
-                return
-            REQUEST_ERRORS.labels(code=message.code).inc()
-            for uid in ex.live_uids():
-                if uid != message.uid:
-                    self.ring.send_nowait(protocol.Abort(uid=uid, reason="stage_failure"))
-            ex.fail(
-                ApiError(message.http_status or 400, message.message, message.code, message.param)
-            )
+            self._route_failed(message)
         elif isinstance(message, protocol.Heartbeat):
             self._on_heartbeat(message)
-        # Abort: it has travelled the whole ring; nothing is left to do
+        elif isinstance(message, protocol.Link):
+            self._on_link(message.reporter, message.peer, message.up)
+        elif isinstance(message, protocol.Abort):
+            self.aborts.settle(message.uid)  # it has travelled the whole ring
 
-    def _observe_tokens(self, ex: Exchange, reply: protocol.Reply, now: float) -> None:
-        if reply.num_tokens == 0:
+    def _route_reply(self, reply: protocol.Reply, now: float) -> None:
+        if reply.stop_string:  # the detokenizer ended it; free the scheduler's copy
+            self._send_abort(reply.uid, "stop_string")
+        ex = self.exchanges.get(reply.uid)
+        if ex is None:
+            if not (reply.finish_reason and self.aborts.settle(reply.uid)):
+                self._late.inc()
             return
-        GENERATION_TOKENS.labels(model=self.model).inc(reply.num_tokens)
-        if ex.first_token_at is None:
-            ex.first_token_at = now
-            TIME_TO_FIRST_TOKEN.labels(model=self.model).observe(now - ex.created)
-        elif ex.last_token_at is not None:
-            gap = (now - ex.last_token_at) / reply.num_tokens
-            hist = INTER_TOKEN_LATENCY.labels(model=self.model)
-            for _ in range(reply.num_tokens):
-                hist.observe(gap)
-        ex.last_token_at = now
+        self.metrics.tokens(ex, reply, now)
+        ex.deliver(reply)
+        if ex.done:
+            ex.finished_at = now
+        if reply.finish_reason:
+            del self.exchanges[reply.uid]
+            self.ledger.close(reply.uid)
 
-    def _observe_end(self, ex: Exchange) -> None:
-        e2e = time.monotonic() - ex.created
-        E2E_LATENCY.labels(model=self.model).observe(e2e)
-        for choice in ex.choices:
-            reason = choice.finish_reason or ("abort" if ex.abort_reason else "error")
-            REQUESTS.labels(model=self.model, finish_reason=reason).inc()
-        if ex.error is not None and ex.abort_reason is not None:
-            REQUEST_ERRORS.labels(code=ex.error.code).inc()
-        if ex.prompt_tokens:
-            PROMPT_TOKENS.labels(model=self.model).inc(ex.prompt_tokens)
-        # The api's own time on the critical path, measured (not e2e minus the others): from
-        # arrival until the request left for the tokenizer, and from the last reply until now.
-        now = ex.created + e2e
-        ex.timings["api_s"] = (ex.sent_at - ex.created) + (now - (ex.finished_at or now))
-        ex.timings["e2e_s"] = e2e
-        self._latency.observe(ex.timings["api_s"])
-        log.debug(
-            "request %s timings %s",
-            ex.uids[0],
-            " ".join(f"{k}={v * 1000:.1f}ms" for k, v in ex.timings.items()),
-        )
+    def _route_failed(self, failed: protocol.Failed) -> None:
+        ex = self.exchanges.get(failed.uid)
+        if ex is None:
+            if not self.aborts.settle(failed.uid):
+                self._late.inc()
+            return
+        self.metrics.error(failed.code)
+        if failed.stage == "detokenizer":  # the scheduler may still be decoding it
+            self._send_abort(failed.uid, "stage_failure")
+        for uid in ex.live_uids():
+            if uid != failed.uid:
+                self._send_abort(uid, "stage_failure")
+        ex.fail(ApiError(failed.http_status or 400, failed.message, failed.code, failed.param))
 
-    # ── heartbeats ─────────────────────────────────────────────────────────────────────────────
-    async def _heartbeats(self) -> None:
-        was_up = False
-        while True:
-            self.ring.send_nowait(
-                protocol.Heartbeat(seq=next(self._heartbeat_seq), origin=self._origin)
-            )
-            if self._unanswered_since is None:
-                self._unanswered_since = time.monotonic()
-            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
-            up = self.ring_up
-            if was_up and not up:
-                log.error(
-                    "api: no heartbeat for %.1fs; a stage is down or hung", self.heartbeat_timeout
-                )
-                if not self.draining:
-                    self.fail_all("stage_failure")
-            elif up and not was_up:
-                log.info("api: every stage answers; ready")
-            was_up = up
+    # ── ring health ────────────────────────────────────────────────────────────────────────────
+    def _on_link(self, observer: str, stage: str, up: bool) -> None:
+        if stage == "api":
+            return  # the tokenizer reporting us: we know
+        self.health.on_link(observer, stage, up)
+        if not up:
+            self._check_health(f"{stage} disconnected")
+
+    async def _watch_links(self) -> None:
+        await self.ring.watch_peers(lambda stage, up: self._on_link("api", stage, up))
 
     def _on_heartbeat(self, heartbeat: protocol.Heartbeat) -> None:
         if heartbeat.origin != self._origin:
-            return
-        instances = {s.stage: s.instance for s in heartbeat.statuses}
-        restarted = [s for s, i in instances.items() if self._instances.get(s, i) != i]
+            return  # another replica's
+        restarted = self.health.on_heartbeat(heartbeat, time.monotonic())
         if restarted:
-            log.error("api: stage(s) %s restarted; failing in-flight requests", restarted)
-            self._resend_recent_aborts()
+            log.error("api: stage(s) %s restarted", ", ".join(restarted))
+            self.health.on_restart()
+            self._check_health(f"{', '.join(restarted)} restarted")
+            self._resend_unsettled_aborts()
+        self._check_health()
+
+    def _resend_unsettled_aborts(self) -> None:
+        """A restarted stage lost what it had queued: send again the aborts whose end was
+        never seen, so the stages after it free those uids now, not at deadline plus grace."""
+        unsettled = self.aborts.to_resend(time.monotonic())
+        for uid, reason in unsettled:
+            self.ring.send_nowait(protocol.Abort(uid=uid, reason=reason))
+        if unsettled:
+            log.info("api: re-sent %d unsettled abort(s) after a restart", len(unsettled))
+
+    def _check_health(self, cause: str | None = None) -> None:
+        """Log outages as they start and end; fail in-flight requests when one starts."""
+        now = time.monotonic()
+        problem = self.health.problem(now)
+        if problem is None and cause is None:
+            if self._outage is not None:
+                since, why = self._outage
+                log.info("api: every stage answers; ready after %.2fs (%s)", now - since, why)
+                self._outage = None
+            return
+        why = cause or problem or ""
+        if self._outage is None:
+            log.error("api: the ring is down (%s); failing in-flight requests", why)
+            self._outage = (now, why)
+        if not self.draining:
             self.fail_all("stage_failure")
-        self._instances.update(instances)
-        self.stage_statuses = {s.stage: s for s in heartbeat.statuses}
-        self._last_heartbeat = time.monotonic()
-        self._unanswered_since = None
+
+    async def _heartbeats(self) -> None:
+        while True:
+            now = time.monotonic()
+            seq = self.health.heartbeat_sent(now)
+            self.ring.send_nowait(protocol.Heartbeat(seq=seq, origin=self._origin))
+            await asyncio.sleep(
+                self.health.heartbeat_interval(
+                    now, HEARTBEAT_INTERVAL_S, RECOVERY_HEARTBEAT_INTERVAL_S
+                )
+            )
+            if self.health.problem(time.monotonic()) is not None:
+                self._check_health()
 
     # ── watchdog ───────────────────────────────────────────────────────────────────────────────
     async def _watchdog(self) -> None:
@@ -344,11 +316,8 @@ class Pipeline:
 
     def check_exchanges(self, now: float) -> None:
         exchanges = self._distinct_exchanges()
-        for ex in exchanges:
-            if now > ex.deadline:
-                self.abort(ex, "deadline")
-            elif ex.paused and now - ex.last_read > self.settings.slow_client_timeout:
-                self.abort(ex, "slow_client")
+        for ex, reason in overdue(exchanges, now, self.settings.slow_client_timeout):
+            self.abort(ex, reason)
         self._depth.set(sum(ex.depth for ex in exchanges))
         for uid in self.ledger.sweep(list(self.exchanges)):
             ex = self.exchanges.pop(uid, None)

@@ -80,6 +80,13 @@ def values_schema() -> dict:
                 {"create": {"type": "boolean"}, "name": _STRING, "annotations": _LABELS}
             ),
             "rbac": _object({"create": {"type": "boolean"}}),
+            "networkPolicy": _object(
+                {
+                    "enabled": {"type": "boolean"},
+                    # NetworkPolicyPeers, passed through as they are.
+                    "metricsFrom": {"type": "array", "items": _ANY_OBJECT},
+                }
+            ),
             "metrics": _object(
                 {
                     "serviceMonitor": _object(
@@ -108,6 +115,15 @@ def values_schema() -> dict:
                     "target": {"anyOf": [{"const": ""}, _DNS_NAME]},
                     "port": _PORT,
                     "timeoutSeconds": {"type": "integer", "minimum": 10},
+                    "apiKeySecret": {
+                        "anyOf": [
+                            {"type": "object", "maxProperties": 0},  # the default: none
+                            _object(
+                                {"name": {"type": "string", "minLength": 1}, "key": _STRING},
+                                required=["name"],
+                            ),
+                        ]
+                    },
                 }
             ),
         },

@@ -160,6 +160,12 @@ ENGINE = {
             "launches on a GPU); the first steps wait for compilation.",
             "default": False,
         },
+        "prefixCaching": {
+            "type": "boolean",
+            "description": "Keep the KV of computed prompt prefixes and reuse it for prompts that "
+            "start the same way (system prompts, conversations, tool definitions).",
+            "default": True,
+        },
     },
 }
 
@@ -190,6 +196,28 @@ SERVER = {
             enum=["debug", "info", "warning", "error"],
             default="info",
         ),
+        "apiKeySecret": {
+            "type": "object",
+            "description": (
+                "A Secret whose key holds the API keys, one per line: every route but /health, "
+                "/ready and /metrics then needs `Authorization: Bearer <key>`. A changed Secret "
+                "takes effect without a restart."
+            ),
+            "required": ["name"],
+            "properties": {
+                "name": _string("The Secret's name.", minLength=1),
+                "key": _string("The key inside the Secret.", default="api-keys", minLength=1),
+            },
+        },
+        "tlsSecret": {
+            "type": "object",
+            "description": (
+                "A kubernetes.io/tls Secret (tls.crt, tls.key): the api serves HTTPS with it. "
+                "Leave it unset to terminate TLS at a Gateway or Ingress instead."
+            ),
+            "required": ["name"],
+            "properties": {"name": _string("The Secret's name.", minLength=1)},
+        },
     },
 }
 
@@ -266,6 +294,77 @@ MONITORING = {
     },
 }
 
+#: Most peers one NetworkPolicy rule lists (a bound keeps the CEL rules' cost estimate small).
+MAX_PEERS = 32
+CIDR_PATTERN = r"^[0-9a-fA-F:.]+/[0-9]{1,3}$"
+
+NETWORK_PEER = {
+    "type": "object",
+    "description": (
+        "Who may connect: pods of a namespace (by name or by labels; neither means the "
+        "InferenceService's own), optionally only those with podLabels; or an IP range."
+    ),
+    "properties": {
+        "namespace": _string(
+            "A namespace, by name.", pattern=DNS_LABEL_PATTERN, minLength=1, maxLength=63
+        ),
+        "namespaceLabels": _string_map("Namespaces with these labels ({} means every one)."),
+        "podLabels": _string_map("Only pods with these labels."),
+        "cidr": _string(
+            "An IP range, e.g. 10.0.0.0/8 (a load balancer's or a node network's).",
+            pattern=CIDR_PATTERN,
+        ),
+    },
+    "x-kubernetes-validations": [
+        {
+            "rule": "!has(self.cidr) || !(has(self.namespace) || has(self.namespaceLabels) "
+            "|| has(self.podLabels))",
+            "message": "cidr cannot be combined with namespace, namespaceLabels or podLabels",
+        },
+        {
+            "rule": "!(has(self.namespace) && has(self.namespaceLabels))",
+            "message": "set either namespace or namespaceLabels, not both",
+        },
+    ],
+}
+
+NETWORK_POLICY = {
+    "type": "object",
+    "description": (
+        "A NetworkPolicy for the pods: only the peers named here reach the api port and the "
+        "metrics ports, nothing reaches anything else. Egress is not restricted."
+    ),
+    "default": {},
+    "properties": {
+        "enabled": {
+            "type": "boolean",
+            "description": "Create the NetworkPolicy.",
+            "default": True,
+        },
+        "apiFrom": {
+            "type": "array",
+            "description": (
+                "Who may call the API (the OpenAI routes, /health, /ready); unset or empty: "
+                "every pod of the InferenceService's own namespace. Name the namespace of a "
+                "Gateway or Ingress controller that exposes it."
+            ),
+            "maxItems": MAX_PEERS,
+            # A copy each: a shared node would be written to the CRD's YAML as an alias.
+            "items": copy.deepcopy(NETWORK_PEER),
+        },
+        "metricsFrom": {
+            "type": "array",
+            "description": (
+                "Who may scrape every stage's /metrics (the api's too, on the api port); an "
+                "empty list closes the metrics ports."
+            ),
+            "default": [{"namespace": "monitoring"}],
+            "maxItems": MAX_PEERS,
+            "items": copy.deepcopy(NETWORK_PEER),
+        },
+    },
+}
+
 TOLERATION = {
     "type": "object",
     "properties": {
@@ -324,6 +423,7 @@ SPEC = {
         "service": SERVICE,
         "autoscaling": AUTOSCALING,
         "monitoring": MONITORING,
+        "networkPolicy": NETWORK_POLICY,
     },
 }
 

@@ -30,6 +30,7 @@ WATCHED_CHILDREN = (
     "HorizontalPodAutoscaler",
     "ScaledObject",
     "PodMonitor",
+    "NetworkPolicy",
 )
 _MANAGED = {names.LABEL_MANAGED_BY: names.MANAGED_BY}
 

@@ -49,6 +49,7 @@ KINDS: dict[str, Kind] = {
         Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
         Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
         Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors"),
+        Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
         Kind(names.API_VERSION, names.KIND, names.PLURAL),
     )
 }

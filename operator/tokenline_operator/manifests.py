@@ -114,6 +114,7 @@ STAGE_SETTINGS: dict[str, tuple[str, ...]] = {
         "TOKENLINE_MAX_NUM_SEQS",
         "TOKENLINE_MAX_NUM_BATCHED_TOKENS",
         "TOKENLINE_COMPILE",
+        "TOKENLINE_NO_PREFIX_CACHING",
     ),
     "detokenizer": (),
 }
@@ -143,6 +144,8 @@ def engine_settings(spec: Spec) -> dict[str, str]:
         "TOKENLINE_MAX_NUM_BATCHED_TOKENS": engine.get("maxNumBatchedTokens"),
         # only when on: a new key would change the settings' hash and roll every pod
         "TOKENLINE_COMPILE": "true" if engine["compile"] else None,
+        # only when off, for the same reason
+        "TOKENLINE_NO_PREFIX_CACHING": None if engine["prefixCaching"] else "1",
     }
     return {key: str(value) for key, value in settings.items() if value is not None}
 
@@ -164,6 +167,21 @@ def config_hash(data: dict[str, str]) -> str:
 # --- Deployment: one pod, four stage containers ------------------------------------------
 
 
+def ring_endpoints() -> dict[str, str]:
+    """Each stage's inbox: an IPC socket in the pod's shared ring volume.
+
+    No network reaches it, and only containers that mount the volume, as the stages' user,
+    can connect; the default loopback ports would be open to every process in the pod's
+    network namespace, injected sidecars included.
+    """
+    return {stage: f"ipc://{names.RING_DIR}/{stage}.sock" for stage in names.STAGES}
+
+
+def tls_enabled(spec: Spec) -> bool:
+    """Whether the api serves HTTPS itself (``spec.server.tlsSecret``)."""
+    return bool(spec["server"].get("tlsSecret"))
+
+
 def _stage_env(owner: Owner, spec: Spec, stage: str, settings: dict[str, str]) -> list[dict]:
     keys = [*STAGE_SETTINGS["common"], *STAGE_SETTINGS[stage]]
     env: list[dict[str, Any]] = [
@@ -178,6 +196,24 @@ def _stage_env(owner: Owner, spec: Spec, stage: str, settings: dict[str, str]) -
         {"name": "TOKENLINE_MODEL_CACHE_DIR", "value": names.MODEL_CACHE_DIR},
         {"name": "HF_HOME", "value": names.HF_HOME},
     ]
+    env += [
+        {"name": f"TOKENLINE_{peer.upper()}_ENDPOINT", "value": endpoint}
+        for peer, endpoint in ring_endpoints().items()
+    ]
+    if stage == "scheduler":
+        # Triton's default is under $HOME, read-only here; a volume of their own keeps
+        # generated kernels out of /tmp and the model cache.
+        env += [
+            {"name": "TORCHINDUCTOR_CACHE_DIR", "value": names.INDUCTOR_CACHE_DIR},
+            {"name": "TRITON_CACHE_DIR", "value": names.TRITON_CACHE_DIR},
+        ]
+    if stage == "api" and spec["server"].get("apiKeySecret"):
+        env.append({"name": "TOKENLINE_API_KEY_FILE", "value": names.API_KEY_FILE})
+    if stage == "api" and tls_enabled(spec):
+        env += [
+            {"name": "TOKENLINE_SSL_CERTFILE", "value": names.TLS_CERT_FILE},
+            {"name": "TOKENLINE_SSL_KEYFILE", "value": names.TLS_KEY_FILE},
+        ]
     secret = spec["model"].get("hfTokenSecret")
     if secret:
         env.append(
@@ -189,9 +225,14 @@ def _stage_env(owner: Owner, spec: Spec, stage: str, settings: dict[str, str]) -
     return env
 
 
-def _http_probe(path: str, port: str, *, period: int, failures: int, timeout: int = 5) -> dict:
+def _http_probe(
+    path: str, port: str, *, period: int, failures: int, timeout: int = 5, https: bool = False
+) -> dict:
+    get: dict[str, Any] = {"path": path, "port": port}
+    if https:
+        get["scheme"] = "HTTPS"  # the kubelet does not verify the certificate
     return {
-        "httpGet": {"path": path, "port": port},
+        "httpGet": get,
         "periodSeconds": period,
         "timeoutSeconds": timeout,
         "failureThreshold": failures,
@@ -204,12 +245,17 @@ def _container(owner: Owner, spec: Spec, stage: str, settings: dict[str, str]) -
     if stage == "api":
         args = ["api", "--host", "0.0.0.0", "--port", str(names.API_PORT)]
         port = names.API_PORT
+        https = tls_enabled(spec)
         # /ready answers 200 only once every stage answers and the model is loaded.
         startup = _http_probe(
-            "/ready", port_name, period=STARTUP_PERIOD_SECONDS, failures=startup_failures
+            "/ready",
+            port_name,
+            period=STARTUP_PERIOD_SECONDS,
+            failures=startup_failures,
+            https=https,
         )
-        readiness = _http_probe("/ready", port_name, period=5, failures=3)
-        liveness = _http_probe("/health", port_name, period=10, failures=3)
+        readiness = _http_probe("/ready", port_name, period=5, failures=3, https=https)
+        liveness = _http_probe("/health", port_name, period=10, failures=3, https=https)
     else:
         port = names.METRICS_PORTS[stage]
         args = [stage, "--metrics-port", str(port)]
@@ -228,9 +274,18 @@ def _container(owner: Owner, spec: Spec, stage: str, settings: dict[str, str]) -
     mounts = [
         {"name": "model-cache", "mountPath": names.MODEL_CACHE_DIR},
         {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "ring", "mountPath": names.RING_DIR},
     ]
     if stage == "scheduler":
-        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        mounts += [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "compile-cache", "mountPath": names.COMPILE_CACHE_DIR},
+        ]
+    # Whole directories, never subPath: only these receive a rotated Secret's new contents.
+    if stage == "api" and spec["server"].get("apiKeySecret"):
+        mounts.append({"name": "api-key", "mountPath": names.API_KEY_DIR, "readOnly": True})
+    if stage == "api" and tls_enabled(spec):
+        mounts.append({"name": "tls", "mountPath": names.TLS_DIR, "readOnly": True})
 
     container: dict[str, Any] = {
         "name": stage,
@@ -245,6 +300,7 @@ def _container(owner: Owner, spec: Spec, stage: str, settings: dict[str, str]) -
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
         "securityContext": {
             "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"]},
         },
     }
@@ -263,11 +319,42 @@ def _volumes(spec: Spec) -> list[dict[str, Any]]:
         model_cache = {
             "emptyDir": {"sizeLimit": cache["sizeLimit"]} if "sizeLimit" in cache else {}
         }
-    return [
+    volumes: list[dict[str, Any]] = [
         {"name": "model-cache", **model_cache},
         {"name": "tmp", "emptyDir": {}},
+        # Socket files take no space; memory keeps them off the node's disk.
+        {"name": "ring", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+        {"name": "compile-cache", "emptyDir": {}},
     ]
+    server = spec["server"]
+    if server.get("apiKeySecret"):
+        secret = server["apiKeySecret"]
+        volumes.append(
+            _secret_volume("api-key", secret["name"], {secret["key"]: names.API_KEY_FILE})
+        )
+    if server.get("tlsSecret"):
+        volumes.append(
+            _secret_volume(
+                "tls",
+                server["tlsSecret"]["name"],
+                {"tls.crt": names.TLS_CERT_FILE, "tls.key": names.TLS_KEY_FILE},
+            )
+        )
+    return volumes
+
+
+#: Owner and group may read: the files belong to root and to the pod's fsGroup, the stages'.
+SECRET_FILE_MODE = 0o440
+
+
+def _secret_volume(name: str, secret: str, files: dict[str, str]) -> dict[str, Any]:
+    """A Secret's keys as files; ``files`` maps each key to its path in the container."""
+    items = [{"key": key, "path": path.rsplit("/", 1)[1]} for key, path in files.items()]
+    return {
+        "name": name,
+        "secret": {"secretName": secret, "items": items, "defaultMode": SECRET_FILE_MODE},
+    }
 
 
 def termination_grace_seconds(spec: Spec) -> int:
@@ -354,7 +441,7 @@ def service(owner: Owner, spec: Spec) -> Manifest:
                     "port": svc["port"],
                     "targetPort": names.PORT_NAMES["api"],
                     "protocol": "TCP",
-                    "appProtocol": "http",
+                    "appProtocol": "https" if tls_enabled(spec) else "http",
                 }
             ],
         },
@@ -468,21 +555,79 @@ def pod_monitor(owner: Owner, spec: Spec) -> Manifest:
             "targetLabel": "inferenceservice",
         }
     ]
+    endpoints = []
+    for stage in names.STAGES:
+        endpoint: dict[str, Any] = {
+            "port": names.PORT_NAMES[stage],
+            "path": "/metrics",
+            "interval": mon["interval"],
+            "relabelings": relabel,
+        }
+        if stage == "api" and tls_enabled(spec):
+            # Prometheus scrapes pod IPs, which no certificate names: encrypted, unverified.
+            endpoint["scheme"] = "https"
+            endpoint["tlsConfig"] = {"insecureSkipVerify": True}
+        endpoints.append(endpoint)
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
         "metadata": meta,
         "spec": {
             "selector": {"matchLabels": selector_labels(owner.name)},
-            "podMetricsEndpoints": [
-                {
-                    "port": names.PORT_NAMES[stage],
-                    "path": "/metrics",
-                    "interval": mon["interval"],
-                    "relabelings": relabel,
-                }
-                for stage in names.STAGES
-            ],
+            "podMetricsEndpoints": endpoints,
+        },
+    }
+
+
+# --- NetworkPolicy ------------------------------------------------------------------------
+
+
+def _selector(labels: dict[str, str]) -> dict[str, Any]:
+    # The API server drops an empty matchLabels: writing one would look like drift forever.
+    return {"matchLabels": dict(labels)} if labels else {}
+
+
+def network_peer(peer: dict[str, Any]) -> dict[str, Any]:
+    """A spec peer as a NetworkPolicyPeer; without a namespace, the pods' own namespace."""
+    if "cidr" in peer:
+        return {"ipBlock": {"cidr": peer["cidr"]}}
+    result: dict[str, Any] = {}
+    if "namespace" in peer:
+        result["namespaceSelector"] = _selector({names.LABEL_NAMESPACE_NAME: peer["namespace"]})
+    elif "namespaceLabels" in peer:
+        result["namespaceSelector"] = _selector(peer["namespaceLabels"])
+    if "podLabels" in peer or not result:
+        result["podSelector"] = _selector(peer.get("podLabels", {}))
+    return result
+
+
+def _ports(*numbers: int) -> list[dict[str, Any]]:
+    return [{"protocol": "TCP", "port": number} for number in numbers]
+
+
+def network_policy(owner: Owner, spec: Spec) -> Manifest:
+    """Ingress to the api port from ``apiFrom``, to every metrics port from ``metricsFrom``.
+
+    The ring never crosses the pod (IPC), so no rule is needed for it; the kubelet's probes
+    come from the node, which NetworkPolicy implementations let through.
+    """
+    policy = spec["networkPolicy"]
+    api_peers = [network_peer(p) for p in policy.get("apiFrom") or [{}]]
+    ingress = [{"from": api_peers, "ports": _ports(names.API_PORT)}]
+    metrics_peers = [network_peer(p) for p in policy["metricsFrom"]]
+    # A rule without peers would admit everyone: an empty metricsFrom adds no rule.
+    if metrics_peers:
+        # The api's own /metrics is served on the api port.
+        ports = _ports(names.API_PORT, *names.METRICS_PORTS.values())
+        ingress.append({"from": metrics_peers, "ports": ports})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(owner, owner.name),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(owner.name)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
         },
     }
 
@@ -490,7 +635,13 @@ def pod_monitor(owner: Owner, spec: Spec) -> Manifest:
 # --- the whole set ------------------------------------------------------------------------
 
 #: Kinds that exist only in some configurations; the reconciler deletes them when unwanted.
-OPTIONAL_KINDS = ("PodDisruptionBudget", "HorizontalPodAutoscaler", "ScaledObject", "PodMonitor")
+OPTIONAL_KINDS = (
+    "PodDisruptionBudget",
+    "HorizontalPodAutoscaler",
+    "ScaledObject",
+    "PodMonitor",
+    "NetworkPolicy",
+)
 
 
 def children(owner: Owner, spec: Spec, caps: Capabilities) -> dict[str, Manifest]:
@@ -509,4 +660,6 @@ def children(owner: Owner, spec: Spec, caps: Capabilities) -> dict[str, Manifest
         result["HorizontalPodAutoscaler"] = horizontal_pod_autoscaler(owner, spec)
     if spec["monitoring"]["podMonitor"] and caps.prometheus_operator:
         result["PodMonitor"] = pod_monitor(owner, spec)
+    if spec["networkPolicy"]["enabled"]:
+        result["NetworkPolicy"] = network_policy(owner, spec)
     return result

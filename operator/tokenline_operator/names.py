@@ -45,9 +45,25 @@ PORT_NAMES = {
 #: The metric the autoscalers read (a gauge exported by the scheduler stage).
 WAITING_METRIC = "tokenline_num_requests_waiting"
 
-# Paths inside the stage containers.
+# Paths inside the stage containers. The root filesystem is read-only: every path a stage
+# writes to is a volume.
 MODEL_CACHE_DIR = "/var/cache/tokenline"
 HF_HOME = f"{MODEL_CACHE_DIR}/huggingface"
+#: The ring's IPC sockets: a volume every container of the pod shares, and no port at all.
+RING_DIR = "/run/tokenline"
+#: torch.compile's caches (inductor's generated code, Triton's kernels), the scheduler's only.
+COMPILE_CACHE_DIR = "/var/cache/torch"
+INDUCTOR_CACHE_DIR = f"{COMPILE_CACHE_DIR}/inductor"
+TRITON_CACHE_DIR = f"{COMPILE_CACHE_DIR}/triton"
+#: Where the api finds its keys file (spec.server.apiKeySecret), one key per line.
+API_KEY_DIR = "/etc/tokenline/api-key"
+API_KEY_FILE = f"{API_KEY_DIR}/api-keys"
+#: Where the api finds its certificate and key (spec.server.tlsSecret).
+TLS_DIR = "/etc/tokenline/tls"
+TLS_CERT_FILE = f"{TLS_DIR}/tls.crt"
+TLS_KEY_FILE = f"{TLS_DIR}/tls.key"
+#: The label every namespace carries with its own name (Kubernetes sets it since 1.21).
+LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
 
 #: The uid and gid the image's non-root user has (see the Dockerfile).
 RUN_AS_USER = 10001

@@ -52,6 +52,12 @@ RULES: list[dict[str, Any]] = [
         "resources": ["podmonitors"],
         "verbs": [*READ, "create", "patch", "delete"],
     },
+    # spec.networkPolicy (on by default); deleted when it is turned off.
+    {
+        "apiGroups": ["networking.k8s.io"],
+        "resources": ["networkpolicies"],
+        "verbs": [*READ, "create", "patch", "delete"],
+    },
     # kopf posts Events (InvalidSpec, handler failures) on the InferenceService.
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     # kopf notices CRDs (KEDA, Prometheus operator) installed after it started.

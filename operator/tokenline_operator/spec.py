@@ -63,6 +63,16 @@ def _check_rules(spec: Spec) -> list[str]:
         problems.append(
             "spec.model.cache: set either sizeLimit (emptyDir) or claimName (PVC), not both"
         )
+    policy = spec["networkPolicy"]
+    for field in ("apiFrom", "metricsFrom"):
+        for index, peer in enumerate(policy.get(field) or []):
+            where = f"spec.networkPolicy.{field}[{index}]"
+            if "cidr" in peer and peer.keys() & {"namespace", "namespaceLabels", "podLabels"}:
+                problems.append(
+                    f"{where}: cidr cannot be combined with namespace, namespaceLabels or podLabels"
+                )
+            if "namespace" in peer and "namespaceLabels" in peer:
+                problems.append(f"{where}: set either namespace or namespaceLabels, not both")
     return problems
 
 

@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 
 from tokenline.cli import build_parser, settings_from
-from tokenline_operator import manifests, spec
+from tokenline_operator import manifests, names, spec
 from tokenline_operator.manifests import Owner
 
 OWNER = Owner(name="chat", namespace="serving", uid="0b9c5a3e-2222-4c1b-9f44-2a4c1d6e7f80")
@@ -31,6 +31,11 @@ SPECS: dict[str, dict[str, Any]] = {
             "maxNumBatchedTokens": 4096,
             "compile": True,
         },
+    },
+    "secured": {
+        "model": {"name": "tiny"},
+        "engine": {"gpus": 0, "prefixCaching": False},
+        "server": {"apiKeySecret": {"name": "keys"}, "tlsSecret": {"name": "tls"}},
     },
 }
 
@@ -52,6 +57,7 @@ def test_every_stage_container_parses_with_the_real_cli(name):
     config = manifests.config_map(OWNER, parsed)["data"]
     pod = manifests.deployment(OWNER, parsed)["spec"]["template"]["spec"]
     seen = set()
+    rings = set()
     for container in pod["containers"]:
         env = _resolved_env(container, config)
         clean = {k: v for k, v in os.environ.items() if not k.startswith("TOKENLINE_")}
@@ -69,6 +75,17 @@ def test_every_stage_container_parses_with_the_real_cli(name):
         if stage == "scheduler" and name == "minimal":
             assert settings.compile is False
             assert settings.max_num_batched_tokens is None  # the scheduler's device default
+        if stage == "scheduler":
+            assert settings.no_prefix_caching is (name == "secured")
         if stage == "api":
             assert settings.model_name == manifests.served_model_name(parsed)
+            secured = name == "secured"
+            assert (settings.api_key_file == names.API_KEY_FILE) is secured
+            assert (settings.ssl_certfile == names.TLS_CERT_FILE) is secured
+            assert (settings.ssl_keyfile == names.TLS_KEY_FILE) is secured
+        rings.add(settings.endpoints)
     assert seen == {"api", "tokenizer", "scheduler", "detokenizer"}
+    # One ring: every stage binds and connects the same endpoints, none of them a port.
+    (ring,) = rings
+    for stage in seen:
+        assert ring.of(stage) == f"ipc://{names.RING_DIR}/{stage}.sock"

@@ -6,6 +6,7 @@ from typing import Any
 
 import kubernetes_validate.utils as kv
 import pytest
+from pod_security import hardening_violations, restricted_violations
 
 from tokenline_operator import manifests, names, rbac, spec
 from tokenline_operator.manifests import Capabilities, Owner
@@ -36,6 +37,21 @@ FULL: dict[str, Any] = {
     "service": {"type": "LoadBalancer", "port": 80, "annotations": {"a": "b"}},
     "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 8},
     "monitoring": {"labels": {"release": "prom"}},
+    "networkPolicy": {
+        "apiFrom": [
+            {"namespace": "gateway", "podLabels": {"app": "envoy"}},
+            {"namespaceLabels": {"team": "ml"}},
+            {"podLabels": {"app": "chat-ui"}},
+            {"cidr": "10.20.0.0/16"},
+        ],
+        "metricsFrom": [{"namespace": "observability"}],
+    },
+}
+#: Every optional pod feature at once: keys, TLS, prefix caching off.
+SECURED: dict[str, Any] = {
+    "model": {"name": "tiny"},
+    "engine": {"gpus": 0, "prefixCaching": False},
+    "server": {"apiKeySecret": {"name": "llm-keys"}, "tlsSecret": {"name": "llm-tls"}},
 }
 
 
@@ -55,6 +71,7 @@ CONFIGS = {
     "minimal": ({"model": {"name": "tiny"}}, Capabilities()),
     "full-keda": (FULL, ALL_CAPS),
     "full-hpa": (FULL, Capabilities()),
+    "secured": (SECURED, ALL_CAPS),
 }
 
 
@@ -87,7 +104,7 @@ def test_children_are_owned_and_labelled():
         assert meta["labels"][names.LABEL_OWNER] == OWNER.name
 
 
-def test_one_pod_runs_four_stages_over_loopback():
+def test_one_pod_runs_four_stages_over_ipc():
     containers = containers_of({"model": {"name": "tiny"}})
     assert list(containers) == list(names.STAGES)
     assert containers["api"]["args"][:1] == ["api"]
@@ -98,9 +115,18 @@ def test_one_pod_runs_four_stages_over_loopback():
             {"name": names.PORT_NAMES[stage], "containerPort": port, "protocol": "TCP"}
         ]
         assert containers[stage]["livenessProbe"]["httpGet"]["path"] == "/metrics"
-    # No stage is told where the others are: the default endpoints are loopback ones.
+    # Every stage knows every inbox, as a socket in the shared ring volume: no ring port.
+    expected = {
+        f"TOKENLINE_{stage.upper()}_ENDPOINT": f"ipc://{names.RING_DIR}/{stage}.sock"
+        for stage in names.STAGES
+    }
     for container in containers.values():
-        assert not any("ENDPOINT" in e["name"] for e in container["env"])
+        env = {e["name"]: e.get("value") for e in container["env"] if "ENDPOINT" in e["name"]}
+        assert env == expected, container["name"]
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["ring"] == names.RING_DIR
+    volumes = {v["name"]: v for v in pod_of({"model": {"name": "tiny"}})["volumes"]}
+    assert volumes["ring"]["emptyDir"]["medium"] == "Memory"
 
 
 def test_api_probes_allow_model_loading_and_drain():
@@ -184,7 +210,7 @@ def test_optional_children_follow_the_spec_and_the_cluster():
     def kinds(raw: dict[str, Any], caps: Capabilities) -> set[str]:
         return set(manifests.children(OWNER, parse(raw), caps))
 
-    base = {"ConfigMap", "Deployment", "Service"}
+    base = {"ConfigMap", "Deployment", "Service", "NetworkPolicy"}
     one = {"model": {"name": "m"}}
     assert kinds(one, Capabilities()) == base
     assert kinds(one, ALL_CAPS) == base | {"PodMonitor"}
@@ -239,3 +265,212 @@ def test_rbac_allows_every_write_the_reconciler_makes():
     assert "patch" in granted[(names.GROUP, f"{names.PLURAL}/status")]
     assert "create" in granted[("", "events")]
     kv.validate(rbac.cluster_role("tokenline-operator"), kv.latest_version(), strict=True)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_stage_pods_pass_the_restricted_pod_security_standard(config):
+    raw, caps = CONFIGS[config]
+    template = manifests.children(OWNER, parse(raw), caps)["Deployment"]["spec"]["template"]
+    assert restricted_violations(template["spec"], template["metadata"]) == []
+    assert hardening_violations(template["spec"]) == []
+    # No stage talks to the API server: no token to steal.
+    assert template["spec"]["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize(
+    ("change", "control"),
+    [
+        (lambda pod: pod.update(hostNetwork=True), "Host namespaces"),
+        (lambda pod: pod["volumes"].append({"name": "h", "hostPath": {"path": "/"}}), "HostPath"),
+        (lambda pod: pod["volumes"].append({"name": "n", "nfs": {"server": "s"}}), "Volume types"),
+        (lambda pod: pod["securityContext"].pop("runAsNonRoot"), "Running as non-root"),
+        (lambda pod: pod["securityContext"].update(runAsUser=0), "non-root user"),
+        (lambda pod: pod["securityContext"].pop("seccompProfile"), "Seccomp"),
+        (
+            lambda pod: pod["containers"][0]["securityContext"].update(
+                seccompProfile={"type": "Unconfined"}
+            ),
+            "Seccomp",
+        ),
+        (
+            lambda pod: pod["containers"][1]["securityContext"].pop("allowPrivilegeEscalation"),
+            "Privilege escalation",
+        ),
+        (
+            lambda pod: pod["containers"][2]["securityContext"].update(privileged=True),
+            "Privileged",
+        ),
+        (
+            lambda pod: pod["containers"][2]["securityContext"].update(
+                capabilities={"drop": ["ALL"], "add": ["SYS_ADMIN"]}
+            ),
+            "Capabilities",
+        ),
+        (
+            lambda pod: pod["containers"][3]["securityContext"].update(capabilities={}),
+            "must drop ALL",
+        ),
+        (lambda pod: pod["containers"][0]["ports"][0].update(hostPort=80), "Host ports"),
+        (
+            lambda pod: pod["securityContext"].update(sysctls=[{"name": "kernel.msgmax"}]),
+            "Sysctls",
+        ),
+    ],
+)
+def test_the_checker_catches_what_the_standard_forbids(change, control):
+    pod = pod_of({"model": {"name": "tiny"}})
+    change(pod)
+    problems = restricted_violations(pod)
+    assert any(control in p for p in problems), problems
+
+
+def test_read_only_root_leaves_a_volume_for_every_path_a_stage_writes():
+    pod = pod_of(SECURED)
+    writable_env = {
+        "TOKENLINE_MODEL_CACHE_DIR",
+        "HF_HOME",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "TRITON_CACHE_DIR",
+    }
+    for container in pod["containers"]:
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        mounts = [m for m in container["volumeMounts"] if not m.get("readOnly")]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        paths = ["/tmp", names.RING_DIR] + [env[k] for k in writable_env if k in env]
+        paths += [
+            env[k].removeprefix("ipc://").rsplit("/", 1)[0] for k in env if k.endswith("_ENDPOINT")
+        ]
+        for path in paths:
+            assert any(
+                path == m["mountPath"] or path.startswith(m["mountPath"] + "/") for m in mounts
+            ), (container["name"], path)
+    scheduler = {c["name"]: c for c in pod["containers"]}["scheduler"]
+    env = {e["name"]: e.get("value") for e in scheduler["env"]}
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(names.COMPILE_CACHE_DIR)
+    assert env["TRITON_CACHE_DIR"].startswith(names.COMPILE_CACHE_DIR)
+
+
+def test_api_keys_come_from_a_whole_secret_directory():
+    pod = pod_of(SECURED)
+    containers = {c["name"]: c for c in pod["containers"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    secret = volumes["api-key"]["secret"]
+    assert secret["secretName"] == "llm-keys"
+    assert secret["items"] == [{"key": "api-keys", "path": "api-keys"}]
+    # Readable by the stages' group (the pod's fsGroup), by nobody else.
+    assert secret["defaultMode"] == 0o440
+    api = containers["api"]
+    (mount,) = [m for m in api["volumeMounts"] if m["name"] == "api-key"]
+    # A subPath mount would keep the old key after the Secret is rotated.
+    assert "subPath" not in mount and mount["readOnly"] is True
+    env = {e["name"]: e.get("value") for e in api["env"]}
+    assert env["TOKENLINE_API_KEY_FILE"] == f"{mount['mountPath']}/api-keys"
+    for stage in ("tokenizer", "scheduler", "detokenizer"):
+        assert "TOKENLINE_API_KEY_FILE" not in str(containers[stage]["env"])
+        assert "api-key" not in {m["name"] for m in containers[stage]["volumeMounts"]}
+    chosen = {"model": {"name": "m"}, "server": {"apiKeySecret": {"name": "k", "key": "keys"}}}
+    volumes = {v["name"]: v for v in pod_of(chosen)["volumes"]}
+    assert volumes["api-key"]["secret"]["items"] == [{"key": "keys", "path": "api-keys"}]
+    plain = pod_of({"model": {"name": "m"}})
+    assert "api-key" not in {v["name"] for v in plain["volumes"]}
+    assert "TOKENLINE_API_KEY_FILE" not in str(plain)
+
+
+def test_tls_secret_serves_https_and_probes_follow():
+    parsed = parse(SECURED)
+    pod = manifests.deployment(OWNER, parsed)["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod["containers"]}
+    api = containers["api"]
+    env = {e["name"]: e.get("value") for e in api["env"]}
+    (mount,) = [m for m in api["volumeMounts"] if m["name"] == "tls"]
+    assert env["TOKENLINE_SSL_CERTFILE"] == f"{mount['mountPath']}/tls.crt"
+    assert env["TOKENLINE_SSL_KEYFILE"] == f"{mount['mountPath']}/tls.key"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "llm-tls"
+    assert {i["key"] for i in volumes["tls"]["secret"]["items"]} == {"tls.crt", "tls.key"}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert api[probe]["httpGet"]["scheme"] == "HTTPS", probe
+    for stage in ("tokenizer", "scheduler", "detokenizer"):
+        assert "scheme" not in containers[stage]["livenessProbe"]["httpGet"]
+        assert "SSL" not in str(containers[stage]["env"])
+    assert manifests.service(OWNER, parsed)["spec"]["ports"][0]["appProtocol"] == "https"
+    endpoints = manifests.pod_monitor(OWNER, parsed)["spec"]["podMetricsEndpoints"]
+    assert [e.get("scheme", "http") for e in endpoints] == ["https", "http", "http", "http"]
+
+    plain = containers_of({"model": {"name": "m"}})["api"]
+    assert "scheme" not in plain["readinessProbe"]["httpGet"]
+    assert "SSL" not in str(plain["env"])
+
+
+def test_prefix_caching_off_reaches_the_scheduler_alone_and_on_rolls_nothing():
+    def template(raw: dict[str, Any]) -> dict[str, Any]:
+        return manifests.deployment(OWNER, parse(raw))["spec"]["template"]
+
+    off = parse({"model": {"name": "m"}, "engine": {"prefixCaching": False}})
+    assert manifests.engine_settings(off)["TOKENLINE_NO_PREFIX_CACHING"] == "1"
+    containers = containers_of({"model": {"name": "m"}, "engine": {"prefixCaching": False}})
+    for stage, container in containers.items():
+        has = any(e["name"] == "TOKENLINE_NO_PREFIX_CACHING" for e in container["env"])
+        assert has == (stage == "scheduler"), stage
+    # On (the default) adds nothing: pods made before the field existed do not roll.
+    default = {"model": {"name": "m"}}
+    assert "TOKENLINE_NO_PREFIX_CACHING" not in manifests.engine_settings(parse(default))
+    explicit = {"model": {"name": "m"}, "engine": {"prefixCaching": True}}
+    assert template(default) == template(explicit)
+
+
+def rules_of(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    return manifests.network_policy(OWNER, parse(raw))["spec"]["ingress"]
+
+
+def test_network_policy_defaults_to_the_own_namespace_and_monitoring():
+    policy = manifests.network_policy(OWNER, parse({"model": {"name": "m"}}))
+    assert policy["spec"]["podSelector"] == {"matchLabels": spec.selector_labels(OWNER.name)}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    api, metrics = policy["spec"]["ingress"]
+    # An empty podSelector with no namespaceSelector: every pod of the owner's namespace.
+    assert api == {"from": [{"podSelector": {}}], "ports": [{"protocol": "TCP", "port": 8000}]}
+    assert metrics["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
+    assert [p["port"] for p in metrics["ports"]] == [8000, 8001, 8002, 8003]
+
+
+def test_network_policy_admits_exactly_the_named_peers():
+    api, metrics = rules_of(FULL)
+    assert api["from"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}},
+            "podSelector": {"matchLabels": {"app": "envoy"}},
+        },
+        {"namespaceSelector": {"matchLabels": {"team": "ml"}}},
+        {"podSelector": {"matchLabels": {"app": "chat-ui"}}},
+        {"ipBlock": {"cidr": "10.20.0.0/16"}},
+    ]
+    assert [p["port"] for p in api["ports"]] == [names.API_PORT]
+    assert metrics["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}}}
+    ]
+    everywhere = {"model": {"name": "m"}, "networkPolicy": {"apiFrom": [{"namespaceLabels": {}}]}}
+    assert rules_of(everywhere)[0]["from"] == [{"namespaceSelector": {}}]
+
+
+def test_network_policy_never_writes_a_rule_that_admits_everyone():
+    """A rule with no peers admits every source: an empty list must drop the rule."""
+    closed = {"model": {"name": "m"}, "networkPolicy": {"apiFrom": [], "metricsFrom": []}}
+    (api,) = rules_of(closed)
+    assert api["from"] == [{"podSelector": {}}]  # empty apiFrom: the own namespace
+    for raw in (closed, FULL, {"model": {"name": "m"}}):
+        for rule in rules_of(raw):
+            assert rule["from"] and all(rule["from"]) and rule["ports"]
+
+
+def test_network_policy_can_be_turned_off():
+    def kinds(raw: dict[str, Any]) -> set[str]:
+        return set(manifests.children(OWNER, parse(raw), Capabilities()))
+
+    assert "NetworkPolicy" in kinds({"model": {"name": "m"}})
+    assert "NetworkPolicy" not in kinds(
+        {"model": {"name": "m"}, "networkPolicy": {"enabled": False}}
+    )
+    assert "NetworkPolicy" in manifests.OPTIONAL_KINDS  # so the reconciler deletes it

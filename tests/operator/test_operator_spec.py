@@ -76,11 +76,21 @@ def test_defaults_come_from_the_crd_and_leave_the_input_alone():
         "gpuMemoryUtilization": 0.9,
         "maxNumSeqs": 256,
         "compile": False,
+        "prefixCaching": True,
     }
     assert parsed["server"]["drainTimeoutSeconds"] == 30
     assert parsed["resources"]["scheduler"]["requests"] == {"cpu": "2", "memory": "8Gi"}
     assert parsed["autoscaling"]["enabled"] is False
+    assert parsed["networkPolicy"] == {
+        "enabled": True,
+        "metricsFrom": [{"namespace": "monitoring"}],
+    }
+    assert "apiKeySecret" not in parsed["server"] and "tlsSecret" not in parsed["server"]
     assert spec.served_model_name(parsed) == "tiny"
+    keyed = spec.parse(
+        "chat", {**MINIMAL, "server": {"apiKeySecret": {"name": "k"}}}, default_image="img:1"
+    )
+    assert keyed["server"]["apiKeySecret"] == {"name": "k", "key": "api-keys"}
 
 
 def test_user_values_win_over_defaults():
@@ -115,6 +125,22 @@ def test_user_values_win_over_defaults():
             {"model": {"name": "m", "cache": {"sizeLimit": "1Gi", "claimName": "c"}}},
             "not both",
         ),
+        ("chat", {"engine": {"prefixCaching": "no"}}, "spec.engine.prefixCaching"),
+        ("chat", {"server": {"apiKeySecret": {"key": "k"}}}, "spec.server.apiKeySecret"),
+        ("chat", {"server": {"tlsSecret": {}}}, "spec.server.tlsSecret"),
+        (
+            "chat",
+            {"networkPolicy": {"apiFrom": [{"cidr": "10.0.0.0/8", "namespace": "a"}]}},
+            "spec.networkPolicy.apiFrom[0]: cidr cannot be combined",
+        ),
+        (
+            "chat",
+            {"networkPolicy": {"metricsFrom": [{"namespace": "a", "namespaceLabels": {}}]}},
+            "spec.networkPolicy.metricsFrom[0]: set either namespace or namespaceLabels",
+        ),
+        ("chat", {"networkPolicy": {"apiFrom": [{"cidr": "anywhere"}]}}, "apiFrom[0].cidr"),
+        ("chat", {"networkPolicy": {"apiFrom": [{"namespace": "Bad_NS"}]}}, "apiFrom[0].namespace"),
+        ("chat", {"networkPolicy": {"apiFrom": [{}] * 33}}, "spec.networkPolicy.apiFrom"),
         ("Chat", {}, "metadata.name"),
         ("x" * 53, {}, "metadata.name"),
     ],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -14,8 +15,9 @@ import jsonschema
 import kubernetes_validate.utils as kv
 import pytest
 import yaml
+from pod_security import hardening_violations, restricted_violations
 
-from tokenline_operator import chartgen, crd, names, rbac, spec
+from tokenline_operator import chartgen, crd, manifests, names, rbac, spec
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "tokenline"
@@ -105,6 +107,7 @@ def test_default_render_installs_the_operator_only():
         "ClusterRoleBinding": 1,
         "Deployment": 1,
         "Service": 1,
+        "NetworkPolicy": 1,
     }
     (deployment,) = by_kind(objects)["Deployment"]
     pod = deployment["spec"]["template"]["spec"]
@@ -201,6 +204,10 @@ def test_generated_chart_files_are_current():
         {"sample": {"spec": {"model": {"name": "tiny"}, "engine": {"dtype": "int4"}}}},
         {"sample": {"spec": {"model": {"name": ""}}}},
         {"metrics": {"serviceMonitor": {"interval": "often"}}},
+        {"networkPolicy": {"enabled": "yes"}},
+        {"networkPolicy": {"metricsFrom": {"namespace": "monitoring"}}},
+        {"tests": {"apiKeySecret": {"key": "k"}}},
+        {"sample": {"spec": {"model": {"name": "m"}, "server": {"apiKeySecret": {}}}}},
     ],
     ids=lambda v: json.dumps(v, sort_keys=True)[:60],
 )
@@ -239,7 +246,9 @@ def test_dockerfile_has_no_hadolint_errors():
 def test_dockerfile_honours_the_image_contract():
     text = (ROOT / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["tokenline"]' in text
-    assert f"USER {names.RUN_AS_USER}" in text
+    # The last USER wins: numeric, not root, in a non-root group.
+    users = re.findall(r"^USER (\S+)$", text, flags=re.MULTILINE)
+    assert users[-1] == f"{names.RUN_AS_USER}:{names.RUN_AS_USER}"
     assert f'VOLUME ["{names.MODEL_CACHE_DIR}"]' in text
     final_stage = text.rsplit("\nFROM ", 1)[1]
     assert "build-essential" not in final_stage and "python3-dev" not in final_stage
@@ -270,3 +279,87 @@ def test_kubernetes_validate_cli_strict_passes_on_the_whole_release(tmp_path):
         if line.startswith("WARN")
     }
     assert unchecked <= CUSTOM_KINDS
+
+
+def pod_templates(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(name, pod template or Pod) of everything the release runs."""
+    found = []
+    for obj in objects:
+        if obj["kind"] == "Pod":
+            found.append((obj["metadata"]["name"], obj))
+        elif obj["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
+            found.append((obj["metadata"]["name"], obj["spec"]["template"]))
+    return found
+
+
+@pytest.mark.parametrize("values", [None, ALL_ON], ids=["default", "all-on"])
+def test_every_pod_passes_the_restricted_pod_security_standard(values):
+    objects = render(values)
+    pods = pod_templates(objects)
+    assert {name for name, _ in pods} >= {f"{RELEASE}-tokenline-operator"}
+    for name, pod in pods:
+        assert restricted_violations(pod["spec"], pod.get("metadata")) == [], name
+        assert hardening_violations(pod["spec"]) == [], name
+    # The sample's stage pods are the operator's to render: the same checks.
+    for sample in by_kind(objects).get(names.KIND, []):
+        parsed = spec.parse(sample["metadata"]["name"], sample["spec"], default_image=None)
+        owner = manifests.Owner(sample["metadata"]["name"], NAMESPACE, "uid")
+        template = manifests.deployment(owner, parsed)["spec"]["template"]
+        assert restricted_violations(template["spec"], template["metadata"]) == []
+
+
+def test_only_the_operator_pod_gets_a_service_account_token():
+    for name, pod in pod_templates(render(ALL_ON)):
+        wants_token = name == f"{RELEASE}-tokenline-operator"
+        assert pod["spec"]["automountServiceAccountToken"] is wants_token, name
+
+
+def test_operator_network_policy_admits_prometheus_to_the_metrics_port_only():
+    (policy,) = by_kind(render())["NetworkPolicy"]
+    (deployment,) = by_kind(render())["Deployment"]
+    assert policy["spec"]["podSelector"] == deployment["spec"]["selector"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8080}]
+
+    peers = [{"podSelector": {"matchLabels": {"app": "prometheus"}}}]
+    values = {"networkPolicy": {"metricsFrom": peers}, "operator": {"metricsPort": 9100}}
+    (policy,) = by_kind(render(values))["NetworkPolicy"]
+    assert policy["spec"]["ingress"] == [
+        {"from": peers, "ports": [{"protocol": "TCP", "port": 9100}]}
+    ]
+    # No peers closes the port: an ingress rule without peers would admit everyone.
+    (policy,) = by_kind(render({"networkPolicy": {"metricsFrom": []}}))["NetworkPolicy"]
+    assert policy["spec"]["ingress"] == []
+    assert "NetworkPolicy" not in by_kind(render({"networkPolicy": {"enabled": False}}))
+
+
+def test_helm_test_sends_the_samples_api_key():
+    keyed = {
+        "sample": {
+            "enabled": True,
+            "spec": {"model": {"name": "tiny"}, "server": {"apiKeySecret": {"name": "llm-keys"}}},
+        }
+    }
+    objects = render(keyed)
+    assert_valid(objects)
+    (pod,) = by_kind(objects)["Pod"]
+    (volume,) = pod["spec"]["volumes"]
+    assert volume["secret"]["secretName"] == "llm-keys"
+    assert volume["secret"]["items"] == [{"key": "api-keys", "path": "api-keys"}]
+    (container,) = pod["spec"]["containers"]
+    (mount,) = container["volumeMounts"]
+    assert "subPath" not in mount
+    script = container["args"][0]
+    assert f"{mount['mountPath']}/api-keys" in script and "Authorization" in script
+    compile(script, "helm-test", "exec")
+
+    other = {"tests": {"target": "chat", "apiKeySecret": {"name": "chat-keys", "key": "k"}}}
+    (pod,) = by_kind(render(other))["Pod"]
+    (volume,) = pod["spec"]["volumes"]
+    assert volume["secret"]["items"] == [{"key": "k", "path": "api-keys"}]
+    (pod,) = by_kind(render({"sample": {"enabled": True}}))["Pod"]
+    assert "volumes" not in pod["spec"]

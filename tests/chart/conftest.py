@@ -1,0 +1,8 @@
+"""tests/operator's pod security checker, for the chart's pods too."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))

@@ -2,7 +2,8 @@
 #
 # One image for the operator and for every stage of an InferenceService:
 #   docker build -t tokenline .
-#   docker run --gpus all -p 8000:8000 tokenline serve --model Qwen/Qwen2.5-0.5B-Instruct
+#   docker run --gpus all -p 8000:8000 --read-only --tmpfs /tmp \
+#     tokenline serve --model Qwen/Qwen2.5-0.5B-Instruct
 #
 # The base is NVIDIA's CUDA runtime (no compiler, no headers); torch comes from the PyTorch
 # CUDA wheel index. Both stages share the base so the copied virtualenv finds the same
@@ -52,8 +53,14 @@ ENV PATH=/opt/tokenline/bin:$PATH \
 # DL3064 reads "TOKEN" in TOKENLINE_ as a secret; it is the project's flag prefix.
 # hadolint ignore=DL3064
 ENV TOKENLINE_MODEL_CACHE_DIR=/var/cache/tokenline
+# torch.compile's caches default to $HOME and /tmp; the image runs with a read-only root
+# (docker run --read-only --tmpfs /tmp), so they go to the cache volume too. The operator's
+# pods give them a volume of their own.
+ENV TORCHINDUCTOR_CACHE_DIR=/var/cache/tokenline/inductor \
+    TRITON_CACHE_DIR=/var/cache/tokenline/triton
 # Downloaded weights and the built tiny model: mount a volume here to keep them.
 VOLUME ["/var/cache/tokenline"]
+# A numeric uid:gid, so Kubernetes can check runAsNonRoot without reading /etc/passwd.
 USER 10001:10001
 WORKDIR /home/tokenline
 # api; tokenizer, scheduler and detokenizer metrics; the operator's metrics and health.

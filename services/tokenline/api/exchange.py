@@ -40,6 +40,9 @@ class Exchange:
     created: float = field(default_factory=time.monotonic)
     choices: list[Choice] = field(default_factory=list)
     prompt_tokens: int = 0
+    # Prompt tokens served from the prefix cache: the fewest any choice found, since choices
+    # admitted together share one prompt but cannot share what none has computed yet.
+    cached_tokens: int = 0
     error: ApiError | None = None  # set when the request ends in an error or an abort
     abort_reason: str | None = None
     paused: bool = False
@@ -81,6 +84,12 @@ class Exchange:
         if reply.finish_reason:
             choice.finish_reason = reply.finish_reason
             self.prompt_tokens = max(self.prompt_tokens, reply.prompt_tokens)
+            ended = [c for c in self.choices if c.finish_reason]
+            self.cached_tokens = (
+                reply.cached_tokens
+                if len(ended) == 1
+                else min(self.cached_tokens, reply.cached_tokens)
+            )
             for key in ("tokenizer_s", "queue_s", "scheduler_s", "detokenizer_s"):
                 self.timings[key] = max(self.timings.get(key, 0.0), getattr(reply, key))
         self._buffer.append((choice.index, reply))

@@ -29,6 +29,7 @@ def _usage(ex: Exchange) -> dict:
         "prompt_tokens": ex.prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": ex.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": ex.cached_tokens},
     }
 
 

@@ -110,6 +110,59 @@ def _api_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds a paused stream may stay unread before it is aborted",
     )
     _flag(parser, "max-waiting", int, 256, help="waiting requests before new ones get 429")
+    _security_flags(parser)
+
+
+class _AppendOverEnv(argparse.Action):
+    """Repeatable flag whose first use replaces the environment's list instead of adding to it
+    (argparse's ``append`` would add to it), as every other flag overrides its mirror."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        current = getattr(namespace, self.dest)
+        if current is self.default:
+            current = []
+        setattr(namespace, self.dest, [*current, values])
+
+
+def _security_flags(parser: argparse.ArgumentParser) -> None:
+    env_keys = os.environ.get("TOKENLINE_API_KEY", "")
+    parser.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action=_AppendOverEnv,
+        default=[k.strip() for k in env_keys.split(",") if k.strip()],
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on every route but /health, /ready and "
+        "/metrics; repeat for several keys. Prefer --api-key-file: a command line is visible "
+        "to local users [env TOKENLINE_API_KEY, comma-separated]",
+    )
+    _flag(
+        parser,
+        "api-key-file",
+        help="file of API keys, one per line (# comments and blank lines ignored); re-read "
+        "when it changes, so a rotated Kubernetes Secret applies without a restart",
+    )
+    _flag(
+        parser,
+        "max-body-size",
+        parse_bytes,
+        8 * 2**20,
+        help="largest request body, e.g. 8MiB; larger ones get 413 before they are read",
+    )
+    _flag(parser, "max-n", int, 16, help="most choices (`n`) one request may ask for")
+    _flag(parser, "max-tokens-limit", int, 131_072, help="largest max_tokens a request may ask for")
+    _flag(parser, "max-stop-strings", int, 16, help="most `stop` strings per request")
+    _flag(parser, "max-stop-string-length", int, 1024, help="longest `stop` string, characters")
+    _flag(parser, "max-stop-token-ids", int, 256, help="most `stop_token_ids` per request")
+    _flag(parser, "max-messages", int, 2048, help="most chat `messages` per request")
+    _flag(
+        parser,
+        "max-prompt-chars",
+        int,
+        2**20,
+        help="longest completions prompt, or all chat message contents together, in characters",
+    )
+    _flag(parser, "max-logprobs", int, 20, help="largest `top_logprobs` (chat) or `logprobs`")
 
 
 def _scheduler_flags(parser: argparse.ArgumentParser) -> None:

@@ -71,6 +71,22 @@ def stage_argv(stage: str, settings: Settings) -> list[str]:
             "--max-waiting",
             str(s.max_waiting),
         ]
+        for key in s.api_keys:  # Child.start drops TOKENLINE_* from the environment
+            argv += ["--api-key", key]
+        limits = {
+            "max-body-size": s.max_body_size,
+            "max-n": s.max_n,
+            "max-tokens-limit": s.max_tokens_limit,
+            "max-stop-strings": s.max_stop_strings,
+            "max-stop-string-length": s.max_stop_string_length,
+            "max-stop-token-ids": s.max_stop_token_ids,
+            "max-messages": s.max_messages,
+            "max-prompt-chars": s.max_prompt_chars,
+            "max-logprobs": s.max_logprobs,
+        }
+        for flag, value in limits.items():
+            argv += [f"--{flag}", str(value)]
+        optional["api-key-file"] = s.api_key_file
     else:
         argv += ["--metrics-port", str(metrics_port(stage, s.port))]
     if stage == "scheduler":

@@ -24,6 +24,20 @@ class Settings:
     slow_client_timeout: float = 30.0
     drain_timeout: float = 30.0
     max_waiting: int = 256
+    # api security: keys, TLS, and limits checked before anything is queued (api/limits.py)
+    api_keys: list[str] = field(default_factory=list, repr=False)  # never in a log line
+    api_key_file: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    max_body_size: int = 8 * 2**20  # bytes
+    max_n: int = 16
+    max_tokens_limit: int = 131_072
+    max_stop_strings: int = 16
+    max_stop_string_length: int = 1024  # characters
+    max_stop_token_ids: int = 256
+    max_messages: int = 2048
+    max_prompt_chars: int = 2**20  # a completions prompt, or all of a chat's message contents
+    max_logprobs: int = 20
     # scheduler
     device: str = "auto"
     dtype: str = "auto"

@@ -9,11 +9,13 @@ import socket
 import time
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
-from tokenline.api.errors import ApiError
+from tokenline.api.auth import ApiKeyAuth, ApiKeys
+from tokenline.api.errors import ApiError, http_error, unexpected_error, validation_error
+from tokenline.api.limits import BodySizeLimit
 from tokenline.api.pipeline import Pipeline
 from tokenline.api.routes import router
 from tokenline.lifecycle import freeze_startup_heap
@@ -21,21 +23,6 @@ from tokenline.settings import Settings
 from tokenline.transport import AsyncRing
 
 log = logging.getLogger(__name__)
-
-
-def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
-        return ApiError(
-            400,
-            f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
-            "invalid_request_error",
-        ).response()
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    where = ".".join(loc) or "body"
-    message = f"invalid request body at {where}: {first.get('msg', 'malformed JSON')}"
-    return ApiError(400, message, "invalid_request_error", param=where or None).response()
 
 
 def create_app(settings: Settings, heartbeat_timeout: float = 5.0) -> FastAPI:
@@ -52,9 +39,15 @@ def create_app(settings: Settings, heartbeat_timeout: float = 5.0) -> FastAPI:
 
     app = FastAPI(title="tokenline", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.started = int(time.time())
+    app.state.settings = settings
     app.include_router(router)
     app.add_exception_handler(ApiError, lambda request, exc: exc.response())
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected_error)
+    # The last added runs first: keys are checked before a byte of the body is read.
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_size)
+    app.add_middleware(ApiKeyAuth, keys=ApiKeys(settings.api_keys, settings.api_key_file))
     return app
 
 

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+import json
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 
 _TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
     504: "timeout",
@@ -22,6 +31,7 @@ class ApiError(Exception):
         code: str,
         param: str | None = None,
         retry_after: int | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -29,6 +39,7 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.retry_after = retry_after
+        self.headers = headers
 
     def body(self) -> dict:
         return {
@@ -40,9 +51,14 @@ class ApiError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def response(self) -> Response:
+        headers = dict(self.headers or {})
+        if self.retry_after:
+            headers["Retry-After"] = str(self.retry_after)
+        # ASCII-escaped: a message that quotes client input (a lone surrogate, say) must not
+        # fail to encode and turn a 400 into a 500
+        content = json.dumps(self.body(), ensure_ascii=True).encode()
+        return Response(content, self.status, headers, media_type="application/json")
 
 
 # What the client sees when its request ends early, by abort reason.
@@ -71,3 +87,90 @@ ABORT_ERRORS = {
 def abort_error(reason: str) -> ApiError:
     status, code, message = ABORT_ERRORS.get(reason, (500, reason, f"aborted: {reason}"))
     return ApiError(status, message, code)
+
+
+# ── exception handlers (registered in app.py) ─────────────────────────────────────────────────
+_BODY_CAUSES = {
+    UnicodeDecodeError: "the body is not valid UTF-8; send JSON encoded as UTF-8",
+    RecursionError: "the body's JSON nests too deeply; flatten it",
+}
+
+
+def http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's and FastAPI's own errors (no route, wrong method, unparsable body) in
+    OpenAI's shape instead of ``{"detail": ...}``."""
+    status = exc.status_code
+    message = exc.detail if isinstance(exc.detail, str) else "invalid request"
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+        status, "invalid_request_error"
+    )
+    if status == 404:
+        message = f"no route {request.url.path}; see /openapi.json for the routes served"
+    elif status == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+    elif status == 400 and exc.__cause__ is not None:
+        cause = exc.__cause__
+        if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+            message = "a number in the body has too many digits; no field takes one that large"
+            return ApiError(status, message, code, headers=exc.headers).response()
+        message = next(
+            (text for kind, text in _BODY_CAUSES.items() if isinstance(cause, kind)),
+            f"the body could not be parsed as JSON: {cause}",
+        )
+    return ApiError(status, message, code, headers=exc.headers).response()
+
+
+# pydantic names union branches and validators in an error's location ("stop", "list[str]",
+# 0): internals, not parameters the client sent
+_LOC_NOISE = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "body"})
+
+
+def _param(loc: tuple) -> str | None:
+    parts = [
+        str(p)
+        for p in loc
+        if isinstance(p, int) or (p not in _LOC_NOISE and "[" not in p and "(" not in p)
+    ]
+    return ".".join(parts) or None
+
+
+def validation_error(request: Request, exc: RequestValidationError) -> Response:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if len(errors) > 1:
+        # A union reports one error per branch ("stop" as a str, then as a list): of the
+        # first field's errors, the deepest says best what is wrong.
+        field = _param(tuple(first.get("loc", ())[:2]))
+        same = [e for e in errors if _param(tuple(e.get("loc", ())[:2])) == field]
+        first = max(same, key=lambda e: len(_param(tuple(e.get("loc", ()))) or ""))
+    if first.get("type") == "json_invalid":
+        return ApiError(
+            400,
+            f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
+            "invalid_request_error",
+        ).response()
+    param = _param(tuple(first.get("loc", ())))
+    if param is None:
+        content_type = request.headers.get("content-type", "")
+        if "json" not in content_type.lower():
+            message = (
+                "send the body as a JSON object with `Content-Type: application/json`"
+                f" (got {content_type or 'no Content-Type'})"
+            )
+        elif first.get("type") == "missing":
+            message = "the body is empty; send a JSON object"
+        else:
+            message = "the body must be a JSON object"
+        return ApiError(400, message, "invalid_request_error").response()
+    reason = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    message = f"invalid request body at {param}: {reason}"
+    return ApiError(400, message, "invalid_request_error", param=param).response()
+
+
+def unexpected_error(request: Request, exc: Exception) -> Response:
+    """A bug, in OpenAI's shape; Starlette logs the traceback after this answers."""
+    return ApiError(
+        500,
+        "the server failed on this request; retry, and report it if it persists",
+        "server_error",
+    ).response()

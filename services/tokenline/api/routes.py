@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tokenline import protocol
 from tokenline.api.errors import ApiError
 from tokenline.api.exchange import Exchange
+from tokenline.api.limits import check_request
 from tokenline.api.pipeline import Pipeline
 from tokenline.api.render import (
     NORMAL_ENDS,
@@ -119,7 +120,18 @@ async def _serve(request: Request, body, build, chat: bool) -> Response:
             "model_not_found",
             "model",
         )
-    ex = pipeline.open(body.n, build)
+    check_request(body, request.app.state.settings)
+    try:
+        ex = pipeline.open(body.n, build)
+    except (OverflowError, UnicodeError) as exc:
+        # The schemas bound every field, so this is a gap in them; open() has already let go
+        # of the request's uids.
+        raise ApiError(
+            400,
+            f"the request holds a value the server cannot carry ({exc}); keep integers "
+            "within their documented ranges and strings valid Unicode",
+            "invalid_request_error",
+        ) from exc
     # One watcher for the request's whole life; a stream takes it over with the exchange.
     watcher = asyncio.create_task(_watch_disconnect(request, pipeline, ex))
     handed_over = False  # once an ExchangeStream owns the exchange, it closes it

@@ -2,51 +2,76 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from tokenline.protocol import ChatMessage, SamplingParams
 
-MAX_N = 16
-MAX_STOP_STRINGS = 16
+# Hard bounds: what the wire format and the stages can carry. The operator's tighter limits
+# (--max-n, --max-tokens-limit, ...) are checked after parsing, in api/limits.py.
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI allows
 MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs, as OpenAI allows
+INT32_MAX = 2**31 - 1  # token counts and ids: far beyond any model, safe in every stage
+# torch's seed range; each choice's seed is seed + index, still within MessagePack's uint64
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _no_lone_surrogates(value: str) -> str:
+    # JSON's "\ud800" escape decodes to a code point UTF-8 cannot encode: refused here rather
+    # than failing in the ring's encoder. Pairs were already joined by the JSON parser.
+    if not value.isascii() and _LONE_SURROGATE.search(value):
+        raise ValueError(
+            "the string holds a lone UTF-16 surrogate (such as \\ud800), which is not valid "
+            "Unicode; send well-formed text"
+        )
+    return value
+
+
+Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+# NaN and the infinities pass range checks they should fail (NaN compares false both ways)
+_CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
+    model_config = _CONFIG
+
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints. Unknown fields are ignored, as OpenAI clients send many."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _CONFIG
 
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    model: Text
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(default=0, ge=-1, le=INT32_MAX)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: int = Field(default=1, ge=1)  # at most --max-n (limits.py); never encoded itself
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Text | list[Text] | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
 
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> list[str]:
+        # how many and how long: api/limits.py, from the operator's flags
         stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
         return [s for s in stops if s]
 
     def wanted_tokens(self) -> int | None:
@@ -81,15 +106,17 @@ class _SamplingFields(BaseModel):
 
 
 class TextPart(BaseModel):
+    model_config = _CONFIG
+
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _CONFIG
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def to_wire(self) -> ChatMessage:
         content = self.content
@@ -101,7 +128,7 @@ class ChatMessageIn(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -123,8 +150,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    prompt: Text | list[Text]
+    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)  # OpenAI's default
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS, strict=True)
 

@@ -1,0 +1,80 @@
+"""A request the ring cannot carry leaves nothing behind: `Pipeline.open` builds and encodes
+every choice before any uid is live, and the route answers 400 in OpenAI's shape."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from api_testkit import app_with, client_for
+
+from tokenline import protocol
+from tokenline.api.pipeline import Pipeline
+from tokenline.settings import Settings
+
+
+class EncodingRing:
+    """Encodes as the real ring does (MessagePack), sends nowhere."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def encode(self, message: msgspec.Struct) -> bytes:
+        return msgspec.msgpack.encode(message)
+
+    def send_frame(self, frame: bytes) -> None:
+        self.sent.append(frame)
+
+    def send_nowait(self, message: msgspec.Struct) -> None:
+        self.send_frame(self.encode(message))
+
+
+@pytest.fixture
+def pipeline(monkeypatch) -> Pipeline:
+    pipeline = Pipeline(Settings(), EncodingRing())
+    # admission's readiness check, which would need heartbeats from live stages
+    monkeypatch.setattr(pipeline.health, "problem", lambda now: None)
+    return pipeline
+
+
+def _generate(**sampling):
+    def build(uid: str, index: int) -> protocol.Generate:
+        params = {k: (v(index) if callable(v) else v) for k, v in sampling.items()}
+        return protocol.Generate(
+            uid=uid, sampling=protocol.SamplingParams(**params), prompt="x", timeout_s=60
+        )
+
+    return build
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"max_tokens": 2**64},
+        {"seed": -(2**63) - 1},
+        {"stop": ["\ud800"]},
+        {"seed": lambda i: 2**64 - 2 + i},  # only the third choice overflows
+    ],
+)
+def test_an_unencodable_request_leaves_no_uid_live(pipeline, sampling):
+    with pytest.raises((OverflowError, UnicodeEncodeError)):
+        pipeline.open(3, _generate(**sampling))
+    assert pipeline.exchanges == {}
+    assert len(pipeline.ledger) == 0
+    assert pipeline.ring.sent == []  # no choice of it reached the tokenizer
+    ex = pipeline.open(1, _generate(max_tokens=4))  # and admission goes on
+    assert list(pipeline.exchanges) == ex.uids
+    pipeline.close(ex)
+    assert pipeline.exchanges == {} and len(pipeline.ledger) == 0
+
+
+def test_the_route_answers_an_unencodable_request_with_a_400():
+    app, stand_in = app_with()
+
+    def unencodable(n, build):
+        raise OverflowError("can't serialize ints < -2**63 or > 2**64 - 1")
+
+    stand_in.open = unencodable
+    response = client_for(app).post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert "cannot carry" in response.json()["error"]["message"]

@@ -233,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     api = sub.add_parser("api", help="the OpenAI-compatible HTTP stage")
     _common(api)
     _api_flags(api)
+    # api only: serve's supervisor probes /ready over plain HTTP
+    _flag(api, "ssl-certfile", help="PEM certificate (chain): serve HTTPS instead of HTTP")
+    _flag(api, "ssl-keyfile", help="PEM private key of --ssl-certfile (if not in that file)")
     for stage in ("tokenizer", "scheduler", "detokenizer"):
         p = sub.add_parser(stage, help=f"the {stage} stage")
         _common(p)

@@ -106,6 +106,8 @@ def run(settings: Settings) -> int:
         # when streaming to a few dozen clients (benchmarks/README.md).
         loop="uvloop",
         http="httptools",
+        ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile,
     )
     server = DrainingServer(config, app, settings.drain_timeout)
     server.run(sockets=[listening_socket(settings.host, settings.port)])

@@ -155,13 +155,8 @@ def test_no_key_in_the_stacks_log(keyed_stack):
     assert KEY not in log and FILE_KEY_OLD not in log
 
 
-# Last in this module: with the bug it names, it takes the scheduler down, and nothing after
-# it uses this stack.
-@pytest.mark.xfail(
-    strict=False,
-    reason="an empty completions prompt (zero tokens) kills the scheduler; fixed in the "
-    "tokenizer/scheduler stages, not the api (issue 19)",
-)
+# Last in this module: an empty prompt once took the scheduler down, and if it ever does
+# again, nothing after it uses this stack.
 def test_an_empty_prompt_is_answered_and_kills_nothing(keyed_stack):
     pids = {s: keyed_stack.pid_of(s) for s in ("tokenizer", "scheduler", "detokenizer")}
     headers = {"Authorization": f"Bearer {KEY}"}

@@ -8,6 +8,11 @@ Each profile is served under its own path prefix: ``http://127.0.0.1:PORT/<profi
 A request streams ``max_tokens`` tokens (fewer when ``eos_at`` is set and the request does not
 say ``ignore_eos``): the first chunk ``ttft`` seconds after the request arrives, then one chunk
 of ``tokens_per_chunk`` tokens every ``itl * tokens_per_chunk`` seconds.
+
+A prompt's tokens are its words (a chat prompt's: the words of all its messages). A profile
+with ``cache`` reports ``usage.prompt_tokens_details.cached_tokens`` as a toy prefix cache
+would: the longest run of leading words it shares with a prompt the profile saw before.
+``GET /<profile>/received`` lists the bodies the profile was sent, in arrival order.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
@@ -36,7 +41,10 @@ class Profile:
     strict: bool = False  # 422 on fields outside the OpenAI schema, as `transformers serve` does
     eos_at: int | None = None  # stop here unless the request says ignore_eos
     fail_every: int = 0  # every Nth request answers HTTP 500
+    cache: bool = False  # report cached_tokens from the prompts seen before
     seen: int = 0
+    received: list[dict[str, Any]] = field(default_factory=list)
+    prompts: list[list[str]] = field(default_factory=list)
 
 
 PROFILES: dict[str, Profile] = {
@@ -47,6 +55,9 @@ PROFILES: dict[str, Profile] = {
     "eos": Profile(ttft=0.02, itl=0.005, eos_at=5),
     "flaky": Profile(ttft=0.02, itl=0.005, fail_every=3),
     "quick": Profile(ttft=0.01, itl=0.002),
+    "prefix": Profile(ttft=0.01, itl=0.002, cache=True),
+    "turns": Profile(ttft=0.01, itl=0.002, cache=True),
+    "turns-flaky": Profile(ttft=0.01, itl=0.002, fail_every=2),
 }
 
 OPENAI_FIELDS = {
@@ -69,7 +80,7 @@ def _chunk(
     chat: bool,
     text: str | None,
     finish: str | None,
-    usage: dict[str, int] | None = None,
+    usage: dict[str, Any] | None = None,
     role: bool = False,
 ) -> str:
     if chat:
@@ -100,6 +111,7 @@ async def generate(request: Request) -> Response:
     profile = PROFILES[name]
     arrived = time.perf_counter()
     body = await request.json()
+    profile.received.append(body)
     profile.seen += 1
     if profile.fail_every and profile.seen % profile.fail_every == 0:
         return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
@@ -110,7 +122,12 @@ async def generate(request: Request) -> Response:
     if profile.eos_at is not None and not body.get("ignore_eos"):
         total = min(total, profile.eos_at)
     want_usage = profile.usage and (body.get("stream_options") or {}).get("include_usage")
-    prompt = body.get("prompt") or body["messages"][-1]["content"]
+    if chat:
+        words = [w for message in body["messages"] for w in message["content"].split()]
+    else:
+        words = body["prompt"].split()
+    cached = max((_common_prefix(words, seen) for seen in profile.prompts), default=0)
+    profile.prompts.append(words)
 
     async def stream():
         if chat:
@@ -124,17 +141,32 @@ async def generate(request: Request) -> Response:
             yield _chunk(name, chat, text, "length" if sent == total else None)
             due += profile.itl * profile.tokens_per_chunk
         if want_usage:
-            prompt_tokens = len(prompt.split())
-            usage = {
+            prompt_tokens = len(words)
+            usage: dict[str, Any] = {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": total,
                 "total_tokens": prompt_tokens + total,
             }
+            if profile.cache:
+                usage["prompt_tokens_details"] = {"cached_tokens": cached}
             yield _chunk(name, chat, None, None, usage=usage)
         if profile.done:
             yield "data: [DONE]\n\n"
 
     return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+def _common_prefix(a: list[str], b: list[str]) -> int:
+    count = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
+async def received(request: Request) -> Response:
+    return JSONResponse(PROFILES[request.path_params["profile"]].received)
 
 
 async def models(request: Request) -> Response:
@@ -147,6 +179,7 @@ app = Starlette(
         Route("/{profile}/v1/completions", generate, methods=["POST"]),
         Route("/{profile}/v1/chat/completions", generate, methods=["POST"]),
         Route("/{profile}/v1/models", models),
+        Route("/{profile}/received", received),
     ]
 )
 

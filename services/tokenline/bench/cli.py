@@ -46,6 +46,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0 or value == float("inf"):
@@ -117,6 +124,36 @@ def build_parser() -> argparse.ArgumentParser:
         default=LengthDist(64, 64),
         metavar="N|LOW:HIGH",
         help="output tokens (max_tokens), fixed or uniform (default 64)",
+    )
+    load.add_argument(
+        "--shared-prefix-len",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="every prompt starts with the same N words, then its own --prompt-len words "
+        "(default 0: distinct prompts)",
+    )
+    load.add_argument(
+        "--prefix-groups",
+        type=_positive_int,
+        default=1,
+        metavar="K",
+        help="K different shared prefixes, requests spread evenly over them (default 1)",
+    )
+    load.add_argument(
+        "--turns",
+        type=_positive_int,
+        default=1,
+        metavar="T",
+        help="conversations of T user messages of --prompt-len words (chat endpoint): each "
+        "request resends the conversation so far, replies included, plus a new message; "
+        "--num-requests counts requests (default 1)",
+    )
+    load.add_argument(
+        "--repeat-prompts",
+        action="store_true",
+        help="send the same words every round (default: each round after the first gets new "
+        "words of the same lengths, so that a prefix cache cannot hold a whole prompt)",
     )
     load.add_argument("--temperature", type=float, help="sent when given")
     load.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
@@ -230,6 +267,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         request_rate=args.request_rate,
         prompt_len=args.prompt_len,
         output_len=args.output_len,
+        shared_prefix_len=args.shared_prefix_len,
+        prefix_groups=args.prefix_groups,
+        turns=args.turns,
+        reword_rounds=not args.repeat_prompts,
         seed=args.seed,
         rounds=rounds,
         warmup=args.warmup,

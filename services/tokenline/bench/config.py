@@ -44,6 +44,10 @@ class BenchConfig:
     request_rate: float | None = None  # None: closed loop at `concurrency`
     prompt_len: LengthDist = field(default_factory=lambda: LengthDist(32, 32))
     output_len: LengthDist = field(default_factory=lambda: LengthDist(64, 64))
+    shared_prefix_len: int = 0  # words every prompt starts with (0: distinct prompts)
+    prefix_groups: int = 1  # different shared prefixes, requests spread evenly over them
+    turns: int = 1  # user messages per conversation; each request resends the conversation
+    reword_rounds: bool = True  # later rounds get new words: a prefix cache must not help
     seed: int = 0
     rounds: int = 1
     warmup: int = 1
@@ -51,6 +55,20 @@ class BenchConfig:
     temperature: float | None = None
     include_usage: bool = True
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.shared_prefix_len < 0:
+            raise ValueError("the shared prefix length must be 0 or more")
+        if self.prefix_groups < 1 or self.turns < 1:
+            raise ValueError("prefix groups and turns must be at least 1")
+        if self.prefix_groups > 1 and not self.shared_prefix_len:
+            raise ValueError("prefix groups need a shared prefix length")
+        if self.turns > 1 and self.endpoint != "chat":
+            raise ValueError("a conversation (turns > 1) needs the chat endpoint")
+        if self.num_requests % self.turns:
+            raise ValueError(
+                f"{self.num_requests} requests do not make whole conversations of {self.turns}"
+            )
 
     def describe(self) -> dict[str, Any]:
         """JSON-ready summary of the load (targets are recorded separately)."""
@@ -61,6 +79,10 @@ class BenchConfig:
             "request_rate": self.request_rate,
             "prompt_len": str(self.prompt_len),
             "output_len": str(self.output_len),
+            "shared_prefix_len": self.shared_prefix_len,
+            "prefix_groups": self.prefix_groups,
+            "turns": self.turns,
+            "reword_rounds": self.reword_rounds,
             "seed": self.seed,
             "rounds": self.rounds,
             "warmup": self.warmup,

@@ -5,8 +5,14 @@ A phase is one target running the whole workload once. Closed loop (no request r
 loop (a request rate): requests start at Poisson arrival times, optionally capped at
 ``concurrency`` in flight.
 
+In a conversation workload the unit of the loop is a conversation: its turns go one after the
+other (each needs the reply before it), and ``concurrency`` or the arrivals apply to
+conversations, so requests in flight stay within the same bound.
+
 With two targets, rounds run in the order A B, B A, A B, ... so that drifting machine noise
-(thermal, other tenants, caches warming) falls on both targets alike.
+(thermal, other tenants, caches warming) falls on both targets alike. Each round after the
+first gets its own words (``reword``; the same for every target), so that a server with a
+prefix cache does not find the previous round's prompts in it.
 """
 
 from __future__ import annotations
@@ -20,8 +26,14 @@ import aiohttp
 from tokenline.bench.config import BenchConfig, TargetConfig
 from tokenline.bench.isolation import frozen
 from tokenline.bench.records import BenchResult, Phase, RequestRecord, TargetInfo
-from tokenline.bench.request import discover_model, send_request
-from tokenline.bench.workload import RequestSpec, build_workload, poisson_arrivals
+from tokenline.bench.request import Message, discover_model, new_record, send_request
+from tokenline.bench.workload import (
+    RequestSpec,
+    build_workload,
+    conversations,
+    poisson_arrivals,
+    reword,
+)
 
 OnDone = Callable[[RequestRecord], None]
 OnPhase = Callable[[str, int], None]
@@ -53,45 +65,72 @@ async def run_phase(
     concurrency: int | None = None,
     on_done: OnDone = _ignore_record,
 ) -> Phase:
-    """Send every spec to ``target`` once; records come back sorted by spec index."""
+    """Send every spec to ``target`` once; records come back sorted by spec index.
+
+    ``arrivals`` has one offset per conversation (per request when every conversation has
+    one turn)."""
     records: list[RequestRecord] = []
     phase_start = time.perf_counter()
+    chats = conversations(specs)
 
-    async def one(spec: RequestSpec) -> None:
-        record = await send_request(
-            client, config, target, model, spec, round_=round_, run_start=run_start
-        )
-        records.append(record)
-        on_done(record)
+    async def one(turns: list[RequestSpec]) -> None:
+        history: list[Message] = []
+        for position, spec in enumerate(turns):
+            reply: list[str] = []
+            record = await send_request(
+                client,
+                config,
+                target,
+                model,
+                spec,
+                round_=round_,
+                run_start=run_start,
+                history=history,
+                reply=reply,
+            )
+            records.append(record)
+            on_done(record)
+            if not record.ok:
+                # The next turn would resend a conversation that never happened.
+                for skipped in turns[position + 1 :]:
+                    lost = new_record(target, skipped, round_)
+                    lost.error = f"not sent: turn {spec.turn} of its conversation failed"
+                    records.append(lost)
+                    on_done(lost)
+                return
+            history += [
+                {"role": "user", "content": spec.prompt},
+                {"role": "assistant", "content": "".join(reply)},
+            ]
 
     if arrivals is None:
         if concurrency is None:
             raise ValueError("a closed loop needs a concurrency")
-        pending = iter(specs)
+        pending = iter(chats)
 
         async def worker() -> None:
-            for spec in pending:
-                await one(spec)
+            for turns in pending:
+                await one(turns)
 
         async with asyncio.TaskGroup() as group:
-            for _ in range(min(concurrency, len(specs))):
+            for _ in range(min(concurrency, len(chats))):
                 group.create_task(worker())
     else:
         gate = asyncio.Semaphore(concurrency) if concurrency else None
 
-        async def gated(spec: RequestSpec) -> None:
+        async def gated(turns: list[RequestSpec]) -> None:
             if gate is None:
-                await one(spec)
+                await one(turns)
                 return
             async with gate:
-                await one(spec)
+                await one(turns)
 
         async with asyncio.TaskGroup() as group:
-            for spec, arrival in zip(specs, arrivals, strict=True):
+            for turns, arrival in zip(chats, arrivals, strict=True):
                 delay = phase_start + arrival - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                group.create_task(gated(spec))
+                group.create_task(gated(turns))
 
     duration = time.perf_counter() - phase_start
     records.sort(key=lambda record: record.index)
@@ -132,13 +171,24 @@ async def run_benchmark(
     on_done: OnDone = _ignore_record,
     on_phase: OnPhase = _ignore_phase,
 ) -> BenchResult:
-    """Run the configured load against every target; warm-up requests are not recorded."""
-    specs = build_workload(config.num_requests, config.prompt_len, config.output_len, config.seed)
+    """Run the configured load against every target; warm-up requests are not recorded.
+
+    Warm-up requests have their own words but the run's shared prefixes: measuring starts
+    with a prefix already seen, as a long-running service sees its system prompt."""
+    shape = {
+        "shared_prefix_len": config.shared_prefix_len,
+        "prefix_groups": config.prefix_groups,
+        "turns": config.turns,
+        "prefix_seed": config.seed,
+    }
+    specs = build_workload(
+        config.num_requests, config.prompt_len, config.output_len, config.seed, **shape
+    )
     warmup_specs = build_workload(
-        config.warmup, config.prompt_len, config.output_len, config.seed + 1
+        config.warmup, config.prompt_len, config.output_len, config.seed + 1, **shape
     )
     arrivals = (
-        poisson_arrivals(config.num_requests, config.request_rate, config.seed)
+        poisson_arrivals(len(conversations(specs)), config.request_rate, config.seed)
         if config.request_rate is not None
         else None
     )
@@ -173,13 +223,16 @@ async def run_benchmark(
 
     run_start = time.perf_counter()  # after warm-up: the plots' time axis starts here
     for round_ in range(config.rounds):
+        round_specs = (
+            reword(specs, f"{config.seed}:{round_}") if round_ and config.reword_rounds else specs
+        )
         for target in round_order(config.targets, round_):
             on_phase(target.label, round_)
             phase = await isolated_phase(
                 config,
                 target,
                 models[target.label],
-                specs,
+                round_specs,
                 round_=round_,
                 run_start=run_start,
                 arrivals=arrivals,

@@ -26,6 +26,9 @@ class RequestRecord:
     tokens_source: str = "chunks"  # "usage" or "chunks"
     chunks: int = 0  # chunks that carried text
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
+    conversation: int = 0
+    turn: int = 0
     finish_reason: str | None = None
     status_code: int | None = None
     error: str | None = None

@@ -73,6 +73,7 @@ class Summary:
     duration: float
     output_tokens: int
     prompt_tokens: int | None  # None when the server reported no usage
+    cached_tokens: int | None  # prompt tokens the server found cached; None: never reported
     output_throughput: float
     request_throughput: float
     mean_output_tokens: float
@@ -93,6 +94,7 @@ def summarize(result: BenchResult, label: str) -> Summary:
     duration = result.duration(label)
     output_tokens = sum(r.output_tokens for r in ok)
     prompt_counts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    cached_counts = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     sources = {r.tokens_source for r in ok}
     errors: list[str] = []
     for record in records:
@@ -107,6 +109,7 @@ def summarize(result: BenchResult, label: str) -> Summary:
         duration=duration,
         output_tokens=output_tokens,
         prompt_tokens=sum(prompt_counts) if prompt_counts else None,
+        cached_tokens=sum(cached_counts) if cached_counts else None,
         output_throughput=output_tokens / duration if duration > 0 else 0.0,
         request_throughput=len(ok) / duration if duration > 0 else 0.0,
         mean_output_tokens=output_tokens / len(ok) if ok else 0.0,
@@ -132,6 +135,8 @@ def _ms(value: float | None) -> str:
 def format_summary(s: Summary) -> str:
     """One target's numbers as a small table."""
     prompt = "-" if s.prompt_tokens is None else str(s.prompt_tokens)
+    if s.cached_tokens is not None and s.prompt_tokens:
+        prompt += f" ({s.cached_tokens} cached, {s.cached_tokens / s.prompt_tokens:.0%})"
     lines = [
         f"== {s.label}: {s.base_url}  model {s.model}",
         f"requests            {s.completed} ok, {s.failed} failed in {s.duration:.2f} s",
@@ -245,6 +250,16 @@ def format_report(result: BenchResult) -> str:
         f"target, {load}, prompt {config['prompt_len']} words, output {config['output_len']} "
         f"tokens, /{config['endpoint']}"
     )
+    shape = []
+    if config.get("shared_prefix_len"):
+        shape.append(
+            f"shared prefix {config['shared_prefix_len']} words in "
+            f"{config['prefix_groups']} group(s)"
+        )
+    if config.get("turns", 1) > 1:
+        shape.append(f"conversations of {config['turns']} turns")
+    if shape:
+        head += "\n" + ", ".join(shape)
     blocks = [head, *(format_summary(s) for s in summaries)]
     if len(summaries) == 2:
         blocks.append(format_comparison(*summaries))

@@ -13,14 +13,22 @@ from tokenline.bench.records import RequestRecord
 from tokenline.bench.sse import DONE, iter_sse_data, read_chunk
 from tokenline.bench.workload import RequestSpec
 
+Message = dict[str, str]
+
 
 def build_body(
-    config: BenchConfig, target: TargetConfig, model: str, spec: RequestSpec
+    config: BenchConfig,
+    target: TargetConfig,
+    model: str,
+    spec: RequestSpec,
+    history: list[Message] | None = None,
 ) -> dict[str, Any]:
-    """The JSON body for ``spec``: streaming, ``max_tokens`` fixed, usage asked for."""
+    """The JSON body for ``spec``: streaming, ``max_tokens`` fixed, usage asked for.
+
+    ``history`` is the conversation before this turn (chat messages, replies included)."""
     body: dict[str, Any] = {"model": model, "max_tokens": spec.max_tokens, "stream": True}
     if config.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": spec.prompt}]
+        body["messages"] = [*(history or []), {"role": "user", "content": spec.prompt}]
     else:
         body["prompt"] = spec.prompt
     if config.include_usage:
@@ -31,6 +39,19 @@ def build_body(
         body["temperature"] = config.temperature
     body.update(target.extra_body)
     return body
+
+
+def new_record(target: TargetConfig, spec: RequestSpec, round_: int) -> RequestRecord:
+    """The record of ``spec`` before anything is sent."""
+    return RequestRecord(
+        target=target.label,
+        round=round_,
+        index=spec.index,
+        prompt_words=spec.prompt_words,
+        max_tokens=spec.max_tokens,
+        conversation=spec.conversation,
+        turn=spec.turn,
+    )
 
 
 async def _lines(stream: aiohttp.StreamReader) -> AsyncIterator[str]:
@@ -57,18 +78,15 @@ async def send_request(
     *,
     round_: int = 0,
     run_start: float = 0.0,
+    history: list[Message] | None = None,
+    reply: list[str] | None = None,
 ) -> RequestRecord:
     """Send ``spec`` and time its stream. Never raises for server or network errors: a
-    failed request comes back as a record with ``error`` set."""
-    record = RequestRecord(
-        target=target.label,
-        round=round_,
-        index=spec.index,
-        prompt_words=spec.prompt_words,
-        max_tokens=spec.max_tokens,
-    )
+    failed request comes back as a record with ``error`` set. The streamed text is appended
+    to ``reply`` when one is given (a conversation's next turn resends it)."""
+    record = new_record(target, spec, round_)
     url = f"{target.base_url}{ENDPOINT_PATHS[config.endpoint]}"
-    body = build_body(config, target, model, spec)
+    body = build_body(config, target, model, spec, history)
     usage_tokens: int | None = None
     last_chunk_at: float | None = None
     sent = time.perf_counter()
@@ -89,6 +107,8 @@ async def send_request(
                     record.error = f"stream error: {chunk.error}"
                     break
                 if chunk.text:
+                    if reply is not None:
+                        reply.append(chunk.text)
                     if last_chunk_at is None:
                         record.ttft = now - sent
                     else:
@@ -100,6 +120,8 @@ async def send_request(
                     usage_tokens = chunk.completion_tokens
                 if chunk.prompt_tokens is not None:
                     record.prompt_tokens = chunk.prompt_tokens
+                if chunk.cached_tokens is not None:
+                    record.cached_tokens = chunk.cached_tokens
                 if chunk.finish_reason is not None:
                     record.finish_reason = chunk.finish_reason
         record.e2e = time.perf_counter() - sent

@@ -69,6 +69,7 @@ class Chunk:
     text: str = ""
     completion_tokens: int | None = None  # from a `usage` object, when the chunk has one
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     finish_reason: str | None = None
     error: str | None = None
 
@@ -100,13 +101,17 @@ def read_chunk(data: str, endpoint: str) -> Chunk:
             text = _choice_text(choice, endpoint)
             finish_reason = choice.get("finish_reason")
     usage = obj.get("usage")
-    completion_tokens = prompt_tokens = None
+    completion_tokens = prompt_tokens = cached_tokens = None
     if isinstance(usage, dict):
         completion_tokens = usage.get("completion_tokens")
         prompt_tokens = usage.get("prompt_tokens")
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            cached_tokens = details.get("cached_tokens")
     return Chunk(
         text=text,
         completion_tokens=completion_tokens,
         prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
         finish_reason=finish_reason,
     )

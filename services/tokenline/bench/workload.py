@@ -1,14 +1,22 @@
 """The workload: length distributions, synthetic prompts and arrival times.
 
-Everything is drawn from one seeded ``random.Random``, so every target of a run (and every
+Everything is drawn from seeded ``random.Random`` instances, so every target of a run (and every
 rerun with the same seed) gets the same prompts, the same output lengths and the same arrivals.
+
+Three shapes share one description, a list of ``RequestSpec``:
+
+- distinct prompts (the default): every prompt is its own random words;
+- shared prefixes (``shared_prefix_len``): every prompt starts with one of ``prefix_groups``
+  fixed runs of words, then its own words, as a system prompt or tool definitions would;
+- conversations (``turns``): requests come in conversations of ``turns`` user messages; each
+  request resends the conversation so far (built by the load, which knows the replies).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Plain words, most of them one token in common tokenizers; a prompt of N words is roughly
 # N tokens (the server's `usage` reports the exact count).
@@ -60,12 +68,21 @@ class LengthDist:
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One request of the workload; the same spec is sent to every target."""
+    """One request of the workload; the same spec is sent to every target.
+
+    ``prompt`` is the whole prompt, or in a conversation this turn's new user message (the
+    first one begins with the shared prefix, if any). ``prompt_words`` counts its words,
+    ``prefix_words`` of them shared with the other requests of ``prefix_group``.
+    """
 
     index: int
     prompt: str
     prompt_words: int
     max_tokens: int
+    conversation: int = 0
+    turn: int = 0
+    prefix_words: int = 0
+    prefix_group: int | None = None
 
 
 def synth_prompt(rng: random.Random, words: int) -> str:
@@ -73,23 +90,88 @@ def synth_prompt(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
+def shared_prefixes(words: int, groups: int, seed: int) -> list[str]:
+    """``groups`` different prefixes of ``words`` words each.
+
+    Drawn apart from the per-request words, so that adding a prefix leaves the rest of the
+    workload as it was, and so that the warm-up (another seed) can share the run's prefixes.
+    """
+    return [
+        synth_prompt(random.Random(f"tokenline-bench-prefix:{seed}:{group}"), words)
+        for group in range(groups)
+    ]
+
+
 def build_workload(
-    num_requests: int, prompt_len: LengthDist, output_len: LengthDist, seed: int
+    num_requests: int,
+    prompt_len: LengthDist,
+    output_len: LengthDist,
+    seed: int,
+    *,
+    shared_prefix_len: int = 0,
+    prefix_groups: int = 1,
+    turns: int = 1,
+    prefix_seed: int | None = None,
 ) -> list[RequestSpec]:
-    """The ``num_requests`` request specs of a run, reproducible from ``seed``."""
+    """The ``num_requests`` request specs of a run, reproducible from ``seed``.
+
+    Request ``i`` is turn ``i % turns`` of conversation ``i // turns``; conversation ``c``
+    starts with the prefix of group ``c % prefix_groups``, so the groups get equal shares.
+    ``prompt_len`` is the length of each request's own words (each user message's, in a
+    conversation). Prefixes come from ``prefix_seed`` (default ``seed``).
+    """
+    if shared_prefix_len < 0 or prefix_groups < 1 or turns < 1:
+        raise ValueError("shared_prefix_len must be >= 0, prefix_groups and turns >= 1")
+    prefixes = shared_prefixes(
+        shared_prefix_len, prefix_groups, seed if prefix_seed is None else prefix_seed
+    )
     rng = random.Random(seed)
     specs = []
     for index in range(num_requests):
         words = prompt_len.sample(rng)
+        prompt = synth_prompt(rng, words)
+        conversation, turn = divmod(index, turns)
+        group, prefix_words = None, 0
+        if shared_prefix_len and turn == 0:
+            group, prefix_words = conversation % prefix_groups, shared_prefix_len
+            prompt = f"{prefixes[group]} {prompt}"
         specs.append(
             RequestSpec(
                 index=index,
-                prompt=synth_prompt(rng, words),
-                prompt_words=words,
+                prompt=prompt,
+                prompt_words=words + prefix_words,
                 max_tokens=output_len.sample(rng),
+                conversation=conversation,
+                turn=turn,
+                prefix_words=prefix_words,
+                prefix_group=group,
             )
         )
     return specs
+
+
+def reword(specs: list[RequestSpec], seed: str) -> list[RequestSpec]:
+    """The same requests with new words of their own: same lengths, same shared prefixes.
+
+    A later round gets reworded specs, so that a server with a prefix cache does not find
+    the whole prompts of the round before it.
+    """
+    rng = random.Random(f"tokenline-bench-reword:{seed}")
+    out = []
+    for spec in specs:
+        prefix = spec.prompt.split(" ")[: spec.prefix_words]
+        own = synth_prompt(rng, spec.prompt_words - spec.prefix_words)
+        prompt = " ".join([*prefix, own]) if prefix else own
+        out.append(replace(spec, prompt=prompt))
+    return out
+
+
+def conversations(specs: list[RequestSpec]) -> list[list[RequestSpec]]:
+    """The specs grouped by conversation, each in turn order; conversations in spec order."""
+    grouped: dict[int, list[RequestSpec]] = {}
+    for spec in specs:
+        grouped.setdefault(spec.conversation, []).append(spec)
+    return [sorted(turns, key=lambda spec: spec.turn) for turns in grouped.values()]
 
 
 def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:

@@ -1,0 +1,334 @@
+"""The four stages chained into a ring in one process, driven by a seeded random scenario.
+
+The real api `Pipeline` (admission, routing, aborts, ring health), the real tokenizer and
+detokenizer handlers, and the real scheduler handler over the real `Engine` (its policy, KV
+pool and prefix cache) with a scripted runner in place of the model: the next token is a
+function of the last one, so a scenario runs in milliseconds. Every message crosses each hop
+encoded and decoded as on the wire, in order per link. A scenario injects client
+disconnects, deadlines, unread streams (pauses), stop strings, over-long and empty prompts,
+malformed frames, a handler that raises, and a stage restarted mid-flight with its state and
+its inbox lost; then it lets the ring settle and checks DESIGN.md's invariants.
+
+A failure names its seed; ``python -m pytest tests/simulation -k replay --seed N`` replays it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+from tokenline import protocol
+from tokenline.api.exchange import Exchange
+from tokenline.api.pipeline import Pipeline
+from tokenline.detokenizer.stage import Detokenizer
+from tokenline.scheduler.engine import Engine, EngineLimits
+from tokenline.scheduler.stage import SchedulerStage
+from tokenline.settings import Settings
+from tokenline.stage_runtime import StageRuntime
+from tokenline.tokenizer.stage import Tokenizer, TokenizerStage
+from tokenline.transport import INBOX_UNION, NEXT_STAGE
+
+STAGES = ("tokenizer", "scheduler", "detokenizer")
+WORDS = ["river", "mountain", "road", "old", "the", "stone", "light", "a", "blue", "far"]
+
+
+class ScriptedRunner:
+    """The runner's interface without a model: logits that make the next token a fixed
+    function of the previous one (one in 40 tokens is an end token)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, vocab_size: int, end_ids: list[int], num_blocks: int, block_size: int):
+        self.vocab_size = vocab_size
+        self.end_ids = end_ids
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.fail_next = False  # the next forward raises, as a kernel bug would
+
+    def forward(self, chunks) -> torch.Tensor:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("scripted runner failure")
+        rows = [c.seq for c in chunks if c.samples]
+        logits = torch.zeros(len(rows), self.vocab_size)
+        for row, seq in enumerate(rows):
+            last = seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
+            nxt = (last * 31 + 7) % self.vocab_size
+            if nxt % 40 == 0:
+                nxt = self.end_ids[0]
+            logits[row, nxt] = 30.0
+        return logits
+
+    def release_decode_contexts(self) -> None:
+        pass
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator().manual_seed(seed)
+
+
+class ListRing:
+    """What `Pipeline` needs of `AsyncRing`: an outbox, here the api → tokenizer link."""
+
+    def __init__(self, link: deque) -> None:
+        self._link = link
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def encode(self, message: msgspec.Struct) -> bytes:
+        return self._encoder.encode(message)
+
+    def send_frame(self, frame: bytes) -> None:
+        self._link.append(frame)
+
+    def send_nowait(self, message: msgspec.Struct) -> None:
+        self._link.append(self.encode(message))
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Client:
+    """One request as its client sees it."""
+
+    exchange: Exchange
+    reads: bool  # False: never reads (a slow client)
+    leaves_after: int | None  # reads this many batches, then disconnects
+    ends: list[str] = field(default_factory=list)  # what ended it, once: "done" or an error
+    batches: int = 0
+
+
+class RingSim:
+    def __init__(self, seed: int, tokenizer, max_model_len: int = 96) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.hf_tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.links: dict[str, deque] = {s: deque() for s in ("api", *STAGES)}  # inboxes
+        self.codecs = {s: protocol.Codec(INBOX_UNION[s]) for s in self.links}
+        self.malformed = 0
+        settings = Settings(request_timeout=30.0, slow_client_timeout=5.0, max_waiting=10_000)
+        self.pipeline = Pipeline(settings, ListRing(self.links["tokenizer"]))
+        self.runtimes: dict[str, StageRuntime] = {}
+        for stage in STAGES:
+            self.runtimes[stage] = self._new_runtime(stage)
+        self.clients: list[Client] = []
+        self.clock_offset = 0.0  # simulated time the api's watchdog sees beyond the real one
+
+    # ── stages ─────────────────────────────────────────────────────────────────────────────────
+    def _new_runtime(self, stage: str) -> StageRuntime:
+        if stage == "tokenizer":
+            handler = TokenizerStage(Tokenizer(self.hf_tokenizer, self.max_model_len))
+        elif stage == "detokenizer":
+            handler = Detokenizer(self.hf_tokenizer.backend_tokenizer)
+        else:
+            end = self.hf_tokenizer.convert_tokens_to_ids("<|end|>")
+            runner = ScriptedRunner(len(self.hf_tokenizer), [end], num_blocks=40, block_size=4)
+            limits = EngineLimits(self.max_model_len, max_num_seqs=6, max_num_batched_tokens=32)
+            handler = SchedulerStage(Engine(runner, limits, [end]), "sim")
+        target = self.links[NEXT_STAGE[stage]]
+        encoder = msgspec.msgpack.Encoder()
+        return StageRuntime(handler, lambda m: target.append(encoder.encode(m)))
+
+    def scheduler_engine(self) -> Engine:
+        return self.runtimes["scheduler"].handler.engine
+
+    def restart(self, stage: str) -> None:
+        """The stage dies with its state and whatever waited in its inbox; a new one starts."""
+        self.links[stage].clear()
+        self.pipeline.route(protocol.Link(reporter="sim", peer=stage, up=False))
+        self.runtimes[stage] = self._new_runtime(stage)
+        self.pipeline.route(protocol.Link(reporter="sim", peer=stage, up=True))
+
+    def _detokenizer_fails_once(self) -> None:
+        """The detokenizer's next decode raises, as a tokenizer bug would on one uid."""
+        handler = self.runtimes["detokenizer"].handler
+        decode = handler._decode
+
+        def failing(*args, **kwargs):
+            handler._decode = decode
+            raise ValueError("scripted detokenizer failure")
+
+        handler._decode = failing
+
+    # ── delivery ───────────────────────────────────────────────────────────────────────────────
+    def _decode(self, stage: str, frame: bytes):
+        try:
+            return self.codecs[stage].decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.malformed += 1
+            return None
+
+    def deliver(self, stage: str, limit: int) -> int:
+        link = self.links[stage]
+        batch = []
+        while link and len(batch) < limit:
+            message = self._decode(stage, link.popleft())
+            if message is not None:
+                batch.append((time.monotonic(), message))
+        if stage == "api":
+            for _, message in batch:
+                self.pipeline.route(message)
+        elif batch:
+            self.runtimes[stage].process(batch)
+        return len(batch)
+
+    def heartbeat(self) -> None:
+        seq = self.pipeline.health.heartbeat_sent(time.monotonic())
+        self.pipeline.ring.send_nowait(protocol.Heartbeat(seq=seq, origin=self.pipeline._origin))
+
+    def in_flight(self) -> int:
+        return sum(len(link) for link in self.links.values())
+
+    # ── clients ────────────────────────────────────────────────────────────────────────────────
+    def _prompt(self) -> str:
+        kind = self.rng.random()
+        if kind < 0.05:
+            return ""  # tokenizes to nothing
+        if kind < 0.1:
+            return " ".join(self.rng.choices(WORDS, k=200))  # longer than the context
+        shared = "the old river road " * self.rng.randint(0, 3)  # prefixes to cache
+        return shared + " ".join(self.rng.choices(WORDS, k=self.rng.randint(1, 12)))
+
+    def submit(self) -> None:
+        rng = self.rng
+        n = rng.choice([1, 1, 1, 2, 3])
+        chat = rng.random() < 0.3
+        prompt = self._prompt()
+        sampling = protocol.SamplingParams(
+            max_tokens=rng.randint(1, 24),
+            temperature=rng.choice([0.0, 1.0]),
+            seed=rng.randint(0, 1000),
+            ignore_eos=rng.random() < 0.3,
+            stop=rng.sample(WORDS, k=rng.randint(1, 2)) if rng.random() < 0.3 else [],
+        )
+
+        def build(uid: str, index: int) -> protocol.Generate:
+            if chat:
+                messages = [protocol.ChatMessage(role="user", content=prompt)]
+                return protocol.Generate(
+                    uid=uid, sampling=sampling, timeout_s=30, messages=messages
+                )
+            return protocol.Generate(uid=uid, sampling=sampling, timeout_s=30, prompt=prompt)
+
+        try:
+            ex = self.pipeline.open(n, build)
+        except Exception as exc:  # refused at admission: nothing may be held for it
+            assert getattr(exc, "status", None) in (429, 503), exc
+            return
+        leaves = rng.randint(0, 3) if rng.random() < 0.15 else None
+        self.clients.append(Client(ex, reads=rng.random() > 0.05, leaves_after=leaves))
+
+    async def read(self, client: Client) -> None:
+        ex = client.exchange
+        if ex.closed or not client.reads:
+            return
+        if ex.depth == 0 and not ex.done:
+            return
+        batch = await ex.next_batch()
+        client.batches += 1
+        if ex.done and not ex.depth:
+            self._end(client, "done" if ex.error is None else ex.error.code)
+        elif client.leaves_after is not None and client.batches > client.leaves_after:
+            self._end(client, "left")
+        del batch
+
+    def _end(self, client: Client, how: str) -> None:
+        client.ends.append(how)
+        self.pipeline.close(client.exchange)
+
+    # ── one scenario ───────────────────────────────────────────────────────────────────────────
+    async def run(self, ticks: int = 60) -> None:
+        for _ in range(3):  # the ring answers before the first request
+            self.heartbeat()
+            self.settle_links()
+        rng = self.rng
+        for _ in range(ticks):
+            roll = rng.random()
+            if roll < 0.35:
+                self.submit()
+            elif roll < 0.37:
+                self.restart(rng.choice(STAGES))
+                self.heartbeat()
+            elif roll < 0.39:
+                self.links[rng.choice(list(self.links))].append(rng.randbytes(rng.randint(0, 12)))
+            elif roll < 0.40:
+                self.scheduler_engine().runner.fail_next = True
+            elif roll < 0.41:
+                self._detokenizer_fails_once()
+            elif roll < 0.42:
+                self.clock_offset += 40.0  # time passes: deadlines and slow clients
+                self.pipeline.check_exchanges(time.monotonic() + self.clock_offset)
+            elif roll < 0.47:
+                self.heartbeat()
+            for stage in rng.sample(list(self.links), k=len(self.links)):
+                self.deliver(stage, rng.randint(0, 6))
+            if rng.random() < 0.7:
+                self.runtimes["scheduler"].step()
+            for client in list(self.clients):
+                if rng.random() < 0.6:
+                    await self.read(client)
+        await self.finish()
+
+    def settle_links(self) -> None:
+        while self.in_flight():
+            for stage in self.links:
+                self.deliver(stage, 1_000)
+
+    async def finish(self, max_rounds: int = 5_000) -> None:
+        """Let every request end: slow clients go, time passes, the ring drains."""
+        for client in self.clients:
+            client.reads = True
+        for _ in range(max_rounds):
+            self.settle_links()
+            runtime = self.runtimes["scheduler"]
+            if runtime.has_work():
+                runtime.step()
+            for client in self.clients:
+                await self.read(client)
+            open_clients = [c for c in self.clients if not c.exchange.closed]
+            if not open_clients and not runtime.has_work() and not self.in_flight():
+                break
+            if all(c.exchange.done for c in open_clients) and not self.in_flight():
+                continue
+        # what a stage restart or a lost message left: the periodic sweeps and the deadline
+        self.heartbeat()
+        self.settle_links()
+        for runtime in self.runtimes.values():
+            runtime.tick(force=True)
+        self.settle_links()
+
+    # ── invariants ─────────────────────────────────────────────────────────────────────────────
+    def violations(self) -> list[str]:
+        found = []
+        for client in self.clients:
+            uid = client.exchange.uids[0]
+            if len(client.ends) != 1:
+                found.append(f"request {uid} ended {len(client.ends)} times: {client.ends}")
+            if not client.exchange.closed:
+                found.append(f"request {uid} never ended")
+        if self.pipeline.exchanges:
+            found.append(f"api holds {sorted(self.pipeline.exchanges)}")
+        if len(self.pipeline.ledger):
+            found.append(f"api ledger holds {len(self.pipeline.ledger)} uid(s)")
+        for stage, runtime in self.runtimes.items():
+            held = list(runtime.handler.held())
+            if held:
+                found.append(f"{stage} holds {held}")
+            if len(runtime.ledger):
+                found.append(f"{stage} ledger holds {len(runtime.ledger)} uid(s)")
+        pool = self.scheduler_engine().pool
+        if pool.num_referenced:
+            found.append(f"{pool.num_referenced} KV block(s) referenced once idle")
+        return found
+
+
+def run_scenario(seed: int, tokenizer, ticks: int = 60) -> RingSim:
+    sim = RingSim(seed, tokenizer)
+    asyncio.run(sim.run(ticks))
+    return sim

@@ -36,6 +36,8 @@ CONTRACT_METRICS = {
     "tokenline_num_requests_running",
     "tokenline_num_requests_waiting",
     "tokenline_kv_cache_usage_ratio",
+    "tokenline_prefix_cache_queries_total",
+    "tokenline_prefix_cache_hits_total",
     "tokenline_requests_total",
     "tokenline_prompt_tokens_total",
     "tokenline_generation_tokens_total",

@@ -107,6 +107,8 @@ def test_dashboards_read_every_contract_metric_and_nothing_else():
         ("tokenline-overview", "End-to-end latency", "tokenline_e2e_request_latency_seconds"),
         ("tokenline-overview", "Running / waiting / paused", "tokenline_num_requests_waiting"),
         ("tokenline-overview", "KV cache usage", "tokenline_kv_cache_usage_ratio"),
+        ("tokenline-overview", "Prefix cache hit rate", "tokenline_prefix_cache_hits_total"),
+        ("tokenline-overview", "Prefix cache hit rate", "tokenline_prefix_cache_queries_total"),
         ("tokenline-overview", "Finish reasons", "tokenline_requests_total"),
         ("tokenline-overview", "Error ratio", "tokenline_requests_total"),
         ("tokenline-pipeline", "Time in stage p50 / p90 / p99", "tokenline_stage_latency_seconds"),

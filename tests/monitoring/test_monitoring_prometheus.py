@@ -35,6 +35,9 @@ ALL_FILTERS = dict.fromkeys(FILTERS, ".*")
 TRAFFIC_PANELS = ("Requests/s", "Tokens/s", "Time to first token")
 WARMUP_REQUESTS = 2
 LOAD_REQUESTS = 32
+# Sent one after the other: the second finds the first's prompt in the prefix cache.
+SHARED_PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 12)
+SHARED_PROMPT_REQUESTS = 2
 
 
 def _dashboards() -> dict[str, dict]:
@@ -110,11 +113,20 @@ def traffic(stack, prometheus: Prometheus) -> Traffic:
     send_load(stack, WARMUP_REQUESTS)
     time.sleep(2)
     send_load(stack, LOAD_REQUESTS, start=WARMUP_REQUESTS)
-    served = WARMUP_REQUESTS + LOAD_REQUESTS
+    client = OpenAI(base_url=f"{stack.api_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    for _ in range(SHARED_PROMPT_REQUESTS):
+        client.completions.create(model=stack.model, prompt=SHARED_PROMPT, max_tokens=2)
+    served = WARMUP_REQUESTS + LOAD_REQUESTS + SHARED_PROMPT_REQUESTS
     _wait_for(
         prometheus,
         f'sum(tokenline_requests_total{{pod="{POD}"}}) >= {served}',
         f"{served} finished requests",
+    )
+    # The scheduler adds its prefix cache counts in housekeeping, after the replies.
+    _wait_for(
+        prometheus,
+        f'sum(tokenline_prefix_cache_hits_total{{pod="{POD}"}}) > 0',
+        "a prefix cache hit",
     )
     return Traffic(at=time.time())
 
@@ -145,6 +157,17 @@ def test_error_ratio_panel_shows_a_ratio_under_load(prometheus, traffic):
     expr = substitute(panel["targets"][0]["expr"], ALL_FILTERS)
     values = [float(sample["value"][1]) for sample in prometheus.vector(expr, traffic.at)]
     assert values and all(0 <= v <= 1 for v in values), (expr, values)
+
+
+def test_prefix_cache_hit_rate_panel_shows_the_repeated_prompt(prometheus, traffic):
+    panel = next(
+        p
+        for p in _dashboards()["tokenline-overview"]["panels"]
+        if p["title"] == "Prefix cache hit rate"
+    )
+    expr = substitute(panel["targets"][0]["expr"], ALL_FILTERS)
+    values = [float(sample["value"][1]) for sample in prometheus.vector(expr, traffic.at)]
+    assert values and all(0 < v <= 1 for v in values), (expr, values)
 
 
 def test_stage_targets_panel_shows_up_and_down(prometheus, traffic):

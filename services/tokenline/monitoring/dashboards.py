@@ -252,10 +252,12 @@ def overview() -> dash.Dashboard:
                     "paused",
                 ),
             ),
+            width=8,
         ),
         PanelSpec(
             "KV cache usage",
-            "Fraction of KV cache blocks in use, per scheduler pod.",
+            "Fraction of KV cache blocks referenced by requests, per scheduler pod (cached "
+            "blocks no request holds count as free).",
             "percentunit",
             (
                 Query(
@@ -263,6 +265,22 @@ def overview() -> dash.Dashboard:
                     "{{pod}} {{model}}",
                 ),
             ),
+            width=8,
+        ),
+        PanelSpec(
+            "Prefix cache hit rate",
+            "Share of prompt tokens found in the prefix cache (computed by an earlier "
+            "request), by model: hits / queries over the rate window. No data while no "
+            "prompt arrives.",
+            "percentunit",
+            (
+                Query(
+                    f"{summed_rate('tokenline_prefix_cache_hits_total', ('model',))} / "
+                    f"{summed_rate('tokenline_prefix_cache_queries_total', ('model',))}",
+                    "{{model}}",
+                ),
+            ),
+            width=8,
         ),
     ]
     errors = [

@@ -207,6 +207,16 @@ def _scheduler_flags(parser: argparse.ArgumentParser) -> None:
         help="compile each layer's projections, norm and MLP with torch.compile: fewer kernel "
         "launches on a GPU; the first steps wait for compilation (measured no faster on CPU)",
     )
+    _flag(
+        parser,
+        "no-prefix-caching",
+        parse_bool,
+        False,
+        nargs="?",
+        const=True,
+        help="compute every prompt in full instead of reusing the KV blocks of prefixes "
+        "computed before (prefix caching is on by default)",
+    )
 
 
 def settings_from(args: argparse.Namespace) -> Settings:

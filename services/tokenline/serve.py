@@ -2,7 +2,7 @@
 
 Children run in their own sessions (so a terminal's Ctrl-C reaches only the supervisor, which
 then drains them with one SIGTERM) and die with the supervisor (PR_SET_PDEATHSIG), so no
-orphan survives. A stage that dies is restarted; the api notices through its heartbeats and
+orphan survives. A stage that dies is restarted; the api notices its connections drop and
 fails that stage's in-flight requests cleanly. The IPC socket directory is removed on exit.
 """
 
@@ -28,7 +28,10 @@ from tokenline.transport import RingEndpoints
 log = logging.getLogger("tokenline.serve")
 START_ORDER = ("scheduler", "detokenizer", "tokenizer", "api")  # slowest to load first
 READY_TIMEOUT_S = 300.0
-RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_S = 1.0  # the first wait for a stage that dies soon after it started
+RESTART_BACKOFF_MAX_S = 30.0
+CRASH_LOOP_WINDOW_S = 30.0  # a stage that ran this long before dying restarts at once
+SUPERVISE_INTERVAL_S = 0.05
 
 
 def _die_with_parent() -> None:
@@ -107,6 +110,8 @@ def stage_argv(stage: str, settings: Settings) -> list[str]:
         optional["max-num-batched-tokens"] = s.max_num_batched_tokens
         if s.compile:
             argv.append("--compile")
+        if s.no_prefix_caching:
+            argv.append("--no-prefix-caching")
     for flag, value in optional.items():
         if value is not None:
             argv += [f"--{flag}", str(value)]
@@ -123,8 +128,20 @@ class Child:
     argv: list[str]
     process: subprocess.Popen | None = None
     restarts: int = 0
+    started_at: float = 0.0
+    quick_deaths: int = 0
+
+    def backoff(self) -> float:
+        """No wait after a stage that ran a while (one crash costs only its restart), doubling
+        waits for one that keeps dying young (a crash loop must not spin)."""
+        if time.monotonic() - self.started_at >= CRASH_LOOP_WINDOW_S:
+            self.quick_deaths = 0
+            return 0.0
+        self.quick_deaths += 1
+        return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** (self.quick_deaths - 1))
 
     def start(self) -> None:
+        self.started_at = time.monotonic()
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENLINE_")}
         self.process = subprocess.Popen(
             self.argv, start_new_session=True, preexec_fn=_die_with_parent, env=env
@@ -186,13 +203,16 @@ def serve(settings: Settings, ipc_dir: str | None = None) -> int:
             for child in children:
                 if not child.alive() and not stopping:
                     code = child.process.returncode if child.process else None
-                    log.error("%s exited with %s; restarting it", child.stage, code)
-                    time.sleep(RESTART_BACKOFF_S)
+                    backoff = child.backoff()
+                    log.error(
+                        "%s exited with %s; restarting it in %.1fs", child.stage, code, backoff
+                    )
+                    time.sleep(backoff)
                     if stopping:  # a signal during the back-off: a child started now
                         break  # would miss the SIGTERM that the others got
                     child.restarts += 1
                     child.start()
-            time.sleep(0.2)
+            time.sleep(SUPERVISE_INTERVAL_S)
         return 0
     finally:
         _stop_all(children, settings.drain_timeout + 10)

@@ -48,6 +48,7 @@ class Settings:
     block_size: int = 16
     torch_threads: int | None = None  # CPU only; None: every core but one
     compile: bool = False  # torch.compile the layers' dense tail (for GPUs)
+    no_prefix_caching: bool = False  # prefix caching is on unless this is set
 
     @property
     def model_name(self) -> str:

@@ -40,15 +40,17 @@ async def health() -> dict:
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
     pipeline = _pipeline(request)
+    problem = pipeline.problem()  # the same answer admission gives at this moment
     body = {
-        "ready": pipeline.ready,
+        "ready": problem is None,
+        "problem": problem,
         "draining": pipeline.draining,
         "stages": {
             s: {"instance": st.instance, "waiting": st.waiting, "running": st.running}
             for s, st in pipeline.stage_statuses.items()
         },
     }
-    return JSONResponse(body, status_code=200 if pipeline.ready else 503)
+    return JSONResponse(body, status_code=200 if problem is None else 503)
 
 
 @router.get("/metrics")

@@ -86,6 +86,26 @@ class StageHandler(Protocol):
         ...
 
 
+class StepFreeHandler:
+    """Defaults for a handler that only reacts to messages (tokenizer, detokenizer): it has no
+    work of its own between them."""
+
+    def has_work(self) -> bool:
+        return False
+
+    def step(self) -> Outbound:
+        return []
+
+    def step_uids(self) -> list[str]:
+        return []
+
+    def housekeeping(self, now: float) -> Outbound:
+        return []
+
+    def shutdown(self) -> Outbound:
+        return []
+
+
 def internal_error(uid: str, stage: str, exc: BaseException) -> protocol.Failed:
     return protocol.Failed(
         uid=uid,

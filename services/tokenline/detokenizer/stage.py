@@ -22,7 +22,7 @@ from tokenline.lifecycle import Drain
 from tokenline.metrics import LATE_REPLIES, STAGE_LATENCY, serve_metrics
 from tokenline.model_source import resolve
 from tokenline.settings import Settings
-from tokenline.stage_runtime import internal_error, serve_stage
+from tokenline.stage_runtime import StepFreeHandler, internal_error, serve_stage
 from tokenline.transport import SyncRing
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class _Live:
     cached_tokens: int = 0
 
 
-class Detokenizer:
+class Detokenizer(StepFreeHandler):
     stage = "detokenizer"
 
     def __init__(self, tokenizer) -> None:  # tokenizer: tokenizers.Tokenizer
@@ -130,15 +130,6 @@ class Detokenizer:
         return reply
 
     # ── the rest of the handler interface ──────────────────────────────────────────────────────
-    def has_work(self) -> bool:
-        return False
-
-    def step(self) -> list[msgspec.Struct]:
-        return []
-
-    def step_uids(self) -> list[str]:
-        return []
-
     def held(self) -> list[str]:
         return list(self.live)
 
@@ -148,12 +139,6 @@ class Detokenizer:
     def fail(self, uid: str) -> list[msgspec.Struct]:
         if self.live.pop(uid, None) is not None:
             self.ended_early.add(uid)
-        return []
-
-    def housekeeping(self, now: float) -> list[msgspec.Struct]:
-        return []
-
-    def shutdown(self) -> list[msgspec.Struct]:
         return []
 
 

@@ -16,7 +16,7 @@ from tokenline.lifecycle import Drain
 from tokenline.metrics import STAGE_LATENCY, serve_metrics
 from tokenline.model_source import resolve
 from tokenline.settings import Settings
-from tokenline.stage_runtime import serve_stage
+from tokenline.stage_runtime import StepFreeHandler, serve_stage
 from tokenline.transport import SyncRing
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class Tokenizer:
         )
 
 
-class TokenizerStage:
+class TokenizerStage(StepFreeHandler):
     """The tokenizer as a stage handler: it holds nothing between batches, so every message
     leaves in the batch that brought it, in order, and aborts never overtake their request."""
 
@@ -135,15 +135,6 @@ class TokenizerStage:
     def handle(self, message: msgspec.Struct, arrived: float) -> list[msgspec.Struct]:
         return self.handle_batch([(arrived, message)])
 
-    def has_work(self) -> bool:
-        return False
-
-    def step(self) -> list[msgspec.Struct]:
-        return []
-
-    def step_uids(self) -> list[str]:
-        return []
-
     def held(self) -> tuple[str, ...]:
         return ()
 
@@ -151,12 +142,6 @@ class TokenizerStage:
         return protocol.StageStatus(stage=self.stage, instance="")
 
     def fail(self, uid: str) -> list[msgspec.Struct]:
-        return []
-
-    def housekeeping(self, now: float) -> list[msgspec.Struct]:
-        return []
-
-    def shutdown(self) -> list[msgspec.Struct]:
         return []
 
 

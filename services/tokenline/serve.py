@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from tokenline import protocol
 from tokenline.model_source import resolve
-from tokenline.settings import Settings
+from tokenline.settings import Settings, settings_of
 from tokenline.transport import RingEndpoints
 
 log = logging.getLogger("tokenline.serve")
@@ -40,81 +40,25 @@ def _die_with_parent() -> None:
 
 
 def stage_argv(stage: str, settings: Settings) -> list[str]:
-    s = settings
-    argv = [
-        sys.executable,
-        "-m",
-        "tokenline.cli",
-        stage,
-        "--model",
-        s.model,
-        "--log-level",
-        s.log_level,
-        "--drain-timeout",
-        str(s.drain_timeout),
-    ]
-    for name in protocol.STAGES:
-        argv += [f"--{name}-endpoint", s.endpoints.of(name)]
-    optional = {
-        "served-model-name": s.served_model_name,
-        "revision": s.revision,
-        "model-cache-dir": s.model_cache_dir,
-        "max-model-len": s.max_model_len,
-    }
-    if stage == "api":
-        argv += [
-            "--host",
-            s.host,
-            "--port",
-            str(s.port),
-            "--request-timeout",
-            str(s.request_timeout),
-            "--slow-client-timeout",
-            str(s.slow_client_timeout),
-            "--max-waiting",
-            str(s.max_waiting),
-        ]
-        for key in s.api_keys:  # Child.start drops TOKENLINE_* from the environment
-            argv += ["--api-key", key]
-        limits = {
-            "max-body-size": s.max_body_size,
-            "max-n": s.max_n,
-            "max-tokens-limit": s.max_tokens_limit,
-            "max-stop-strings": s.max_stop_strings,
-            "max-stop-string-length": s.max_stop_string_length,
-            "max-stop-token-ids": s.max_stop_token_ids,
-            "max-messages": s.max_messages,
-            "max-prompt-chars": s.max_prompt_chars,
-            "max-logprobs": s.max_logprobs,
-        }
-        for flag, value in limits.items():
-            argv += [f"--{flag}", str(value)]
-        optional["api-key-file"] = s.api_key_file
-    else:
-        argv += ["--metrics-port", str(metrics_port(stage, s.port))]
-    if stage == "scheduler":
-        argv += [
-            "--device",
-            s.device,
-            "--dtype",
-            s.dtype,
-            "--gpu-memory-utilization",
-            str(s.gpu_memory_utilization),
-            "--max-num-seqs",
-            str(s.max_num_seqs),
-            "--block-size",
-            str(s.block_size),
-        ]
-        optional["kv-cache-memory"] = s.kv_cache_memory
-        optional["torch-threads"] = s.torch_threads
-        optional["max-num-batched-tokens"] = s.max_num_batched_tokens
-        if s.compile:
-            argv.append("--compile")
-        if s.no_prefix_caching:
-            argv.append("--no-prefix-caching")
-    for flag, value in optional.items():
-        if value is not None:
-            argv += [f"--{flag}", str(value)]
+    """The child's command line: every flag `stage` takes that has a value (`SETTINGS`)."""
+    argv = [sys.executable, "-m", "tokenline.cli", stage]
+    for setting in settings_of(stage):
+        if setting.flag == "metrics-port":
+            value = metrics_port(stage, settings.port)  # serve's own scheme: port+1..3
+        elif not setting.serve:
+            continue  # not a serve flag: TLS, as the supervisor probes /ready over plain HTTP
+        else:
+            value = setting.value(settings)
+        if value is None:
+            continue  # the stage's own default (often one that depends on the device)
+        if setting.switch:
+            if value:
+                argv.append(f"--{setting.flag}")
+        elif setting.repeatable:
+            for item in value:  # Child.start drops TOKENLINE_* from the environment
+                argv += [f"--{setting.flag}", str(item)]
+        else:
+            argv += [f"--{setting.flag}", str(value)]
     return argv
 
 

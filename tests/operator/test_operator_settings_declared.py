@@ -1,0 +1,71 @@
+"""The operator's settings are the declared ones (`tokenline.settings.SETTINGS`): every
+TOKENLINE_* variable a container gets is a setting its stage takes, and every CRD field that
+sets one is named by that setting's declaration."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tokenline.settings import SETTINGS, settings_of
+from tokenline_operator import crd, manifests, spec
+from tokenline_operator.manifests import Owner
+
+OWNER = Owner(name="chat", namespace="serving", uid="0b9c5a3e-2222-4c1b-9f44-2a4c1d6e7f80")
+BY_ENV = {s.env: s for s in SETTINGS}
+#: what the pod spec, not a stage flag, is made of
+NOT_SETTINGS = {
+    "model": {"hfTokenSecret", "cache"},
+    "engine": {"gpus"},
+    "server": {"startupTimeoutSeconds", "apiKeySecret", "tlsSecret"},
+}
+SECTIONS = {"model": crd.MODEL, "engine": crd.ENGINE, "server": crd.SERVER}
+EVERYTHING: dict[str, Any] = {
+    "model": {"name": "Qwen/Qwen3-0.6B", "servedName": "qwen3", "revision": "main"},
+    "engine": {
+        "gpus": 1,
+        "dtype": "bfloat16",
+        "maxModelLen": 4096,
+        "kvCacheMemory": "8GiB",
+        "maxNumSeqs": 64,
+        "maxNumBatchedTokens": 4096,
+        "compile": True,
+        "prefixCaching": False,
+    },
+    "server": {"apiKeySecret": {"name": "keys"}, "tlsSecret": {"name": "tls"}},
+}
+
+
+def test_every_crd_field_of_a_setting_is_declared():
+    declared = {s.crd for s in SETTINGS if s.crd}
+    for section, schema in SECTIONS.items():
+        fields = {f"{section}.{name}" for name in schema["properties"]}
+        others = {f"{section}.{name}" for name in NOT_SETTINGS[section]}
+        assert fields - others == {c for c in declared if c.startswith(f"{section}.")}
+        assert others <= fields, "a field named as not a setting has gone"
+
+
+def test_the_config_map_holds_the_crd_settings_of_each_stage():
+    for stage in ("api", "tokenizer", "scheduler", "detokenizer"):
+        keys = {*manifests.STAGE_SETTINGS["common"], *manifests.STAGE_SETTINGS[stage]}
+        assert keys == {s.env for s in settings_of(stage) if s.crd}, stage
+    parsed = spec.parse(OWNER.name, EVERYTHING, default_image="tokenline:test")
+    data = manifests.engine_settings(parsed)
+    assert set(data) == {s.env for s in SETTINGS if s.crd}
+
+
+@pytest.mark.parametrize("body", [{"model": {"name": "tiny"}}, EVERYTHING])
+def test_each_container_gets_only_settings_its_stage_takes(body):
+    parsed = spec.parse(OWNER.name, body, default_image="tokenline:test")
+    pod = manifests.deployment(OWNER, parsed)["spec"]["template"]["spec"]
+    for container in pod["containers"]:
+        stage = container["args"][0]
+        for item in container["env"]:
+            name = item["name"]
+            if name.startswith("TOKENLINE_"):
+                assert name in BY_ENV, f"{stage}: {name} is not a declared setting"
+                assert stage in BY_ENV[name].stages, f"{stage} does not take {name}"
+        for arg in container["args"][1:]:
+            if arg.startswith("--"):
+                assert stage in BY_ENV["TOKENLINE_" + arg[2:].upper().replace("-", "_")].stages

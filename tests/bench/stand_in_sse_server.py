@@ -12,7 +12,8 @@ of ``tokens_per_chunk`` tokens every ``itl * tokens_per_chunk`` seconds.
 A prompt's tokens are its words (a chat prompt's: the words of all its messages). A profile
 with ``cache`` reports ``usage.prompt_tokens_details.cached_tokens`` as a toy prefix cache
 would: the longest run of leading words it shares with a prompt the profile saw before.
-``GET /<profile>/received`` lists the bodies the profile was sent, in arrival order.
+``GET /<profile>/received`` lists the bodies the profile was sent, in arrival order;
+``GET /<profile>/ready`` answers 503 at first for the profiles with ``not_ready``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Profile:
     eos_at: int | None = None  # stop here unless the request says ignore_eos
     fail_every: int = 0  # every Nth request answers HTTP 500
     cache: bool = False  # report cached_tokens from the prompts seen before
+    not_ready: int | None = None  # GET /ready: 503 this many times, then 200 (None: 404)
     seen: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
     prompts: list[list[str]] = field(default_factory=list)
@@ -58,6 +60,8 @@ PROFILES: dict[str, Profile] = {
     "prefix": Profile(ttft=0.01, itl=0.002, cache=True),
     "turns": Profile(ttft=0.01, itl=0.002, cache=True),
     "turns-flaky": Profile(ttft=0.01, itl=0.002, fail_every=2),
+    "warming": Profile(not_ready=3),
+    "hung": Profile(not_ready=10**9),
 }
 
 OPENAI_FIELDS = {
@@ -165,6 +169,16 @@ def _common_prefix(a: list[str], b: list[str]) -> int:
     return count
 
 
+async def ready(request: Request) -> Response:
+    profile = PROFILES[request.path_params["profile"]]
+    if profile.not_ready is None:
+        return JSONResponse({"detail": "Not Found"}, status_code=404)
+    if profile.not_ready <= 0:
+        return JSONResponse({"ready": True})
+    profile.not_ready -= 1
+    return JSONResponse({"ready": False}, status_code=503)
+
+
 async def received(request: Request) -> Response:
     return JSONResponse(PROFILES[request.path_params["profile"]].received)
 
@@ -180,6 +194,7 @@ app = Starlette(
         Route("/{profile}/v1/chat/completions", generate, methods=["POST"]),
         Route("/{profile}/v1/models", models),
         Route("/{profile}/received", received),
+        Route("/{profile}/ready", ready),
     ]
 )
 

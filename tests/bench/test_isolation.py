@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from tokenline.bench.isolation import frozen, parse_pids
+from tokenline.bench.load import wait_ready
 
 
 def _state(pid: int) -> str:
@@ -38,3 +41,19 @@ def test_frozen_stops_then_continues_a_process_even_on_error():
 
 def test_parse_pids():
     assert parse_pids("12, 34,") == [12, 34]
+
+
+@pytest.mark.timeout(30)
+def test_a_continued_server_is_given_until_it_is_ready(stand_in_server: str) -> None:
+    # "warming": /ready answers 503 three times; "quick" has no /ready; "hung" never recovers
+    async def check() -> tuple[bool, bool, bool]:
+        async with aiohttp.ClientSession() as client:
+            return (
+                await wait_ready(client, f"{stand_in_server}/warming"),
+                await wait_ready(client, f"{stand_in_server}/quick"),
+                await wait_ready(client, f"{stand_in_server}/hung", within=0.2),
+            )
+
+    started = time.monotonic()
+    assert asyncio.run(check()) == (True, True, False)
+    assert time.monotonic() - started < 5

@@ -36,6 +36,8 @@ from tokenline.bench.workload import (
 )
 
 OnDone = Callable[[RequestRecord], None]
+READY_TIMEOUT_S = 30.0
+READY_POLL_S = 0.05
 OnPhase = Callable[[str, int], None]
 
 
@@ -162,7 +164,32 @@ async def isolated_phase(
     is closed by that server just as it is reused."""
     with _others_frozen(config, target):
         async with _client(config) as client:
+            if target.pids:
+                await wait_ready(client, target.base_url)
             return await run_phase(client, config, target, model, specs, **kwargs)
+
+
+async def wait_ready(
+    client: aiohttp.ClientSession, base_url: str, within: float = READY_TIMEOUT_S
+) -> bool:
+    """Wait until ``GET /ready`` stops answering 503; True when it did ``within`` seconds.
+
+    A server whose processes were just continued may still hold a verdict formed while it
+    was stopped (tokenline's api saw no heartbeat for as long as its stages were stopped, and
+    refuses requests until the next one comes back): its first requests would fail for a
+    reason that is the bench's doing. A server without ``/ready`` (404) counts as ready.
+    """
+    deadline = time.perf_counter() + within
+    while True:
+        try:
+            async with client.get(f"{base_url}/ready") as response:
+                if response.status != 503:
+                    return True
+        except (aiohttp.ClientError, TimeoutError):
+            pass
+        if time.perf_counter() >= deadline:
+            return False
+        await asyncio.sleep(READY_POLL_S)
 
 
 async def run_benchmark(

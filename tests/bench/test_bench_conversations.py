@@ -214,3 +214,13 @@ def test_with_a_request_rate_conversations_arrive_on_the_schedule(
         first, second = recs[(conversation, 0)], recs[(conversation, 1)]
         assert first["start"] - phase["start"] == pytest.approx(arrival, abs=0.03)
         assert second["start"] >= first["start"] + first["e2e"]
+
+
+def test_a_rerun_against_a_prefix_cache_is_flagged(
+    tmp_path: Path, stand_in_server: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ("--num-requests", "3", "--output-len", "2", "--warmup", "0", "--seed", "31")
+    assert bench(tmp_path, f"{stand_in_server}/prefix", *args)[0] == 0
+    assert "server remembers an earlier run" not in capsys.readouterr().out
+    assert bench(tmp_path, f"{stand_in_server}/prefix", *args)[0] == 0
+    assert "ours: 100% of prompt tokens were cached" in capsys.readouterr().out

@@ -24,6 +24,8 @@ from typing import Any
 from tokenline.bench.records import BenchResult
 
 PERCENTILES = (50, 90, 99)
+# Distinct prompts still share a chat template's first tokens; more than this is a rerun.
+STALE_CACHE_SHARE = 0.1
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -229,6 +231,15 @@ def run_warnings(result: BenchResult, summaries: list[Summary]) -> list[str]:
             warnings.append(
                 f"{s.label}: no final usage chunk on some streams; tokens counted as chunks"
             )
+    distinct = not result.config.get("shared_prefix_len") and result.config.get("turns", 1) == 1
+    for s in summaries:
+        if distinct and s.cached_tokens and s.prompt_tokens:
+            share = s.cached_tokens / s.prompt_tokens
+            if share > STALE_CACHE_SHARE:
+                warnings.append(
+                    f"{s.label}: {share:.0%} of prompt tokens were cached although the prompts "
+                    "are distinct: the server remembers an earlier run with this --seed"
+                )
     if len(summaries) == 2:
         a, b = (s.mean_output_tokens for s in summaries)
         if a and b and abs(a - b) / max(a, b) > 0.01:

@@ -119,6 +119,9 @@ def _containers() -> list[dict[str, Any]]:
     return found
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
 @pytest.mark.skipif(not _namespaces_available(), reason="needs unshare with user namespaces")
 def test_stages_serve_on_a_read_only_root_with_only_the_pods_volumes_writable(tmp_path: Path):
     containers = _containers()
@@ -147,6 +150,15 @@ def test_stages_serve_on_a_read_only_root_with_only_the_pods_volumes_writable(tm
             f"mount -o remount,ro $R{parent}",
         ]
     lines += [f"mount -t tmpfs -o size=2g none $R{p}" for p in writable]
+    # A checkout (and its venv) under one of the pod's writable paths, /tmp for one, would be
+    # hidden by that path's fresh tmpfs: it comes back read-only, as an image's code is.
+    for code in sorted({str(REPO), sys.prefix}):
+        if any(Path(code).is_relative_to(p) for p in writable):
+            lines += [
+                f"mkdir -p $R{code}",
+                f"mount --bind {code} $R{code}",
+                f"mount -o remount,bind,ro $R{code}",
+            ]
     lines += [
         f"cp {tmp_path}/run.py {tmp_path}/pod.json $R/tmp/",
         f"exec chroot $R {sys.executable} /tmp/run.py",

@@ -122,10 +122,12 @@ def traffic(stack, prometheus: Prometheus) -> Traffic:
         f'sum(tokenline_requests_total{{pod="{POD}"}}) >= {served}',
         f"{served} finished requests",
     )
-    # The scheduler adds its prefix cache counts in housekeeping, after the replies.
+    # The scheduler adds its prefix cache counts in housekeeping, after the replies. The
+    # counter may be non-zero already (earlier tests on the shared stack): wait for this
+    # traffic's increase to be scraped, which is what the panel's rate() shows.
     _wait_for(
         prometheus,
-        f'sum(tokenline_prefix_cache_hits_total{{pod="{POD}"}}) > 0',
+        f'sum(rate(tokenline_prefix_cache_hits_total{{pod="{POD}"}}[15s])) > 0',
         "a prefix cache hit",
     )
     return Traffic(at=time.time())

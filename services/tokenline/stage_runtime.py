@@ -134,7 +134,6 @@ class StageRuntime:
         self._send = send
         self._clock = clock
         self._next_sweep = 0.0
-        self.failures = 0  # messages or steps whose handling raised
 
     # ── one inbox batch ────────────────────────────────────────────────────────────────────────
     def process(self, batch: Iterable[tuple[float, msgspec.Struct | UpstreamLink]]) -> None:
@@ -211,7 +210,9 @@ class StageRuntime:
             for uid in self.ledger.sweep(list(self.handler.held())):
                 self._emit(self.handler.fail(uid))
         except Exception:
-            log.exception("%s: housekeeping failed; trying again in %.1fs", self.stage, 0.5)
+            log.exception(
+                "%s: housekeeping failed; trying again in %.1fs", self.stage, SWEEP_INTERVAL_S
+            )
 
     def shutdown(self) -> None:
         self._emit(self.handler.shutdown())
@@ -225,7 +226,6 @@ class StageRuntime:
             self._send(message)
 
     def _contain(self, uids: list[str], exc: Exception, what: str) -> None:
-        self.failures += 1
         log.exception(
             "%s: handling %s raised; ending uid(s) %s with internal_error",
             self.stage,

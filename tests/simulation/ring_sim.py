@@ -294,8 +294,6 @@ class RingSim:
             open_clients = [c for c in self.clients if not c.exchange.closed]
             if not open_clients and not runtime.has_work() and not self.in_flight():
                 break
-            if all(c.exchange.done for c in open_clients) and not self.in_flight():
-                continue
         # what a stage restart or a lost message left: the periodic sweeps and the deadline
         self.heartbeat()
         self.settle_links()

@@ -79,10 +79,6 @@ class Pipeline:
             return "draining"
         return self.health.problem(time.monotonic())
 
-    @property
-    def ready(self) -> bool:
-        return self.problem() is None
-
     def _distinct_exchanges(self) -> list[Exchange]:
         """Each open request once (a request of n choices is keyed by n uids)."""
         return list(dict.fromkeys(self.exchanges.values()))
@@ -300,11 +296,9 @@ class Pipeline:
             now = time.monotonic()
             seq = self.health.heartbeat_sent(now)
             self.ring.send_nowait(protocol.Heartbeat(seq=seq, origin=self._origin))
-            await asyncio.sleep(
-                self.health.heartbeat_interval(
-                    now, HEARTBEAT_INTERVAL_S, RECOVERY_HEARTBEAT_INTERVAL_S
-                )
-            )
+            # Often while the ring is down, so it is trusted again soon after it answers.
+            up = self.health.up(now)
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S if up else RECOVERY_HEARTBEAT_INTERVAL_S)
             if self.health.problem(time.monotonic()) is not None:
                 self._check_health()
 

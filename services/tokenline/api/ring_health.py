@@ -87,8 +87,3 @@ class RingHealth:
 
     def up(self, now: float) -> bool:
         return self.problem(now) is None
-
-    def heartbeat_interval(self, now: float, steady: float, recovering: float) -> float:
-        """Heartbeats go often while the ring is down, so it is trusted again soon after it
-        answers, and at the steady pace otherwise."""
-        return steady if self.up(now) else recovering

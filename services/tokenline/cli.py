@@ -1,4 +1,4 @@
-"""`tokenline serve|api|tokenizer|scheduler|detokenizer|operator|bench|tiny-model`.
+"""`tokenline serve|api|tokenizer|scheduler|detokenizer|operator|bench|tiny-model|ring-keys`.
 
 Every stage flag has an environment mirror: ``--max-model-len`` ↔ ``TOKENLINE_MAX_MODEL_LEN``.
 """
@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("tiny-model", help="write the offline tiny model in HF format")
     tiny.add_argument("--out", required=True, help="directory to write")
+    keys = sub.add_parser("ring-keys", help="write a CurveZMQ certificate for --ring-curve-keys")
+    keys.add_argument("--out", required=True, help="directory to write (every stage's keys)")
 
     sub.add_parser("operator", help="run the Kubernetes operator (kopf)", add_help=False)
     sub.add_parser("bench", help="OpenAI-compatible load generator", add_help=False)
@@ -141,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         from tokenline.tiny_model import build
 
         print(build(args.out))
+        return 0
+    if args.command == "ring-keys":
+        from tokenline.ring_security import create_keys
+
+        print(create_keys(args.out))
         return 0
     from tokenline.lifecycle import setup_logging
 

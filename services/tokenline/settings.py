@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenline.protocol import STAGES
+from tokenline.ring_security import RingSecurity
 from tokenline.transport import DEFAULT_ENDPOINTS, RingEndpoints
 
 
@@ -61,6 +62,13 @@ class Settings:
     torch_threads: int | None = None  # CPU only; None: every core but one
     compile: bool = False  # torch.compile the layers' dense tail (for GPUs)
     no_prefix_caching: bool = False  # prefix caching is on unless this is set
+    # the ring beyond loopback and IPC (ring_security.py)
+    ring_curve_keys: str | None = None
+    allow_insecure_ring: bool = False
+
+    @property
+    def ring_security(self) -> RingSecurity:
+        return RingSecurity(self.ring_curve_keys, self.allow_insecure_ring)
 
     @property
     def model_name(self) -> str:
@@ -194,6 +202,20 @@ SETTINGS: tuple[Setting, ...] = (
             attr=f"endpoints.{stage}",
         )
         for stage in STAGES
+    ),
+    Setting(
+        "ring-curve-keys",
+        help="directory of the ring's CurveZMQ certificate and the public keys allowed to "
+        "connect (`tokenline ring-keys --out DIR`): every ring socket is encrypted and "
+        "authenticated; needed for an endpoint beyond loopback or IPC",
+    ),
+    Setting(
+        "allow-insecure-ring",
+        parse_bool,
+        False,
+        help="start even though a ring endpoint beyond loopback or IPC is neither encrypted "
+        "nor authenticated (logged at every start)",
+        switch=True,
     ),
     # --- api -------------------------------------------------------------------------------
     Setting("host", default="0.0.0.0", help="address the HTTP server binds", stages=API),

@@ -24,6 +24,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from tokenline import protocol
 from tokenline.metrics import MALFORMED_FRAMES
+from tokenline.ring_security import RingSecurity
 
 log = logging.getLogger(__name__)
 
@@ -141,17 +142,24 @@ class SyncRing:
     is counted as time in that stage, and the stage's loop never blocks on the socket.
     """
 
-    def __init__(self, stage: str, endpoints: RingEndpoints) -> None:
+    def __init__(
+        self, stage: str, endpoints: RingEndpoints, security: RingSecurity | None = None
+    ) -> None:
         self.stage = stage
+        security = security or RingSecurity()
+        self._bound = endpoints.of(stage)
+        security.check(stage, [self._bound, endpoints.of(NEXT_STAGE[stage])])
         self._ctx = zmq.Context()
+        self._authenticator = security.start_authenticator(self._ctx)
         self._inbox = self._ctx.socket(zmq.PULL)
         _configure(self._inbox, zmq.RCVHWM)
+        security.serve(self._inbox)
         self._inbox_monitor = self._inbox.get_monitor_socket(_PEER_EVENTS)
         self._upstream = PeerConnections()
-        self._bound = endpoints.of(stage)
         self._inbox.bind(self._bound)
         self._outbox = self._ctx.socket(zmq.PUSH)
         _configure(self._outbox, zmq.SNDHWM)
+        security.connect(self._outbox)
         self._outbox.connect(endpoints.of(NEXT_STAGE[stage]))
         self._decoder = _Decoder(stage)
         self._encoder = msgspec.msgpack.Encoder()
@@ -219,23 +227,30 @@ class SyncRing:
         self._receiver.join()
         _remove_ipc_file(self._bound)
         self._outbox.close()
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._ctx.term()
 
 
 class AsyncRing:
     """asyncio sockets for the api: it sends to the tokenizer and hears from the detokenizer."""
 
-    def __init__(self, endpoints: RingEndpoints) -> None:
+    def __init__(self, endpoints: RingEndpoints, security: RingSecurity | None = None) -> None:
+        security = security or RingSecurity()
+        self._bound = endpoints.api
+        security.check("api", [self._bound, endpoints.tokenizer])
         self._ctx = zmq.asyncio.Context()
+        self._authenticator = security.start_authenticator(self._ctx)
         self._inbox = self._ctx.socket(zmq.PULL)
         _configure(self._inbox, zmq.RCVHWM)
+        security.serve(self._inbox)
         self._inbox_monitor = self._inbox.get_monitor_socket(_PEER_EVENTS)
-        self._bound = endpoints.api
         self._inbox.bind(self._bound)
         # A plain socket: sends never wait, so no future is left unobserved.
         self._sync_ctx = zmq.Context()
         self._outbox = self._sync_ctx.socket(zmq.PUSH)
         _configure(self._outbox, zmq.SNDHWM)
+        security.connect(self._outbox)
         self._outbox_monitor = zmq.asyncio.Socket.from_socket(
             self._outbox.get_monitor_socket(_PEER_EVENTS)
         )
@@ -281,5 +296,7 @@ class AsyncRing:
         self._inbox.close()
         _remove_ipc_file(self._bound)
         self._outbox.close()
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._ctx.term()
         self._sync_ctx.term()

@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 def create_app(settings: Settings, heartbeat_timeout: float = 5.0) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        pipeline = Pipeline(settings, AsyncRing(settings.endpoints), heartbeat_timeout)
+        ring = AsyncRing(settings.endpoints, settings.ring_security)
+        pipeline = Pipeline(settings, ring, heartbeat_timeout)
         app.state.pipeline = pipeline
         await pipeline.start()
         freeze_startup_heap()

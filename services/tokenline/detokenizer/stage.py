@@ -148,7 +148,7 @@ def run(settings: Settings) -> int:
     tokenizer = source.load_tokenizer().backend_tokenizer
     if settings.metrics_port:
         serve_metrics(settings.metrics_port)
-    ring = SyncRing("detokenizer", settings.endpoints)
+    ring = SyncRing("detokenizer", settings.endpoints, settings.ring_security)
     log.info("detokenizer ready: %s", source.spec)
     serve_stage(Detokenizer(tokenizer), ring, drain)
     return 0

@@ -186,7 +186,7 @@ def run(settings: Settings) -> int:
     engine = Engine(
         runner, limits, source.eos_token_ids(), prefix_caching=not settings.no_prefix_caching
     )
-    ring = SyncRing("scheduler", settings.endpoints)
+    ring = SyncRing("scheduler", settings.endpoints, settings.ring_security)
     log.info(
         "scheduler ready: %s, %d KV blocks, prefix caching %s",
         source.spec,

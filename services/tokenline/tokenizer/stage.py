@@ -151,7 +151,7 @@ def run(settings: Settings) -> int:
     tokenizer = Tokenizer(source.load_tokenizer(), source.max_model_len(settings.max_model_len))
     if settings.metrics_port:
         serve_metrics(settings.metrics_port)
-    ring = SyncRing("tokenizer", settings.endpoints)
+    ring = SyncRing("tokenizer", settings.endpoints, settings.ring_security)
     log.info("tokenizer ready: model %s, max_model_len %d", source.spec, tokenizer.max_model_len)
     serve_stage(TokenizerStage(tokenizer), ring, drain)
     return 0

@@ -55,6 +55,7 @@ class Pipeline:
         self._tasks: list[asyncio.Task] = []
         self._late = LATE_REPLIES.labels(stage="api")
         self._depth = BUFFER_DEPTH.labels(stage="api", buffer="replies")
+        self._unsettled_depth = BUFFER_DEPTH.labels(stage="api", buffer="unsettled_aborts")
 
     # ── lifecycle ──────────────────────────────────────────────────────────────────────────────
     async def start(self) -> None:
@@ -313,6 +314,7 @@ class Pipeline:
         for ex, reason in overdue(exchanges, now, self.settings.slow_client_timeout):
             self.abort(ex, reason)
         self._depth.set(sum(ex.depth for ex in exchanges))
+        self._unsettled_depth.set(len(self.aborts))
         for uid in self.ledger.sweep(list(self.exchanges)):
             ex = self.exchanges.pop(uid, None)
             if ex is not None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenline import tiny_model
 
+log = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tokenline")
 
 
@@ -75,3 +78,42 @@ def resolve(model: str, cache_dir: str | None = None, revision: str | None = Non
             )
         return ModelSource(spec=model, path=str(Path(model).resolve()))
     return ModelSource(spec=model, path=model, revision=revision)
+
+
+def _template_of(config: dict) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        return "\n".join(t.get("template", "") for t in template if isinstance(t, dict))
+    return template if isinstance(template, str) else None
+
+
+def chat_template_text(
+    model: str, cache_dir: str | None = None, revision: str | None = None
+) -> str | None:
+    """The chat template's text, read from the model's files without loading a tokenizer (the
+    api reads which tool-call format the model writes from it). None when there is none, or it
+    cannot be read (logged)."""
+    if model == "tiny":
+        return tiny_model.CHAT_TEMPLATE
+    names = ("chat_template.jinja", "tokenizer_config.json")
+    try:
+        if Path(model).is_dir():
+            paths = [Path(model) / name for name in names if (Path(model) / name).exists()]
+        else:
+            from huggingface_hub import hf_hub_download
+
+            paths = []
+            for name in names:
+                try:
+                    paths.append(Path(hf_hub_download(model, name, revision=revision)))
+                except Exception:  # a file the repository does not have
+                    continue
+        for path in paths:
+            if path.suffix == ".jinja":
+                return path.read_text()
+            template = _template_of(json.loads(path.read_text()))
+            if template:
+                return template
+    except (OSError, ValueError) as exc:
+        log.warning("could not read the chat template of %s: %s", model, exc)
+    return None

@@ -16,7 +16,7 @@ processes are never taken.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -48,11 +48,23 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logprobs: int | None = None  # None: not wanted; N: the chosen token's plus the top N
+    grammar: str | None = None  # an llguidance grammar the output must match (api builds it)
+
+
+class ToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A call an assistant message made, as the client sent it back in the conversation."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI carries it; the tokenizer parses it for the template
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
-    role: str
+    role: str  # system, user, assistant or tool
     content: str
+    tool_calls: list[ToolCall] = []  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None  # a tool turn: the function that answered
 
 
 # ── requests, api → tokenizer → scheduler ─────────────────────────────────────────────────────
@@ -66,6 +78,8 @@ class Generate(_Message, tag="generate"):
     timeout_s: float
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    # OpenAI's tool definitions ({"type": "function", "function": {...}}) for the template
+    tools: list[dict[str, Any]] | None = None
     version: int = PROTOCOL_VERSION
 
 

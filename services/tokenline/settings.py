@@ -51,6 +51,7 @@ class Settings:
     max_messages: int = 2048
     max_prompt_chars: int = 2**20  # a completions prompt, or all of a chat's message contents
     max_logprobs: int = 20
+    tool_call_parser: str = "auto"  # the model's tool-call format; auto: from its chat template
     # scheduler
     device: str = "auto"
     dtype: str = "auto"
@@ -294,6 +295,15 @@ SETTINGS: tuple[Setting, ...] = (
         20,
         help="largest `top_logprobs` (chat) or `logprobs`",
         stages=API,
+    ),
+    Setting(
+        "tool-call-parser",
+        default="auto",
+        help="the tool-call format the model writes, which `tools` replies are parsed in and "
+        "`tool_choice` required or named constrains to: hermes (<tool_call> JSON, Qwen), "
+        "llama3_json, or auto: read from the chat template (hermes when it shows neither)",
+        stages=API,
+        choices=("auto", "hermes", "llama3_json"),
     ),
     # api only: serve's supervisor probes /ready over plain HTTP
     Setting(

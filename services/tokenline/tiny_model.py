@@ -15,15 +15,48 @@ import shutil
 import tempfile
 from pathlib import Path
 
-TINY_VERSION = "v1"
+TINY_VERSION = "v2"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+# Tools as Qwen's template shows them: listed in the system turn inside <tools></tools>, calls
+# as <tool_call> JSON (api/tool_parsers.py's hermes format), results as <tool_response> in a
+# user turn. Without tools every message renders as it did before tools were learned.
+# Hugging Face renders templates with trim_blocks: a newline right after a tag is an expression.
+_TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to answer. Their signatures, inside "
+    "<tools></tools>:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools>\n\nTo call a function, write its name and arguments as a JSON "
+    "object inside <tool_call></tool_call>:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>'
+)
+_TOOL_CALLS = (
+    "<|assistant|>\n{% if message['content'] %}{{ message['content'] }}\n{% endif %}"
+    "{% for call in message['tool_calls'] %}{% if not loop.first %}{{ '\\n' }}{% endif %}"
+    '<tool_call>\n{"name": "{{ call[\'function\'][\'name\'] }}", "arguments": '
+    "{{ call['function']['arguments'] | tojson }}}\n</tool_call>"
+    "{% endfor %}<|end|>\n"
+)
+_TOOL_RESULT = (
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|user|>\n"
+    "{% else %}{{ '\\n' }}{% endif %}"
+    "<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|end|>\n{% endif %}"
+)
 CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>\n"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
+    "{% endif %}" + _TOOLS_PREAMBLE + "<|end|>\n{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('unsupported role ' ~ message['role'] ~ "
-    "'; use system, user or assistant') }}"
+    "'; use system, user, assistant or tool') }}"
     "{% endif %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
+    "{% if tools and loop.first and message['role'] == 'system' %}"  # shown with the tools
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    + _TOOL_CALLS
+    + "{% elif message['role'] == 'tool' %}"
+    + _TOOL_RESULT
+    + "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )

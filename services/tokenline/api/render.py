@@ -11,12 +11,19 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from tokenline import protocol
+from tokenline.api import tool_render
 from tokenline.api.errors import ApiError
 from tokenline.api.exchange import Exchange
 from tokenline.api.schemas import ChatCompletionRequest, CompletionRequest
 from tokenline.api.sse import DONE, event
+from tokenline.api.tool_parsers import ToolCallFormat
 
 NORMAL_ENDS = ("stop", "length")
+
+
+def _tool_parser(body) -> ToolCallFormat | None:
+    plan = getattr(body, "_tool_plan", None)
+    return plan.parser if plan is not None else None
 
 
 def timings_header(ex: Exchange) -> str:
@@ -79,11 +86,12 @@ def full_response(ex: Exchange, body, meta: dict, chat: bool) -> dict:
         text = "".join(ex.texts[choice.index])
         entries = ex.logprobs[choice.index]
         if chat:
+            message, has_calls = tool_render.message(text, _tool_parser(body))
             choices.append(
                 {
                     "index": choice.index,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": choice.finish_reason,
+                    "message": message,
+                    "finish_reason": tool_render.finish_reason(choice.finish_reason, has_calls),
                     "logprobs": _chat_logprobs(entries) if wanted else None,
                 }
             )
@@ -178,16 +186,27 @@ async def chat_events(
             }
         )
 
+    parser = _tool_parser(body)
+    calls = {c.index: tool_render.DeltaStream(parser) for c in ex.choices} if parser else {}
     for choice in ex.choices:
         yield chunk(choice.index, {"role": "assistant", "content": ""})
     async for index, reply in _replies(ex, first):
-        if wanted and reply.logprobs:
+        if index in calls:  # tool calls are parsed out of the text before it is sent
+            deltas = calls[index].feed(reply.text)
+            if reply.finish_reason is not None:
+                deltas += calls[index].finish()
+            if wanted and reply.logprobs:
+                yield chunk(index, {"content": ""}, logprobs=_chat_logprobs(reply.logprobs))
+            for delta in deltas:
+                yield chunk(index, delta)
+        elif wanted and reply.logprobs:
             # tokens whose text is still held back get their chunk now, with empty content
             yield chunk(index, {"content": reply.text}, logprobs=_chat_logprobs(reply.logprobs))
         elif reply.text:
             yield chunk(index, {"content": reply.text})
         if reply.finish_reason in NORMAL_ENDS:
-            yield chunk(index, {}, reply.finish_reason)
+            has_calls = index in calls and calls[index].has_calls
+            yield chunk(index, {}, tool_render.finish_reason(reply.finish_reason, has_calls))
         elif reply.finish_reason:
             yield _error_event(ex, reply)
             yield DONE

@@ -6,11 +6,13 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenline import protocol
+from tokenline.api import structured
 from tokenline.api.errors import ApiError
 from tokenline.api.exchange import Exchange
 from tokenline.api.limits import check_request
@@ -24,6 +26,8 @@ from tokenline.api.render import (
 )
 from tokenline.api.schemas import ChatCompletionRequest, CompletionRequest
 from tokenline.api.sse import SSE_HEADERS
+from tokenline.api.tool_parsers import ToolCallFormat, format_for
+from tokenline.model_source import chat_template_text
 
 router = APIRouter()
 
@@ -74,15 +78,36 @@ async def models(request: Request) -> dict:
     }
 
 
+async def _tool_format(request: Request) -> ToolCallFormat:
+    """The model's tool-call format: --tool-call-parser, or read once from its chat template."""
+    state = request.app.state
+    if getattr(state, "tool_format", None) is None:
+        settings = state.settings
+        template = None
+        if settings.tool_call_parser == "auto":
+            template = await asyncio.to_thread(
+                chat_template_text, settings.model, settings.model_cache_dir, settings.revision
+            )
+        state.tool_format = format_for(template, settings.tool_call_parser)
+    return state.tool_format
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    structured.refuse_deprecated(body.functions, body.function_call)
+    fmt = await _tool_format(request) if body.tools else None
+    plan = structured.plan_tools(
+        body.tools, body.tool_choice, body.parallel_tool_calls, body.response_format, fmt
+    )
+    body._tool_plan = plan
     messages = body.wire_messages()
 
     def build(uid: str, index: int) -> protocol.Generate:
         return protocol.Generate(
             uid=uid,
-            sampling=body.sampling(index),
+            sampling=msgspec.structs.replace(body.sampling(index), grammar=plan.grammar),
             messages=messages,
+            tools=plan.tools,
             timeout_s=_pipeline(request).settings.request_timeout,
         )
 
@@ -91,10 +116,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
+    grammar = structured.completion_grammar(body.response_format)
+
     def build(uid: str, index: int) -> protocol.Generate:
         return protocol.Generate(
             uid=uid,
-            sampling=body.sampling(index),
+            sampling=msgspec.structs.replace(body.sampling(index), grammar=grammar),
             prompt=body.prompt,
             timeout_s=_pipeline(request).settings.request_timeout,
         )

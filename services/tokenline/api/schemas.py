@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from tokenline.protocol import ChatMessage, SamplingParams
+from tokenline.api.structured import ResponseFormat, Tool, ToolChoice, ToolPlan
+from tokenline.protocol import ChatMessage, SamplingParams, ToolCall
 
 # Hard bounds: what the wire format and the stages can carry. The operator's tighter limits
 # (--max-n, --max-tokens-limit, ...) are checked after parsing, in api/limits.py.
@@ -112,18 +123,66 @@ class TextPart(BaseModel):
     text: Text
 
 
+def _json_object_text(value: str) -> str:
+    try:
+        decoded = json.loads(value)
+    except ValueError as exc:
+        raise ValueError(f"the arguments are not JSON ({exc}); send a JSON object as text") from exc
+    if not isinstance(decoded, dict):
+        raise ValueError("the arguments must be a JSON object, as text")
+    return value
+
+
+class ToolCallFunctionIn(BaseModel):
+    model_config = _CONFIG
+
+    name: Text = Field(min_length=1)
+    arguments: Annotated[Text, AfterValidator(_json_object_text)]
+
+
+class ToolCallIn(BaseModel):
+    """A call an earlier assistant turn made, sent back as part of the conversation."""
+
+    model_config = _CONFIG
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: ToolCallFunctionIn
+
+
 class ChatMessageIn(BaseModel):
     model_config = _CONFIG
 
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: Text | None = None  # tool turns: the call answered
+    name: Text | None = None
+
+    @model_validator(mode="after")
+    def _tool_turns_answer_a_call(self) -> ChatMessageIn:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def to_wire(self) -> ChatMessage:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return ChatMessage(role=role, content=content or "")
+        calls = [
+            ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+            for c in self.tool_calls or []
+        ]
+        return ChatMessage(
+            role=role,
+            content=content or "",
+            tool_calls=calls,
+            tool_call_id=self.tool_call_id if self.role == "tool" else None,
+            name=self.name if self.role == "tool" else None,
+        )
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -131,6 +190,14 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # structured outputs and tools: api/structured.py checks them and builds the grammar
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    functions: list[Any] | None = None  # deprecated by OpenAI: refused, naming tools instead
+    function_call: Any = None
+    _tool_plan: ToolPlan | None = PrivateAttr(default=None)  # set by the route once checked
 
     @field_validator("top_logprobs")
     @classmethod
@@ -151,6 +218,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: Text | list[Text]
+    response_format: ResponseFormat | None = None  # as vLLM accepts it; api/structured.py
     max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)  # OpenAI's default
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS, strict=True)

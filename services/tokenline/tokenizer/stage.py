@@ -6,6 +6,7 @@ same loop iteration that received it, so aborts can never overtake their request
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -22,6 +23,26 @@ from tokenline.transport import SyncRing
 log = logging.getLogger(__name__)
 
 
+def _template_message(message: protocol.ChatMessage) -> dict:
+    """A message as chat templates read it. A call's arguments are an object there (Qwen's
+    template writes them with ``tojson``), not the JSON text OpenAI carries them as."""
+    out: dict = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.loads(c.arguments)},
+            }
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
 class Tokenizer:
     """Turns `Generate` messages into `Tokenized` or terminal `Failed` ones."""
 
@@ -32,9 +53,9 @@ class Tokenizer:
     def _render(self, request: protocol.Generate) -> str:
         if request.messages is None:
             return request.prompt or ""
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        messages = [_template_message(m) for m in request.messages]
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+            messages, tools=request.tools, tokenize=False, add_generation_prompt=True
         )
 
     def process(

@@ -1,0 +1,295 @@
+"""Structured outputs and tool calls: the request fields, and the grammar they constrain to.
+
+The grammar library is llguidance rather than xgrammar: it needs no tokenizer to check a
+grammar (the api validates every schema before anything is queued, without loading one), its
+Lark grammars embed JSON schemas (``%json{...}``), which a tool call written in a model's own
+markup needs, and it builds a matcher lazily, so a large schema costs little before its first
+token. The scheduler builds the matcher from the grammar string made here.
+
+Which fields hold together:
+
+- ``response_format`` alone: the output is the JSON document (any object for ``json_object``).
+- ``tools`` with ``tool_choice`` ``auto`` (the default): free text, parsed for calls afterwards;
+  with a JSON ``response_format`` too, the output is either calls or the JSON document.
+- ``tool_choice`` ``required`` or a named function: the output is calls in the model's format,
+  so a JSON ``response_format`` cannot hold as well and is refused.
+- ``tool_choice`` ``none``: the tools are not shown to the model; ``response_format`` holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jsonschema
+import llguidance
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenline.api.errors import ApiError
+from tokenline.api.tool_parsers import ToolCallFormat
+
+_CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+# Whitespace is fixed, not free: with flexible whitespace a model can emit spaces and newlines
+# between tokens forever without breaking the grammar. These are json.dumps' separators, and
+# the ones chat templates write tool-call arguments with (tojson).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what OpenAI allows
+EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+# ── request fields ─────────────────────────────────────────────────────────────────────────────
+class JsonSchemaFormat(BaseModel):
+    model_config = _CONFIG
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # "schema" shadows a BaseModel attribute, hence the alias
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _CONFIG
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _CONFIG
+
+    name: str | None = None  # checked in `check_tools`, so the 400 names the tool
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _CONFIG
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _CONFIG
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _CONFIG
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+# ── grammars ───────────────────────────────────────────────────────────────────────────────────
+def _refuse(param: str, message: str, code: str = "invalid_request_error") -> ApiError:
+    return ApiError(400, message, code, param)
+
+
+def _with_options(schema: dict[str, Any]) -> dict[str, Any]:
+    # the client's own x-guidance, if any, is replaced: whitespace stays bounded
+    return {**schema, "x-guidance": JSON_OPTIONS}
+
+
+@functools.lru_cache(maxsize=1024)
+def _problem(grammar: str) -> str | None:
+    """What llguidance finds wrong with a grammar, or None; cached by the grammar's text."""
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return "; ".join(messages) or "invalid" if is_error else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _schema_problem(schema_text: str) -> str | None:
+    schema = json.loads(schema_text)
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        return f"it is not a valid JSON Schema ({exc.message}{' at ' + where if where else ''})"
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(_with_options(schema))
+    problem = _problem(grammar)
+    if problem is not None:
+        return f"constrained decoding cannot enforce it: {problem}"
+    return None
+
+
+def check_schema(schema: dict[str, Any], param: str) -> str:
+    """The schema as JSON text, once both JSON Schema and llguidance accept it."""
+    text = json.dumps(schema, sort_keys=True)
+    problem = _schema_problem(text)
+    if problem is not None:
+        raise _refuse(param, f"{param} is refused: {problem}; fix or simplify the schema")
+    return text
+
+
+def json_grammar(schema: dict[str, Any]) -> str:
+    return llguidance.LLMatcher.grammar_from_json_schema(_with_options(schema))
+
+
+def _json_rule(schema: dict[str, Any]) -> str:
+    return "%json" + json.dumps(_with_options(schema), ensure_ascii=False)
+
+
+def response_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
+    """The schema a JSON ``response_format`` asks for (validated), or None for text."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.json_schema is None:
+        raise _refuse(
+            "response_format.json_schema",
+            'response_format of type json_schema needs a json_schema: {"name": ..., "schema": ...}',
+        )
+    schema = fmt.json_schema.schema_ or {"type": "object"}
+    check_schema(schema, "response_format.json_schema.schema")
+    return schema
+
+
+# ── tools ──────────────────────────────────────────────────────────────────────────────────────
+@dataclass(frozen=True)
+class ToolPlan:
+    """What the tools of a request mean for its sampling and its reply."""
+
+    tools: list[dict[str, Any]] | None  # for the chat template; None: not shown to the model
+    grammar: str | None  # the output's constraint; None: free text
+    parser: ToolCallFormat | None  # the format the reply is parsed for calls in; None: not
+
+
+def _parameters(tool: Tool) -> dict[str, Any]:
+    return tool.function.parameters if tool.function.parameters is not None else EMPTY_PARAMETERS
+
+
+def check_tools(tools: list[Tool]) -> None:
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        name = tool.function.name
+        if not name:
+            raise _refuse(f"tools[{i}].function.name", f"tools[{i}] has no function name")
+        if not FUNCTION_NAME.fullmatch(name):
+            raise _refuse(
+                f"tools[{i}].function.name",
+                f"tools[{i}]'s name {name!r} is not allowed: use letters, digits, _ and -, "
+                "at most 64",
+            )
+        if name in seen:
+            raise _refuse(
+                f"tools[{i}].function.name",
+                f"two tools are named {name!r}; give each function its own name",
+            )
+        seen.add(name)
+        parameters = _parameters(tool)
+        if parameters.get("type", "object") != "object":
+            raise _refuse(
+                f"tools[{i}].function.parameters",
+                f"tools[{i}]'s parameters must be a JSON Schema of type object",
+            )
+        check_schema(parameters, f"tools[{i}].function.parameters")
+
+
+def _template_tool(tool: Tool) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.function.name, "parameters": _parameters(tool)}
+    if tool.function.description is not None:
+        function["description"] = tool.function.description
+    return {"type": "function", "function": function}
+
+
+def plan_tools(
+    tools: list[Tool] | None,
+    tool_choice: ToolChoice | None,
+    parallel: bool,
+    response_format: ResponseFormat | None,
+    fmt: ToolCallFormat,
+) -> ToolPlan:
+    """Check the tool fields together with ``response_format``; raise a 400 naming the param."""
+    schema = response_schema(response_format)
+    answer = json_grammar(schema) if schema is not None else None
+    tools = tools or []
+    check_tools(tools)
+    choice = tool_choice if tool_choice is not None else "auto"
+    if isinstance(choice, NamedToolChoice):
+        chosen = [t for t in tools if t.function.name == choice.function.name]
+        if not chosen:
+            known = ", ".join(t.function.name or "" for t in tools) or "none"
+            raise _refuse(
+                "tool_choice",
+                f"tool_choice names the function {choice.function.name!r}, which is not among "
+                f"the tools (defined: {known})",
+            )
+    elif choice == "required":
+        if not tools:
+            raise _refuse("tool_choice", "tool_choice is required, but no tools are defined")
+        chosen = tools
+    else:
+        chosen = []
+    if not tools or choice == "none":
+        return ToolPlan(None, answer, None)
+    shown = [_template_tool(t) for t in tools]
+    if not chosen:  # auto: free text, or the JSON answer or calls when a format is set too
+        if schema is None:
+            return ToolPlan(shown, None, fmt)
+        lark = _calls_lark(tools, fmt, parallel, answer=schema)
+        return ToolPlan(shown, _checked_lark(lark), fmt)
+    if schema is not None:
+        raise _refuse(
+            "response_format",
+            "response_format asks for a JSON answer, but tool_choice requires a tool call; "
+            "send one of them, or tool_choice auto to let the model choose",
+        )
+    return ToolPlan(shown, _checked_lark(_calls_lark(chosen, fmt, parallel)), fmt)
+
+
+def refuse_deprecated(functions: object, function_call: object) -> None:
+    """OpenAI's ``functions`` and ``function_call`` were replaced by ``tools``/``tool_choice``."""
+    for param, value in (("functions", functions), ("function_call", function_call)):
+        if value is not None:
+            raise _refuse(
+                param,
+                f"{param} is deprecated and not supported; send tools (and tool_choice) instead",
+                "unsupported_parameter",
+            )
+
+
+def completion_grammar(response_format: ResponseFormat | None) -> str | None:
+    schema = response_schema(response_format)
+    return json_grammar(schema) if schema is not None else None
+
+
+def _calls_lark(
+    tools: list[Tool], fmt: ToolCallFormat, parallel: bool, answer: dict | None = None
+) -> str:
+    pairs = []
+    rules = []
+    for i, tool in enumerate(tools):
+        rules.append(f"arguments_{i}: {_json_rule(_parameters(tool))}")
+        pairs.append((tool.function.name or "", f"arguments_{i}"))
+    rules.append(fmt.call_rules(pairs, parallel))
+    if answer is None:
+        start = "start: calls"
+    else:
+        rules.append(f"answer: {_json_rule(answer)}")
+        start = "start: calls | answer"
+    return "\n".join([start, *rules])
+
+
+def _checked_lark(lark: str) -> str:
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    problem = _problem(grammar)
+    if problem is not None:  # each schema passed alone, so this is ours, not the client's
+        raise ApiError(
+            400,
+            f"the tools could not be combined into one grammar: {problem}",
+            "invalid_request_error",
+            "tools",
+        )
+    return grammar

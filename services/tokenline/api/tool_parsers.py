@@ -1,0 +1,296 @@
+"""Tool calls in a model's own output format: finding them in text, and the grammar of one.
+
+Each format knows three things: how its calls look in generated text (so `auto` replies can be
+parsed, whole or as a stream), how to recognise a chat template that uses it, and the Lark
+grammar of a call (so `required` and named tool choices can be constrained to it). No I/O:
+tests drive the parsers directly.
+
+A reply is parsed by feeding it to a stream parser in one piece, so a streamed reply and a
+whole one always split into the same content and the same calls.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text of an object
+
+
+@dataclass(frozen=True)
+class Content:
+    text: str
+
+
+@dataclass(frozen=True)
+class Call:
+    index: int  # the call's position among the reply's calls
+    call: ParsedCall
+
+
+Delta = Content | Call
+
+
+@dataclass
+class Parsed:
+    content: str | None  # None when the reply held only calls
+    calls: list[ParsedCall]
+
+
+def _as_call(value: object, argument_keys: tuple[str, ...]) -> ParsedCall | None:
+    """A call from a decoded JSON value, or None when it is not one."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    key = next((k for k in argument_keys if k in value), None)
+    arguments = value.get(key, {}) if key else {}
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict) or not value["name"]:
+        return None
+    return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _held_prefix(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that could begin ``marker``."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class ToolCallStream:
+    """Splits a reply, piece by piece, into content and calls."""
+
+    def feed(self, text: str) -> list[Delta]:
+        raise NotImplementedError
+
+    def finish(self) -> list[Delta]:
+        raise NotImplementedError
+
+    def parse(self, text: str) -> Parsed:
+        deltas = self.feed(text) + self.finish()
+        content = "".join(d.text for d in deltas if isinstance(d, Content))
+        calls = [d.call for d in deltas if isinstance(d, Call)]
+        return Parsed(content if content or not calls else None, calls)
+
+
+@dataclass
+class _HermesStream(ToolCallStream):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks among plain text.
+
+    Content streams as it arrives, except an end that may be the start of ``<tool_call>``
+    (held until the next piece settles it) and whitespace next to a call (dropped, as the
+    template put it there, not the answer).
+    """
+
+    OPEN = "<tool_call>"
+    CLOSE = "</tool_call>"
+
+    _pending: str = ""
+    _in_call: bool = False
+    _after_call: bool = False  # drop the whitespace that follows a call
+    _calls: int = 0
+    _held_space: str = ""
+
+    def _content(self, text: str, final: bool = False) -> list[Delta]:
+        if self._after_call:
+            text = text.lstrip()
+            if text:
+                self._after_call = False
+        text = self._held_space + text
+        stripped = text.rstrip()
+        self._held_space = "" if final else text[len(stripped) :]
+        if final:
+            stripped = text
+        return [Content(stripped)] if stripped else []
+
+    def _block(self, body: str) -> list[Delta]:
+        try:
+            call = _as_call(json.loads(body), ("arguments", "parameters"))
+        except ValueError:
+            call = None
+        if call is None:  # not a call after all: the model's text, shown as it wrote it
+            return self._content(self.OPEN + body + self.CLOSE)
+        self._held_space = ""
+        self._after_call = True
+        self._calls += 1
+        return [Call(self._calls - 1, call)]
+
+    def feed(self, text: str) -> list[Delta]:
+        self._pending += text
+        out: list[Delta] = []
+        while True:
+            if self._in_call:
+                end = self._pending.find(self.CLOSE)
+                if end < 0:
+                    return out
+                body, self._pending = self._pending[:end], self._pending[end + len(self.CLOSE) :]
+                self._in_call = False
+                out += self._block(body)
+                continue
+            start = self._pending.find(self.OPEN)
+            if start >= 0:
+                before = self._pending[:start]
+                self._pending = self._pending[start + len(self.OPEN) :]
+                out += self._content(before)
+                self._held_space = ""  # the newline before a call belongs to the markup
+                self._in_call = True
+                continue
+            keep = _held_prefix(self._pending, self.OPEN)
+            ready = self._pending[: len(self._pending) - keep]
+            self._pending = self._pending[len(self._pending) - keep :]
+            return out + self._content(ready)
+
+    def finish(self) -> list[Delta]:
+        pending, self._pending = self._pending, ""
+        if self._in_call:  # ended before its closing tag: a call if its JSON is whole
+            self._in_call = False
+            try:
+                call = _as_call(json.loads(pending), ("arguments", "parameters"))
+            except ValueError:
+                call = None
+            if call is not None:
+                self._calls += 1
+                return [Call(self._calls - 1, call)]
+            pending = self.OPEN + pending
+        if self._calls:
+            return self._content(pending.rstrip(), final=True) if pending.strip() else []
+        return self._content(pending, final=True)
+
+
+@dataclass
+class _Llama3JsonStream(ToolCallStream):
+    """Llama 3's JSON calls: the whole reply is ``{"name": ..., "parameters": {...}}`` (several
+    joined by ``;``), optionally after ``<|python_tag|>``.
+
+    Whether a reply is a call shows only at its end, so a reply that starts like one (``{`` or
+    the tag) is held until then; any other streams as content at once.
+    """
+
+    TAG = "<|python_tag|>"
+
+    _pending: str = ""
+    _decided: bool = False  # True once the reply is known to be plain content
+
+    def feed(self, text: str) -> list[Delta]:
+        if self._decided:
+            return [Content(text)] if text else []
+        self._pending += text
+        head = self._pending.lstrip()
+        if not head or self.TAG.startswith(head) or head.startswith(("{", self.TAG)):
+            return []
+        self._decided = True
+        pending, self._pending = self._pending, ""
+        return [Content(pending)]
+
+    def finish(self) -> list[Delta]:
+        pending, self._pending = self._pending, ""
+        if self._decided:
+            return []
+        calls = self._calls(pending.strip().removeprefix(self.TAG))
+        if calls:
+            return [Call(i, c) for i, c in enumerate(calls)]
+        return [Content(pending)] if pending else []
+
+    @staticmethod
+    def _calls(text: str) -> list[ParsedCall] | None:
+        decoder = json.JSONDecoder()
+        calls: list[ParsedCall] = []
+        position = 0
+        while position < len(text):
+            try:
+                value, position = decoder.raw_decode(text, position)
+            except ValueError:
+                return None
+            call = _as_call(value, ("parameters", "arguments"))
+            if call is None:
+                return None
+            calls.append(call)
+            rest = text[position:].lstrip()
+            if rest and not rest.startswith(";"):
+                return None
+            position = len(text) - len(rest.removeprefix(";").lstrip())
+        return calls
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """One model family's tool-call format."""
+
+    name: str
+    stream_type: type[ToolCallStream]
+    call_head: str  # before the name: ``<tool_call>\\n{"name": "``
+    call_middle: str  # between the name and the arguments
+    call_tail: str  # after the arguments
+    separator: str  # between parallel calls
+    template_markers: tuple[str, ...] = field(default=())
+
+    def stream(self) -> ToolCallStream:
+        return self.stream_type()
+
+    def parse(self, text: str) -> Parsed:
+        return self.stream().parse(text)
+
+    def call_rules(self, names_and_arguments: list[tuple[str, str]], parallel: bool) -> str:
+        """Lark rules whose ``calls`` rule is one call (several if ``parallel``) of the given
+        functions; each function's arguments are the Lark rule its name is paired with."""
+        rules = []
+        alternatives = []
+        for i, (name, arguments_rule) in enumerate(names_and_arguments):
+            text = _lark_string(self.call_head + name + self.call_middle)
+            rules.append(f"call_{i}: {text} {arguments_rule} {_lark_string(self.call_tail)}")
+            alternatives.append(f"call_{i}")
+        rules.append("call: " + " | ".join(alternatives))
+        if parallel:
+            rules.append(f"calls: call ({_lark_string(self.separator)} call)*")
+        else:
+            rules.append("calls: call")
+        return "\n".join(rules)
+
+
+HERMES = ToolCallFormat(
+    name="hermes",
+    stream_type=_HermesStream,
+    call_head='<tool_call>\n{"name": "',
+    call_middle='", "arguments": ',
+    call_tail="}\n</tool_call>",
+    separator="\n",
+    template_markers=("<tool_call>",),
+)
+LLAMA3_JSON = ToolCallFormat(
+    name="llama3_json",
+    stream_type=_Llama3JsonStream,
+    call_head='{"name": "',
+    call_middle='", "parameters": ',
+    call_tail="}",
+    separator="; ",
+    template_markers=("<|python_tag|>", '"parameters"'),
+)
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON)}
+PARSER_CHOICES = ("auto", *FORMATS)
+
+
+def format_for(template: str | None, choice: str = "auto") -> ToolCallFormat:
+    """The format named by ``choice`` (--tool-call-parser), or the one ``template`` uses.
+
+    A template that shows no known format gets Hermes, the format of the tiny model and of
+    Qwen, which most templates that learned tools copy.
+    """
+    if choice != "auto":
+        return FORMATS[choice]
+    text = template or ""
+    for candidate in (HERMES, LLAMA3_JSON):
+        if any(marker in text for marker in candidate.template_markers):
+            return candidate
+    return HERMES

@@ -1,0 +1,129 @@
+"""The tool-call parsers, driven directly: whole replies, streamed ones, and their grammars."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import llguidance.hf
+import pytest
+
+from tokenline import tiny_model
+from tokenline.api.tool_parsers import (
+    FORMATS,
+    HERMES,
+    LLAMA3_JSON,
+    PARSER_CHOICES,
+    Call,
+    Content,
+    ParsedCall,
+    format_for,
+)
+from tokenline.settings import BY_FLAG
+
+CALL_F = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+CALL_G = '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
+
+
+def _streamed(fmt, text: str, size: int):
+    stream = fmt.stream()
+    deltas = []
+    for i in range(0, len(text), size):
+        deltas += stream.feed(text[i : i + size])
+    deltas += stream.finish()
+    content = "".join(d.text for d in deltas if isinstance(d, Content))
+    return content, [d.call for d in deltas if isinstance(d, Call)], deltas
+
+
+def test_hermes_finds_calls_and_the_text_before_them():
+    parsed = HERMES.parse("Let me look.\n" + CALL_F + "\n" + CALL_G)
+    assert parsed.content == "Let me look."
+    assert parsed.calls == [ParsedCall("f", '{"x": 1}'), ParsedCall("g", "{}")]
+
+
+def test_hermes_reply_of_only_calls_has_no_content():
+    assert HERMES.parse(CALL_F).content is None
+
+
+def test_hermes_leaves_text_without_calls_alone():
+    for text in ("plain words", " leading space", "a <tool_ half tag", "<tool_call>not json"):
+        parsed = HERMES.parse(text)
+        assert (parsed.content, parsed.calls) == (text, [])
+
+
+def test_hermes_accepts_a_last_call_without_its_closing_tag_and_string_arguments():
+    parsed = HERMES.parse('<tool_call>\n{"name": "f", "arguments": "{\\"x\\": 2}"}')
+    assert parsed.calls == [ParsedCall("f", '{"x": 2}')]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_streaming_in_any_pieces_gives_what_parsing_whole_gives(size):
+    text = "Checking the weather.\n" + CALL_F + "\n" + CALL_G
+    content, calls, deltas = _streamed(HERMES, text, size)
+    whole = HERMES.parse(text)
+    assert (content, calls) == (whole.content, whole.calls)
+    # nothing of the markup reaches the content, piece by piece
+    for delta in deltas:
+        if isinstance(delta, Content):
+            assert "<" not in delta.text
+    assert [d.index for d in deltas if isinstance(d, Call)] == [0, 1]
+
+
+def test_streamed_content_is_sent_before_the_reply_ends():
+    stream = HERMES.stream()
+    assert stream.feed("Hello there, ") == [Content("Hello there,")]
+    assert stream.feed("friend <tool") == [Content(" friend")]  # the tag's start is held
+
+
+def test_llama3_json_calls_with_and_without_the_python_tag():
+    for text in (
+        '{"name": "f", "parameters": {"a": 2}}',
+        '<|python_tag|>{"name": "f", "parameters": {"a": 2}}',
+        ' {"name": "f", "arguments": {"a": 2}}',
+    ):
+        parsed = LLAMA3_JSON.parse(text)
+        assert parsed.content is None and parsed.calls == [ParsedCall("f", '{"a": 2}')], text
+    two = LLAMA3_JSON.parse('{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}}')
+    assert [c.name for c in two.calls] == ["f", "g"]
+
+
+def test_llama3_json_text_that_is_not_a_call_stays_content():
+    for text in ("hi there", '{"answer": 1}', '{"name": "f", "parameters": {}} trailing'):
+        assert LLAMA3_JSON.parse(text).content == text
+    content, calls, deltas = _streamed(LLAMA3_JSON, "hi there", 2)
+    assert (content, calls) == ("hi there", [])
+    assert len(deltas) > 1  # streamed as it came, once it could not be a call
+
+
+def test_the_format_is_read_from_the_chat_template():
+    assert format_for(tiny_model.CHAT_TEMPLATE) is HERMES
+    llama = '{{- \'<|python_tag|>\' }} Respond as {"name": function name, "parameters": ...}'
+    assert format_for(llama) is LLAMA3_JSON
+    assert format_for(None) is HERMES
+    assert format_for(tiny_model.CHAT_TEMPLATE, "llama3_json") is LLAMA3_JSON
+
+
+def test_the_flag_offers_exactly_the_formats():
+    assert BY_FLAG["tool-call-parser"].choices == PARSER_CHOICES
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=list(FORMATS))
+def test_a_call_the_grammar_allows_parses_back(fmt, tiny_tokenizer):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 5}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    rules = fmt.call_rules([("get_weather", "args")], parallel=True)
+    lark = "start: calls\nargs: %json" + json.dumps(schema) + "\n" + rules
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    text = fmt.separator.join(
+        f'{fmt.call_head}get_weather{fmt.call_middle}{{"city": "{c}"}}{fmt.call_tail}'
+        for c in ("Oslo", "Rome")
+    )
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tiny_tokenizer), grammar)
+    tokenizer = llguidance.hf.from_tokenizer(tiny_tokenizer)
+    assert matcher.consume_tokens(tokenizer.tokenize_str(text)), matcher.get_error()
+    assert matcher.is_accepting()
+    assert [json.loads(c.arguments)["city"] for c in fmt.parse(text).calls] == ["Oslo", "Rome"]

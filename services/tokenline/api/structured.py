@@ -125,8 +125,13 @@ def _schema_problem(schema_text: str) -> str | None:
 
 def check_schema(schema: dict[str, Any], param: str) -> str:
     """The schema as JSON text, once both JSON Schema and llguidance accept it."""
-    text = json.dumps(schema, sort_keys=True)
-    problem = _schema_problem(text)
+    try:
+        text = json.dumps(schema, sort_keys=True)
+        problem = _schema_problem(text)
+    except RecursionError:
+        problem = "it nests too deeply to check"
+    except ValueError as exc:  # llguidance's refusal of a value it cannot read
+        problem = f"constrained decoding cannot read it: {exc}"
     if problem is not None:
         raise _refuse(param, f"{param} is refused: {problem}; fix or simplify the schema")
     return text

@@ -30,3 +30,20 @@ def test_the_limit_is_the_models_positions_window_or_not(tmp_path, config):
     source = resolve(_model_dir(tmp_path, config))
     assert source.max_model_len() == 4096
     assert source.max_model_len(2048) == 2048
+
+
+def test_the_chat_template_is_read_without_loading_a_tokenizer(tmp_path):
+    import json
+
+    from tokenline import tiny_model
+    from tokenline.model_source import chat_template_text
+
+    assert chat_template_text("tiny") == tiny_model.CHAT_TEMPLATE
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    assert chat_template_text(str(tmp_path)) == "{{ messages }}"
+    named = [{"name": "default", "template": "A"}, {"name": "tool_use", "template": "B"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    assert chat_template_text(str(tmp_path)) == "A\nB"
+    (tmp_path / "chat_template.jinja").write_text("<tool_call>")
+    assert chat_template_text(str(tmp_path)) == "<tool_call>"
+    assert chat_template_text(str(tmp_path / "missing")) is None

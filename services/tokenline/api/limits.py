@@ -165,6 +165,7 @@ def _check_chat(body: ChatCompletionRequest, limits: Settings) -> None:
             total += len(content)
         elif content:
             total += sum(len(part.text) for part in content)
+        total += sum(len(call.function.arguments) for call in message.tool_calls or [])
     if total > limits.max_prompt_chars:
         raise _refuse(
             "messages",

@@ -372,3 +372,27 @@ def test_tool_turns_render_through_the_chat_template(client, stack, tiny_tokeniz
     assert "<tool_response>\nrain\n</tool_response>" in rendered
     ids = tiny_tokenizer(rendered, add_special_tokens=False)["input_ids"]
     assert reply.usage.prompt_tokens == len(ids)
+
+
+def test_tool_choice_none_keeps_the_tools_from_the_model(client, stack, tiny_tokenizer):
+    reply = client.chat.completions.create(
+        model=stack.model, messages=CHAT, tools=TOOLS, tool_choice="none", max_tokens=2
+    )
+    plain = tiny_tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert reply.usage.prompt_tokens == len(
+        tiny_tokenizer(plain, add_special_tokens=False)["input_ids"]
+    )
+    assert reply.choices[0].message.tool_calls is None
+
+
+def test_tools_shown_to_the_model_lengthen_the_prompt(client, stack, tiny_tokenizer):
+    reply = client.chat.completions.create(
+        model=stack.model, messages=CHAT, tools=TOOLS, max_tokens=2
+    )
+    shown = tiny_tokenizer.apply_chat_template(
+        CHAT, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert "<tools>" in shown
+    assert reply.usage.prompt_tokens == len(
+        tiny_tokenizer(shown, add_special_tokens=False)["input_ids"]
+    )

@@ -48,6 +48,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logprobs: int | None = None  # None: not wanted; N: the chosen token's plus the top N
+    logit_bias: dict[int, float] = {}  # token id -> bias added to its logit before sampling
+    grammar: str | None = None  # an llguidance grammar the output must match (api builds it)
+    prompt_logprobs: int | None = None  # echo: the prompt tokens' logprobs plus the top N
+    echo: bool = False  # send the prompt's text back in the first reply
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -216,6 +220,8 @@ class Reply(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
     detokenizer_s: float = 0.0
     cached_tokens: int = 0  # on the terminal reply: prompt tokens served from the prefix cache
     logprobs: list[LogprobEntry] | None = None  # per token of this reply, when asked
+    prompt_text: str | None = None  # with sampling.echo: the decoded prompt, first reply only
+    prompt_logprobs: list[LogprobEntry | None] | None = None  # first reply only; [0] is None
 
 
 class ReplyBatch(_Message, tag="replies"):

@@ -7,6 +7,7 @@ removed when routing is turned off; without it, the status says routing is a pla
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import inference_pool_schema
@@ -185,3 +186,32 @@ async def test_asking_for_a_pool_the_cluster_cannot_serve_is_degraded_but_serves
     assert names.INFERENCE_POOL_CRD in degraded["message"]
     assert condition(cluster, "Routing")["reason"] == "InferencePoolUnavailable"
     assert absent(cluster, "apps/v1/deployments", "chat-epp")
+
+
+@pytest.mark.parametrize("optional_apis", [{"inferencepool"}])
+async def test_a_routed_service_settles_without_writes(cluster, operator):
+    await apply(cluster, inference_service(replicas=2))
+    for resource, name in ROUTING_CHILDREN.values():
+        await eventually(lambda r=resource, n=name: stored(cluster, r, n))
+    await patch(
+        cluster,
+        f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/chat-epp/status",
+        {"status": {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1}},
+    )
+    await eventually(lambda: condition(cluster, "Routing")["status"] == "True")
+
+    def child_writes() -> list[str]:
+        # the reconciler's writes to children (kopf's echoes on the owner are left out)
+        return [
+            f"{r.method} {r.url.path}"
+            for r in cluster
+            if r.method in ("POST", "PUT", "PATCH", "DELETE") and names.PLURAL not in r.url.path
+        ]
+
+    seen, quiet_since = len(child_writes()), asyncio.get_running_loop().time()
+    while asyncio.get_running_loop().time() - quiet_since < 0.5:
+        await asyncio.sleep(0.1)
+        if len(child_writes()) != seen:
+            seen, quiet_since = len(child_writes()), asyncio.get_running_loop().time()
+    await asyncio.sleep(1.0)
+    assert child_writes()[seen:] == []

@@ -106,6 +106,10 @@ class StageStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
     ready: bool = True
     waiting: int = 0
     running: int = 0
+    # The scheduler's KV cache, for endpoint pickers reading the api port
+    kv_usage: float = 0.0  # share of usable blocks referenced, 0-1
+    block_size: int = 0  # tokens per block
+    num_blocks: int = 0  # usable blocks
 
 
 class Heartbeat(_Message, tag="heartbeat"):

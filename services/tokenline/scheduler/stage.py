@@ -148,8 +148,15 @@ class SchedulerStage:
 
     def status(self) -> protocol.StageStatus:
         counts = self.engine.counts()
+        pool = self.engine.pool
         return protocol.StageStatus(
-            stage=self.stage, instance="", waiting=counts["waiting"], running=counts["running"]
+            stage=self.stage,
+            instance="",
+            waiting=counts["waiting"],
+            running=counts["running"],
+            kv_usage=pool.usage,
+            block_size=pool.block_size,
+            num_blocks=pool.num_blocks - 1,  # block 0 is reserved; usage counts the rest
         )
 
     def fail(self, uid: str) -> list[msgspec.Struct]:

@@ -365,6 +365,53 @@ NETWORK_POLICY = {
     },
 }
 
+ROUTING = {
+    "type": "object",
+    "description": "How requests reach the pods beyond the plain Service.",
+    "default": {},
+    "properties": {
+        "inferencePool": {
+            "type": "object",
+            "description": (
+                "An InferencePool (Gateway API Inference Extension) over the pods' api port and "
+                "its endpoint picker, which scores pods by queue, KV cache use and prefix "
+                "affinity; route to it with an HTTPRoute whose backendRef is the InferencePool."
+            ),
+            "default": {},
+            "properties": {
+                "enabled": {
+                    "type": "boolean",
+                    "description": (
+                        "Create the InferencePool and the picker. Unset: on when the cluster "
+                        f"serves {names.INFERENCE_POOL_CRD}; false: the plain Service only."
+                    ),
+                },
+                "image": _string(
+                    "The endpoint picker image (its flags and configuration follow "
+                    f"{names.PICKER_VERSION}).",
+                    default=names.PICKER_IMAGE,
+                    minLength=1,
+                ),
+                "extProcPort": _integer(
+                    "The picker Service's ext-proc (gRPC) port, which the gateway calls.",
+                    default=9002,
+                    minimum=1,
+                    maximum=65535,
+                ),
+                "failureMode": _string(
+                    "What the gateway does while the picker does not answer: FailOpen picks a "
+                    "pod itself, FailClose refuses the request.",
+                    enum=["FailOpen", "FailClose"],
+                    default="FailOpen",
+                ),
+                "resources": _resources(
+                    "The picker container's resources.", {"cpu": "500m", "memory": "512Mi"}
+                ),
+            },
+        },
+    },
+}
+
 TOLERATION = {
     "type": "object",
     "properties": {
@@ -424,6 +471,7 @@ SPEC = {
         "autoscaling": AUTOSCALING,
         "monitoring": MONITORING,
         "networkPolicy": NETWORK_POLICY,
+        "routing": ROUTING,
     },
 }
 

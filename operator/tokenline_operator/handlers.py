@@ -31,6 +31,11 @@ WATCHED_CHILDREN = (
     "ScaledObject",
     "PodMonitor",
     "NetworkPolicy",
+    # spec.routing.inferencePool: the picker's identity and the pool
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+    "InferencePool",
 )
 _MANAGED = {names.LABEL_MANAGED_BY: names.MANAGED_BY}
 

@@ -50,6 +50,10 @@ KINDS: dict[str, Kind] = {
         Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
         Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors"),
         Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+        Kind("v1", "ServiceAccount", "serviceaccounts"),
+        Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
+        Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
+        Kind(names.INFERENCE_POOL_API_VERSION, "InferencePool", "inferencepools"),
         Kind(names.API_VERSION, names.KIND, names.PLURAL),
     )
 }

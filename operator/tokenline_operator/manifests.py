@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,13 @@ Manifest = dict[str, Any]
 PRESTOP_SLEEP_SECONDS = 5
 #: Seconds between startup-probe attempts; the threshold follows startupTimeoutSeconds.
 STARTUP_PERIOD_SECONDS = 10
+#: The endpoint picker's --refresh-metrics-interval and --metrics-staleness-threshold
+#: (inference_pool.py passes both, so the preStop sizing below holds for the picker we run).
+PICKER_REFRESH_METRICS_INTERVAL_S = 0.05
+PICKER_METRICS_STALENESS_S = 2
+#: Seconds for a pod's deletion to reach the picker's pod informer (one watch event, which
+#: on a busy API server can lag); from then on the picker never chooses the pod.
+PICKER_WATCH_DELAY_S = 3
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class Capabilities:
 
     keda: bool = False
     prometheus_operator: bool = False
+    inference_pool: bool = False  # the cluster serves inferencepools.inference.networking.k8s.io
 
 
 # --- shared pieces -----------------------------------------------------------------------
@@ -76,6 +85,34 @@ def metadata(owner: Owner, name: str, **extra: Any) -> dict[str, Any]:
         "ownerReferences": [owner_reference(owner)],
         **extra,
     }
+
+
+def routing_enabled(spec: Spec, caps: Capabilities) -> bool:
+    """Whether an InferencePool and its picker route to the pods (unset: if the CRD is served)."""
+    enabled = spec["routing"]["inferencePool"].get("enabled")
+    return caps.inference_pool if enabled is None else bool(enabled)
+
+
+def picker_name(owner: Owner) -> str:
+    return f"{owner.name}-epp"
+
+
+def picker_selector(owner: Owner) -> dict[str, str]:
+    """The picker pods' identity: never the stage pods' (the pool and Service select those)."""
+    return {names.LABEL_NAME: names.PICKER_APP, names.LABEL_OWNER: owner.name}
+
+
+def prestop_sleep_seconds(routing: bool) -> int:
+    """How long a stopping pod keeps serving before SIGTERM: until nothing routes to it.
+
+    The Service's endpoints drop it within PRESTOP_SLEEP_SECONDS; with a picker, it stops
+    choosing the pod once its informer sees the deletion, plus one metrics refresh, plus the
+    staleness threshold after which a picker that missed the event distrusts the pod's metrics.
+    """
+    if not routing:
+        return PRESTOP_SLEEP_SECONDS
+    picker = PICKER_WATCH_DELAY_S + PICKER_REFRESH_METRICS_INTERVAL_S + PICKER_METRICS_STALENESS_S
+    return max(PRESTOP_SLEEP_SECONDS, math.ceil(picker))
 
 
 def config_map_name(owner: Owner) -> str:
@@ -239,7 +276,9 @@ def _http_probe(
     }
 
 
-def _container(owner: Owner, spec: Spec, stage: str, settings: dict[str, str]) -> dict:
+def _container(
+    owner: Owner, spec: Spec, stage: str, settings: dict[str, str], prestop: int
+) -> dict:
     port_name = names.PORT_NAMES[stage]
     startup_failures = -(-spec["server"]["startupTimeoutSeconds"] // STARTUP_PERIOD_SECONDS)
     if stage == "api":
@@ -297,7 +336,7 @@ def _container(owner: Owner, spec: Spec, stage: str, settings: dict[str, str]) -
         "volumeMounts": mounts,
         "startupProbe": startup,
         "livenessProbe": liveness,
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(prestop)]}}},
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
@@ -357,18 +396,22 @@ def _secret_volume(name: str, secret: str, files: dict[str, str]) -> dict[str, A
     }
 
 
-def termination_grace_seconds(spec: Spec) -> int:
+def termination_grace_seconds(spec: Spec, routing: bool = False) -> int:
     """preStop sleep + the stages' drain + a margin to exit: longer than the drain timeout."""
-    return PRESTOP_SLEEP_SECONDS + spec["server"]["drainTimeoutSeconds"] + 15
+    return prestop_sleep_seconds(routing) + spec["server"]["drainTimeoutSeconds"] + 15
 
 
-def deployment(owner: Owner, spec: Spec, *, manage_replicas: bool = True) -> Manifest:
-    """The Deployment; ``manage_replicas=False`` leaves ``replicas`` to an autoscaler."""
+def deployment(
+    owner: Owner, spec: Spec, *, manage_replicas: bool = True, routing: bool = False
+) -> Manifest:
+    """The Deployment; ``manage_replicas=False`` leaves ``replicas`` to an autoscaler,
+    ``routing`` sizes the preStop hook for an endpoint picker."""
     settings = engine_settings(spec)
+    prestop = prestop_sleep_seconds(routing)
     pod_spec: dict[str, Any] = {
-        "containers": [_container(owner, spec, stage, settings) for stage in names.STAGES],
+        "containers": [_container(owner, spec, stage, settings, prestop) for stage in names.STAGES],
         "volumes": _volumes(spec),
-        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec, routing),
         # Service links would inject e.g. TOKENLINE_PORT=tcp://... for a Service called
         # "tokenline", which the stages would read as their --port flag.
         "enableServiceLinks": False,
@@ -605,8 +648,9 @@ def _ports(*numbers: int) -> list[dict[str, Any]]:
     return [{"protocol": "TCP", "port": number} for number in numbers]
 
 
-def network_policy(owner: Owner, spec: Spec) -> Manifest:
-    """Ingress to the api port from ``apiFrom``, to every metrics port from ``metricsFrom``.
+def network_policy(owner: Owner, spec: Spec, routing: bool = False) -> Manifest:
+    """Ingress to the api port from ``apiFrom``, to every metrics port from ``metricsFrom``,
+    and with ``routing`` to the api port from the endpoint picker (it scrapes /metrics there).
 
     The ring never crosses the pod (IPC), so no rule is needed for it; the kubelet's probes
     come from the node, which NetworkPolicy implementations let through.
@@ -614,6 +658,9 @@ def network_policy(owner: Owner, spec: Spec) -> Manifest:
     policy = spec["networkPolicy"]
     api_peers = [network_peer(p) for p in policy.get("apiFrom") or [{}]]
     ingress = [{"from": api_peers, "ports": _ports(names.API_PORT)}]
+    if routing:
+        picker = {"podSelector": _selector(picker_selector(owner))}
+        ingress.append({"from": [picker], "ports": _ports(names.API_PORT)})
     metrics_peers = [network_peer(p) for p in policy["metricsFrom"]]
     # A rule without peers would admit everyone: an empty metricsFrom adds no rule.
     if metrics_peers:
@@ -647,9 +694,10 @@ OPTIONAL_KINDS = (
 def children(owner: Owner, spec: Spec, caps: Capabilities) -> dict[str, Manifest]:
     """Every child the spec asks for, by kind (one object per kind)."""
     autoscaler = autoscaler_kind(spec, caps)
+    routing = routing_enabled(spec, caps)
     result: dict[str, Manifest] = {
         "ConfigMap": config_map(owner, spec),
-        "Deployment": deployment(owner, spec, manage_replicas=autoscaler is None),
+        "Deployment": deployment(owner, spec, manage_replicas=autoscaler is None, routing=routing),
         "Service": service(owner, spec),
     }
     if wants_disruption_budget(spec):
@@ -661,5 +709,5 @@ def children(owner: Owner, spec: Spec, caps: Capabilities) -> dict[str, Manifest
     if spec["monitoring"]["podMonitor"] and caps.prometheus_operator:
         result["PodMonitor"] = pod_monitor(owner, spec)
     if spec["networkPolicy"]["enabled"]:
-        result["NetworkPolicy"] = network_policy(owner, spec)
+        result["NetworkPolicy"] = network_policy(owner, spec, routing)
     return result

@@ -67,3 +67,25 @@ LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
 
 #: The uid and gid the image's non-root user has (see the Dockerfile).
 RUN_AS_USER = 10001
+
+# The Gateway API Inference Extension: an InferencePool and its endpoint picker (EPP).
+INFERENCE_POOL_GROUP = "inference.networking.k8s.io"
+INFERENCE_POOL_API_VERSION = f"{INFERENCE_POOL_GROUP}/v1"
+INFERENCE_POOL_CRD = f"inferencepools.{INFERENCE_POOL_GROUP}"
+#: app.kubernetes.io/name of the picker's pods (the stage pods have "tokenline").
+PICKER_APP = "tokenline-endpoint-picker"
+#: The upstream release whose picker flags and EndpointPickerConfig the builders follow.
+PICKER_VERSION = "v1.5.0"
+PICKER_IMAGE = f"registry.k8s.io/gateway-api-inference-extension/epp:{PICKER_VERSION}"
+#: What the picker reads on the api port (tokenline/api/endpoint_metrics.py serves them):
+#: copies of the scheduler's gauges under their own names, so dashboards do not count twice.
+ENDPOINT_METRICS = {
+    "queuedRequestsSpec": "tokenline_endpoint_requests_waiting",
+    "runningRequestsSpec": "tokenline_endpoint_requests_running",
+    "kvUsageSpec": "tokenline_endpoint_kv_cache_usage_ratio",
+    "cacheInfoSpec": "tokenline_endpoint_cache_config_info",
+}
+CACHE_INFO_LABELS = {
+    "cacheBlockSizeLabelName": "block_size",
+    "cacheNumBlocksLabelName": "num_gpu_blocks",
+}

@@ -25,12 +25,40 @@ RULES: list[dict[str, Any]] = [
     # Owner references with blockOwnerDeletion need this where the API server enforces it.
     {"apiGroups": [names.GROUP], "resources": [f"{names.PLURAL}/finalizers"], "verbs": ["update"]},
     # Children that always exist; Kubernetes' garbage collector deletes them with the owner.
+    # The endpoint picker's ConfigMap, Service and Deployment are deleted when routing is off.
     {
         "apiGroups": [""],
         "resources": ["configmaps", "services"],
-        "verbs": [*READ, "create", "patch"],
+        "verbs": [*READ, "create", "patch", "delete"],
     },
-    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": [*READ, "create", "patch"]},
+    {
+        "apiGroups": ["apps"],
+        "resources": ["deployments"],
+        "verbs": [*READ, "create", "patch", "delete"],
+    },
+    # spec.routing.inferencePool: the pool, and the picker's identity and Role.
+    {
+        "apiGroups": [names.INFERENCE_POOL_GROUP],
+        "resources": ["inferencepools"],
+        "verbs": [*READ, "create", "patch", "delete"],
+    },
+    {
+        "apiGroups": [""],
+        "resources": ["serviceaccounts"],
+        "verbs": [*READ, "create", "patch", "delete"],
+    },
+    {
+        "apiGroups": ["rbac.authorization.k8s.io"],
+        "resources": ["roles", "rolebindings"],
+        "verbs": [*READ, "create", "patch", "delete"],
+    },
+    # What the picker's Role grants: Kubernetes lets the operator grant only what it holds.
+    {"apiGroups": [""], "resources": ["pods"], "verbs": READ},
+    {
+        "apiGroups": ["inference.networking.x-k8s.io"],
+        "resources": ["inferenceobjectives", "inferencemodelrewrites"],
+        "verbs": READ,
+    },
     # Optional children, deleted when the spec stops asking for them.
     {
         "apiGroups": ["policy"],

@@ -15,7 +15,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import manifests, names, spec, status
+from . import inference_pool, manifests, names, spec, status
 from .kube import Kube, KubeError
 from .manifests import Capabilities, Owner
 from .metrics import OperatorMetrics
@@ -85,6 +85,7 @@ async def capabilities(kube: Kube) -> Capabilities:
     return Capabilities(
         keda=await kube.serves("ScaledObject"),
         prometheus_operator=await kube.serves("PodMonitor"),
+        inference_pool=await kube.serves("InferencePool"),
     )
 
 
@@ -112,18 +113,44 @@ async def _ensure(ctx: Context, owner: Owner, desired: dict[str, Any]) -> dict[s
         return await ctx.kube.create(desired)
 
 
-async def _remove(ctx: Context, owner: Owner, kind: str) -> None:
+async def _remove(ctx: Context, owner: Owner, kind: str, name: str | None = None) -> None:
     """Delete an optional child the spec no longer asks for (only if it is ours)."""
+    name = name or owner.name
     if not await ctx.kube.serves(kind):
         return
-    live = await ctx.kube.get(kind, owner.namespace, owner.name)
+    live = await ctx.kube.get(kind, owner.namespace, name)
     if live is not None and owned_by(live, owner):
-        log.info("delete %s %s/%s", kind, owner.namespace, owner.name)
+        log.info("delete %s %s/%s", kind, owner.namespace, name)
         ctx.metrics.child_writes.labels(kind=kind, action="delete").inc()
-        await ctx.kube.delete(kind, owner.namespace, owner.name)
+        await ctx.kube.delete(kind, owner.namespace, name)
 
 
-async def _apply_children(ctx: Context, owner: Owner, parsed: spec.Spec) -> dict[str, Any]:
+async def _apply_routing(
+    ctx: Context, owner: Owner, parsed: spec.Spec, caps: Capabilities
+) -> status.Routing:
+    """The InferencePool and its picker when routing is on; none of them when it is off."""
+    wanted = manifests.routing_enabled(parsed, caps)
+    if wanted and caps.inference_pool:
+        live = {}
+        for desired in inference_pool.children(owner, parsed):
+            live[desired["kind"]] = await _ensure(ctx, owner, desired)
+        if "NetworkPolicy" not in live:
+            await _remove(ctx, owner, "NetworkPolicy", manifests.picker_name(owner))
+        return status.Routing(wanted=True, served=True, pool=owner.name, picker=live["Deployment"])
+    for kind in reversed(inference_pool.KINDS):
+        await _remove(ctx, owner, kind, inference_pool.child_name(owner, kind))
+    if wanted:
+        raise KubeError(
+            404,
+            f"the cluster does not serve {names.INFERENCE_POOL_CRD}: install the Gateway API "
+            f"Inference Extension's CRDs or set spec.routing.inferencePool.enabled to false",
+        )
+    return status.Routing(wanted=False, served=caps.inference_pool, pool=None)
+
+
+async def _apply_children(
+    ctx: Context, owner: Owner, parsed: spec.Spec
+) -> tuple[dict[str, Any], status.Routing]:
     caps = await capabilities(ctx.kube)
     desired = manifests.children(owner, parsed, caps)
     missing = [k for k in desired if k in manifests.OPTIONAL_KINDS and not await ctx.kube.serves(k)]
@@ -140,7 +167,7 @@ async def _apply_children(ctx: Context, owner: Owner, parsed: spec.Spec) -> dict
     for kind in manifests.OPTIONAL_KINDS:
         if kind not in desired:
             await _remove(ctx, owner, kind)
-    return live["Deployment"]
+    return live["Deployment"], await _apply_routing(ctx, owner, parsed, caps)
 
 
 async def reconcile(ctx: Context, namespace: str, name: str, *, trigger: str) -> Result | None:
@@ -164,6 +191,7 @@ async def _reconcile_locked(ctx: Context, body: dict[str, Any], *, trigger: str)
     previous = body.get("status") or {}
     spec_error = api_error = None
     deployment = None
+    routing: status.Routing | None = None
     obs_extra: dict[str, Any] = {}
     try:
         parsed = spec.parse(owner.name, body.get("spec"), default_image=ctx.default_image)
@@ -178,15 +206,21 @@ async def _reconcile_locked(ctx: Context, body: dict[str, Any], *, trigger: str)
             "model": spec.served_model_name(parsed),
         }
         try:
-            deployment = await _apply_children(ctx, owner, parsed)
+            deployment, routing = await _apply_children(ctx, owner, parsed)
         except KubeError as exc:
             api_error = str(exc)
             deployment = await _read_deployment(ctx, owner)
+            caps = await _capabilities_or_none(ctx)
+            routing = status.Routing(
+                wanted=manifests.routing_enabled(parsed, caps), served=caps.inference_pool
+            )
 
     observation = status.Observation(
         generation=generation,
         desired_replicas=obs_extra.pop("desired_replicas", None),
         deployment=deployment,
+        routing=routing,
+        service=owner.name,
         spec_error=spec_error,
         reconcile_error=api_error,
         **obs_extra,
@@ -203,6 +237,13 @@ async def _reconcile_locked(ctx: Context, body: dict[str, Any], *, trigger: str)
         ctx.metrics.errors.labels(reason="api").inc()
     ctx.metrics.duration.observe(time.monotonic() - started)
     return Result(status=new_status, spec_error=spec_error, api_error=api_error)
+
+
+async def _capabilities_or_none(ctx: Context) -> Capabilities:
+    try:
+        return await capabilities(ctx.kube)
+    except KubeError:
+        return Capabilities()
 
 
 async def _read_deployment(ctx: Context, owner: Owner) -> dict[str, Any] | None:

@@ -10,7 +10,48 @@ import datetime
 from dataclasses import dataclass
 from typing import Any
 
+from .names import INFERENCE_POOL_CRD
+
 Condition = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How requests reach the pods: an InferencePool and its picker, or the plain Service."""
+
+    wanted: bool  # spec.routing.inferencePool.enabled, or its default from the cluster
+    served: bool  # the cluster serves inferencepools.inference.networking.k8s.io
+    pool: str | None = None  # the InferencePool's name, once applied
+    picker: dict[str, Any] | None = None  # the live picker Deployment
+
+
+def routing_condition(routing: Routing, service: str) -> tuple[bool, str, str]:
+    """The Routing condition: True once the InferencePool's picker has a ready replica."""
+    plain = f"requests reach the pods through the plain Service {service} (round-robin)."
+    if not routing.wanted:
+        why = (
+            "spec.routing.inferencePool.enabled is false"
+            if routing.served
+            else f"The cluster does not serve {INFERENCE_POOL_CRD}"
+        )
+        return False, "PlainService", f"{why}: {plain}"
+    if not routing.served:
+        return (
+            False,
+            "InferencePoolUnavailable",
+            f"spec.routing.inferencePool.enabled is true but the cluster does not serve "
+            f"{INFERENCE_POOL_CRD}: {plain}",
+        )
+    ready = ((routing.picker or {}).get("status") or {}).get("readyReplicas", 0)
+    picker = f"{routing.pool}-epp"
+    if routing.pool and ready:
+        return (
+            True,
+            "InferencePool",
+            f"A Gateway's HTTPRoute to InferencePool {routing.pool} routes each request to the "
+            f"pod its endpoint picker {picker} scores best (queue, KV cache, prefix).",
+        )
+    return False, "PickerNotReady", f"The endpoint picker {picker} has no ready replica yet."
 
 
 @dataclass(frozen=True)
@@ -20,6 +61,8 @@ class Observation:
     generation: int | None
     desired_replicas: int | None
     deployment: dict[str, Any] | None
+    routing: Routing | None = None
+    service: str | None = None  # the plain Service's name
     url: str | None = None
     selector: str | None = None
     model: str | None = None
@@ -159,6 +202,11 @@ def compute(
         _merge_condition(prev_conditions, "Progressing", progressing, obs.generation, stamp),
         _merge_condition(prev_conditions, "Degraded", degraded, obs.generation, stamp),
     ]
+    if obs.routing is not None:
+        routing = routing_condition(obs.routing, obs.service or "")
+        conditions.append(
+            _merge_condition(prev_conditions, "Routing", routing, obs.generation, stamp)
+        )
     dep_status = (obs.deployment or {}).get("status", {})
     result: dict[str, Any] = {
         "phase": _phase(ready[0], progressing[0], degraded[0], obs.deployment is not None),

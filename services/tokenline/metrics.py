@@ -105,6 +105,12 @@ PREFIX_CACHE_QUERIES = Counter(
 PREFIX_CACHE_HITS = Counter(
     "tokenline_prefix_cache_hits", "Prompt tokens found in the prefix cache.", ["model"]
 )
+GRAMMAR_COMPILE_TIME = Histogram(
+    "tokenline_grammar_compile_seconds",
+    "Time to build a new grammar's matcher (response_format, tools), off the step loop.",
+    ["stage"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
 
 
 def serve_metrics(port: int, host: str = "0.0.0.0") -> ThreadingHTTPServer:

@@ -48,7 +48,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logprobs: int | None = None  # None: not wanted; N: the chosen token's plus the top N
+    logit_bias: dict[int, float] = {}  # token id -> bias added to its logit before sampling
     grammar: str | None = None  # an llguidance grammar the output must match (api builds it)
+    prompt_logprobs: int | None = None  # echo: the prompt tokens' logprobs plus the top N
+    echo: bool = False  # send the prompt's text back in the first reply
 
 
 class ToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -116,6 +119,10 @@ class StageStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
     ready: bool = True
     waiting: int = 0
     running: int = 0
+    # The scheduler's KV cache, for endpoint pickers reading the api port
+    kv_usage: float = 0.0  # share of usable blocks referenced, 0-1
+    block_size: int = 0  # tokens per block
+    num_blocks: int = 0  # usable blocks
 
 
 class Heartbeat(_Message, tag="heartbeat"):
@@ -230,6 +237,8 @@ class Reply(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
     detokenizer_s: float = 0.0
     cached_tokens: int = 0  # on the terminal reply: prompt tokens served from the prefix cache
     logprobs: list[LogprobEntry] | None = None  # per token of this reply, when asked
+    prompt_text: str | None = None  # with sampling.echo: the decoded prompt, first reply only
+    prompt_logprobs: list[LogprobEntry | None] | None = None  # first reply only; [0] is None
 
 
 class ReplyBatch(_Message, tag="replies"):

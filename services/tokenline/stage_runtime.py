@@ -247,12 +247,13 @@ def serve_stage(handler: StageHandler, ring: SyncRing, drain: Drain) -> None:
     runtime = StageRuntime(handler, ring.send)
     inbox_depth = BUFFER_DEPTH.labels(stage=handler.stage, buffer="inbox")
     batch_limit = getattr(handler, "batch_limit", 10_000)
+    poll_ms = getattr(handler, "poll_ms", lambda: 50)  # an idle wait the handler may shorten
     runtime.tick(force=True)
     freeze_startup_heap()
     try:
         while not drain.done(held=handler.held()):
             busy = runtime.has_work()
-            if ring.poll(0 if busy else 50):
+            if ring.poll(0 if busy else poll_ms()):
                 batch = ring.recv_timed(batch_limit)
                 inbox_depth.set(len(batch))
                 runtime.process(batch)

@@ -19,7 +19,8 @@ from tokenline_operator.metrics import OperatorMetrics
 
 @pytest.fixture
 def optional_apis() -> set[str]:
-    """Optional APIs the emulated cluster serves; tests override it (keda, monitoring)."""
+    """Optional APIs the emulated cluster serves; tests override it (keda, monitoring,
+    inferencepool)."""
     return set()
 
 
@@ -48,6 +49,10 @@ async def cluster(
     if "monitoring" in optional_apis:
         kmock.resources["monitoring.coreos.com/v1/podmonitors"] = kmock.ResourceInfo(
             kind="PodMonitor", namespaced=True, verbs=verbs
+        )
+    if "inferencepool" in optional_apis:
+        kmock.resources["inference.networking.k8s.io/v1/inferencepools"] = kmock.ResourceInfo(
+            kind="InferencePool", namespaced=True, verbs=verbs, subresources={"status"}
         )
     kubeconfig = tmp_path / "kubeconfig"
     write_kubeconfig(kubeconfig, str(kmock.servers[0].url).rstrip("/"))

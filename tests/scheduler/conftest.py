@@ -10,6 +10,7 @@ import pytest
 from tokenline import model_source, tiny_model
 from tokenline.model_source import ModelSource
 from tokenline.scheduler.engine import Engine, EngineLimits
+from tokenline.scheduler.grammar import GrammarCompiler
 from tokenline.scheduler.runner import ModelRunner
 
 MiB = 2**20
@@ -77,6 +78,7 @@ def make_engine(
         eos: list[int] | None = None,
         dense_decode: bool = True,
         prefix_caching: bool = True,
+        grammars: bool = False,
     ) -> Engine:
         memory = kv_blocks * bytes_per_block if kv_blocks is not None else kv_cache_memory
         runner = ModelRunner(
@@ -89,7 +91,9 @@ def make_engine(
         if kv_blocks is not None:
             assert runner.num_blocks == kv_blocks
         limits = EngineLimits(max_model_len, max_num_seqs, max_num_batched_tokens)
-        return Engine(runner, limits, eos_ids if eos is None else eos, prefix_caching)
+        compiler = GrammarCompiler(tiny_source.load_tokenizer()) if grammars else None
+        eos = eos_ids if eos is None else eos
+        return Engine(runner, limits, eos, prefix_caching, grammars=compiler)
 
     return make
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -176,8 +177,11 @@ class Drained:
 def drain(engine: Engine, max_steps: int = 2_000, into: Drained | None = None) -> Drained:
     """Step until the engine has no work; every uid gets exactly one terminal output."""
     seen = into or Drained()
-    while engine.has_work():
+    while engine.has_work() or engine.compiling:
         assert seen.steps < max_steps, f"engine still busy after {max_steps} steps"
+        if not engine.has_work():  # only grammars being built on the worker: wait for them
+            time.sleep(0.001)
+            continue
         collect(engine.step(), seen)
     return seen
 
@@ -200,6 +204,7 @@ def assert_idle(engine: Engine) -> None:
     assert engine.pool.num_referenced == 0
     assert engine.pool.num_free == engine.pool.num_blocks - 1
     assert not engine.scheduler.by_uid
+    assert not engine.compiling
     assert not (engine.scheduler.running or engine.scheduler.waiting or engine.scheduler.paused)
     dense = engine.runner.decode_contexts
     assert dense is None or (dense.num_rows == 0 and dense.buffer.numel() == 0)

@@ -22,6 +22,7 @@ import msgspec
 
 from tokenline import protocol
 from tokenline.api.abort_log import AbortLog
+from tokenline.api.endpoint_metrics import EndpointMetrics
 from tokenline.api.errors import ApiError, abort_error
 from tokenline.api.exchange import Exchange
 from tokenline.api.request_metrics import RequestMetrics
@@ -49,6 +50,7 @@ class Pipeline:
         self.health = RingHealth(heartbeat_timeout)
         self.aborts = AbortLog(horizon_s=settings.request_timeout + LEAK_GRACE_S)
         self.metrics = RequestMetrics(self.model)
+        self.endpoint_metrics = EndpointMetrics(self.model)
         self._origin = f"{os.getpid()}-{os.urandom(4).hex()}"
         self._uid_counter = itertools.count()
         self._outage: tuple[float, str] | None = (time.monotonic(), "starting")
@@ -259,6 +261,7 @@ class Pipeline:
         if heartbeat.origin != self._origin:
             return  # another replica's
         restarted = self.health.on_heartbeat(heartbeat, time.monotonic())
+        self.endpoint_metrics.update(self.health.statuses.get("scheduler"))
         if restarted:
             log.error("api: stage(s) %s restarted", ", ".join(restarted))
             self.health.on_restart()

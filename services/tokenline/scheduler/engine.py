@@ -6,9 +6,11 @@ The engine is usable in-process (benchmarks, tests) and is what the scheduler st
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from tokenline.protocol import SamplingParams, TokenOutput
+from tokenline.scheduler.grammar import GrammarCompiler, GrammarError
 from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.policy import Chunk, Scheduler
 from tokenline.scheduler.runner import ModelRunner
@@ -50,7 +52,12 @@ class KVCacheTooSmall(InvalidRequest):
 
 class Engine:
     """``prefix_caching`` (on by default): full KV blocks of computed tokens stay cached and
-    are shared by later requests whose prompts start with the same tokens (kv_cache.py)."""
+    are shared by later requests whose prompts start with the same tokens (kv_cache.py).
+
+    ``grammars``: builds the matchers of requests whose output follows a grammar
+    (``sampling.grammar``); without one such requests are refused. A request whose grammar is
+    new waits in ``compiling``, outside the decode batch, while a worker thread builds it.
+    """
 
     def __init__(
         self,
@@ -58,10 +65,16 @@ class Engine:
         limits: EngineLimits,
         eos_ids: list[int],
         prefix_caching: bool = True,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.runner = runner
         self.limits = limits
         self.eos_ids = eos_ids
+        self.grammars = grammars
+        self.compiling: dict[str, tuple[Sequence, Future]] = {}
+        # requests refused after add() returned (a grammar that failed to build); the caller
+        # takes them with take_rejected() and reports each as the request's error
+        self._rejected: list[tuple[str, InvalidRequest]] = []
         self.pool = BlockPool(runner.num_blocks, runner.block_size, caching=prefix_caching)
         self.scheduler = Scheduler(self.pool, limits.max_num_seqs, limits.max_num_batched_tokens)
         self._finished: list[TokenOutput] = []  # terminal outputs not tied to a forward pass
@@ -93,6 +106,21 @@ class Engine:
             )
             error.param = "stop_token_ids"
             raise error
+        bad_bias = [i for i in sampling.logit_bias if not 0 <= i < self.runner.vocab_size]
+        if bad_bias:
+            last = self.runner.vocab_size - 1
+            error = InvalidRequest(
+                f"logit_bias names token ids {bad_bias[:8]} outside the vocabulary (0..{last})"
+            )
+            error.param = "logit_bias"
+            raise error
+        if sampling.grammar is not None and self.grammars is None:
+            error = InvalidRequest(
+                "this scheduler runs without grammar support; send the request without "
+                "response_format or forced tool calls"
+            )
+            error.param = "response_format"
+            raise error
         # A request never grows past the context or past the whole KV pool: one that outgrew
         # the pool could only preempt itself forever.
         capacity = (self.pool.num_blocks - 1) * self.pool.block_size
@@ -108,12 +136,38 @@ class Engine:
         )
         if sampling.seed is not None:
             seq.generator = self.runner.make_generator(sampling.seed)
+        if sampling.grammar is not None:
+            seq.matcher = self.grammars.cached(sampling.grammar)
+            if seq.matcher is None:
+                self.compiling[uid] = (seq, self.grammars.submit(sampling.grammar))
+                return seq
         self.scheduler.add(seq)
         return seq
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is built join the scheduler; failed ones are rejected."""
+        done = [uid for uid, (_, future) in self.compiling.items() if future.done()]
+        for uid in done:
+            seq, future = self.compiling.pop(uid)
+            try:
+                seq.matcher = self.grammars.keep(seq.sampling.grammar, future.result())
+            except GrammarError as exc:
+                error = InvalidRequest(f"the output format cannot be enforced: {exc}")
+                error.param = "response_format"
+                self._rejected.append((uid, error))
+                continue
+            self.scheduler.add(seq)
+
+    def take_rejected(self) -> list[tuple[str, InvalidRequest]]:
+        rejected, self._rejected = self._rejected, []
+        return rejected
 
     def abort(self, uid: str, finish_reason: str = "abort") -> Sequence | None:
         """End a uid now; its KV blocks go back to the pool at once."""
         seq = self.scheduler.remove(uid)
+        if seq is None and uid in self.compiling:
+            seq, future = self.compiling.pop(uid)
+            future.cancel()
         if seq is not None:
             self._finished.append(self._terminal(seq, [], finish_reason))
         return seq
@@ -125,6 +179,8 @@ class Engine:
         return self.scheduler.resume(uid)
 
     def has_work(self) -> bool:
+        if any(future.done() for _, future in self.compiling.values()):
+            return True
         return self.scheduler.has_work() or bool(self._finished)
 
     @property
@@ -143,13 +199,15 @@ class Engine:
         return self.scheduler.prefix_cache_hits
 
     def holds(self, uid: str) -> bool:
-        return uid in self.scheduler.by_uid
+        return uid in self.scheduler.by_uid or uid in self.compiling
 
     # ── one step ───────────────────────────────────────────────────────────────────────────────
     def step(self) -> list[TokenOutput]:
         """One forward pass. If it raises, nothing is lost but the step itself: terminal
         outputs made before it wait for the next step, and `step_uids` names the sequences
         that were in it (their state is suspect; the caller ends them)."""
+        if self.compiling:
+            self._admit_compiled()
         chunks = self.scheduler.schedule()
         self.step_uids = [c.seq.uid for c in chunks]
         computed: list[TokenOutput] = []
@@ -162,16 +220,19 @@ class Engine:
 
     def drop(self, uid: str) -> bool:
         """Forget a uid without a terminal output (its end is reported by the caller)."""
-        return self.scheduler.remove(uid) is not None
+        compiling = self.compiling.pop(uid, None)
+        if compiling is not None:
+            compiling[1].cancel()
+        return self.scheduler.remove(uid) is not None or compiling is not None
 
     def held_uids(self) -> list[str]:
-        return list(self.scheduler.by_uid)
+        return list(self.scheduler.by_uid) + list(self.compiling)
 
     def counts(self) -> dict[str, int]:
         """Sequences waiting, running and paused right now."""
         sched = self.scheduler
         return {
-            "waiting": len(sched.waiting),
+            "waiting": len(sched.waiting) + len(self.compiling),
             "running": len(sched.running),
             "paused": len(sched.paused),
         }
@@ -182,7 +243,12 @@ class Engine:
         sampling_seqs = [c.seq for c in chunks if c.samples]
         if not sampling_seqs:
             return
-        tokens, logprobs = sample_with_logprobs(logits, sampling_seqs, self.eos_ids)
+        allowed = None
+        constrained = [i for i, seq in enumerate(sampling_seqs) if seq.matcher is not None]
+        if constrained:
+            matchers = [sampling_seqs[i].matcher for i in constrained]
+            allowed = (constrained, self.grammars.masks(matchers, logits.shape[1], logits.device))
+        tokens, logprobs = sample_with_logprobs(logits, sampling_seqs, self.eos_ids, allowed)
         now = time.monotonic()
         for seq, token, logprob in zip(sampling_seqs, tokens, logprobs, strict=True):
             first = not seq.output_ids
@@ -191,6 +257,8 @@ class Engine:
             if reason is not None:
                 self.scheduler.remove(seq.uid)
                 outputs.append(self._terminal(seq, [token], reason))
+                if reason == "error":
+                    outputs[-1].error_code = "grammar_error"
             else:
                 outputs.append(TokenOutput(uid=seq.uid, token_ids=[token]))
             if logprob is not None:
@@ -201,6 +269,11 @@ class Engine:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         s = seq.sampling
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token) or seq.matcher.is_error():
+                return "error"  # the mask allowed it, so the matcher's state is broken
+            if seq.matcher.is_stopped():
+                return "stop"  # the output is complete: the grammar allows nothing more
         if len(seq.output_ids) >= s.min_tokens:
             if token in s.stop_token_ids:
                 return "stop"
@@ -228,11 +301,9 @@ class Engine:
         whose abort never arrived, so it waits a little longer than the api does.
         """
         now = time.monotonic() if now is None else now
-        late = [
-            uid
-            for uid, seq in self.scheduler.by_uid.items()
-            if now > seq.deadline + DEADLINE_MARGIN_S
-        ]
+        held = list(self.scheduler.by_uid.items())
+        held += [(uid, seq) for uid, (seq, _) in self.compiling.items()]
+        late = [uid for uid, seq in held if now > seq.deadline + DEADLINE_MARGIN_S]
         for uid in late:
             self.abort(uid)
         return late

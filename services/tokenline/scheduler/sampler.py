@@ -32,10 +32,16 @@ def _apply_penalties(logits: torch.Tensor, row: int, seq: Sequence) -> None:
 
 @torch.inference_mode()  # the logits come from an inference-mode forward; edits stay in it
 def sample_with_logprobs(
-    logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    eos_ids: list[int],
+    allowed: tuple[list[int], torch.Tensor] | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row of ``logits`` ([len(seqs), vocab]), and its log-probability for the
     rows that asked.
+
+    ``allowed``: (rows, mask [len(rows), vocab] on the logits' device) for rows that follow a
+    grammar: only their allowed tokens can be drawn, whatever biases and penalties say.
 
     Log-probabilities are those of the model's raw distribution: ``log_softmax`` of the logits
     before penalties, bans and temperature (what vLLM reports by default). They are computed
@@ -44,7 +50,7 @@ def sample_with_logprobs(
     logits = logits.float()
     asked = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
     raw = torch.log_softmax(logits[asked], dim=-1) if asked else None  # a copy: edits below
-    tokens = _sample(logits, seqs, eos_ids)
+    tokens = _sample(logits, seqs, eos_ids, allowed)
     out: list[TokenLogprobs | None] = [None] * len(seqs)
     if raw is None:
         return tokens.tolist(), out
@@ -66,15 +72,33 @@ def sample_with_logprobs(
     return token_list, out
 
 
-def _sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> torch.Tensor:
+def _apply_logit_bias(logits: torch.Tensor, row: int, bias: dict[int, float]) -> None:
+    device = logits.device
+    ids = torch.tensor(list(bias), device=device)
+    logits[row, ids] += torch.tensor(list(bias.values()), device=device, dtype=logits.dtype)
+
+
+def _sample(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    eos_ids: list[int],
+    allowed: tuple[list[int], torch.Tensor] | None = None,
+) -> torch.Tensor:
     for row, seq in enumerate(seqs):
         s = seq.sampling
+        if s.logit_bias:
+            _apply_logit_bias(logits, row, s.logit_bias)
         if s.repetition_penalty != 1.0 or s.frequency_penalty or s.presence_penalty:
             _apply_penalties(logits, row, seq)
-        if len(seq.output_ids) < s.min_tokens:
+        # a grammar decides when the output may end: min_tokens must not ban what it allows
+        if len(seq.output_ids) < s.min_tokens and seq.matcher is None:
             banned = ([] if s.ignore_eos else eos_ids) + list(s.stop_token_ids)
             if banned:
                 logits[row, banned] = _NEG_INF
+    if allowed is not None:
+        rows, mask = allowed
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(~mask, _NEG_INF)
 
     temperatures = [s.sampling.temperature for s in seqs]
     tokens = torch.argmax(logits, dim=-1)

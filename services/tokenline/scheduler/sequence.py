@@ -37,6 +37,7 @@ class Sequence:
     first_scheduled: float | None = None
     pause_requested: bool = False
     generator: object | None = None  # torch.Generator for seeded sampling, made by the runner
+    matcher: object | None = None  # llguidance.LLMatcher when the output follows a grammar
 
     @property
     def num_tokens(self) -> int:

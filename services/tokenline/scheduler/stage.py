@@ -32,6 +32,7 @@ from tokenline.scheduler.engine import (
     InvalidRequest,
     default_token_budget,
 )
+from tokenline.scheduler.grammar import GrammarCompiler
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.settings import Settings
 from tokenline.stage_runtime import serve_stage
@@ -119,14 +120,25 @@ class SchedulerStage:
 
     def step(self) -> list[msgspec.Struct]:
         outputs = self.engine.step()
+        sent: list[msgspec.Struct] = [
+            protocol.Failed(
+                uid=uid, code=exc.code, message=str(exc), param=exc.param, stage=self.stage
+            )
+            for uid, exc in self.engine.take_rejected()
+        ]
         if not outputs:
-            return []
+            return sent
         for out in outputs:
             if out.queue_s:
                 self._queue_time.observe(out.queue_s)
             if out.finish_reason is not None:
                 self._latency.observe(out.scheduler_s)
-        return [protocol.TokenBatch(outputs=outputs)]
+        return [*sent, protocol.TokenBatch(outputs=outputs)]
+
+    def poll_ms(self) -> int:
+        """How long the loop may wait for messages when there is no step to run: a grammar
+        being built on a worker thread is picked up within this."""
+        return 2 if self.engine.compiling else 50
 
     def step_uids(self) -> list[str]:
         return list(self.engine.step_uids)
@@ -136,8 +148,15 @@ class SchedulerStage:
 
     def status(self) -> protocol.StageStatus:
         counts = self.engine.counts()
+        pool = self.engine.pool
         return protocol.StageStatus(
-            stage=self.stage, instance="", waiting=counts["waiting"], running=counts["running"]
+            stage=self.stage,
+            instance="",
+            waiting=counts["waiting"],
+            running=counts["running"],
+            kv_usage=pool.usage,
+            block_size=pool.block_size,
+            num_blocks=pool.num_blocks - 1,  # block 0 is reserved; usage counts the rest
         )
 
     def fail(self, uid: str) -> list[msgspec.Struct]:
@@ -184,7 +203,11 @@ def run(settings: Settings) -> int:
         source.max_model_len(settings.max_model_len), settings.max_num_seqs, budget
     )
     engine = Engine(
-        runner, limits, source.eos_token_ids(), prefix_caching=not settings.no_prefix_caching
+        runner,
+        limits,
+        source.eos_token_ids(),
+        prefix_caching=not settings.no_prefix_caching,
+        grammars=GrammarCompiler(source.load_tokenizer()),
     )
     ring = SyncRing("scheduler", settings.endpoints, settings.ring_security)
     log.info(

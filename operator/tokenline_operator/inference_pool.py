@@ -1,0 +1,386 @@
+"""Pure builders for routing through the Gateway API Inference Extension.
+
+An ``InferencePool`` (``inference.networking.k8s.io/v1``) selects the stage pods on the api
+port; its endpoint picker (EPP) answers the gateway's ext-proc calls with the pod to use,
+scored by queue depth, KV cache use and prefix affinity from what it scrapes on each pod's
+api port. The picker's flags and EndpointPickerConfig follow the upstream release
+``names.PICKER_VERSION``: from v1.4 it refuses the old metric-name flags and reads
+``engineConfigs`` of its ``core-metrics-extractor`` plugin instead.
+
+Every object is owned by the InferenceService, like the other children.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from . import names
+from .manifests import (
+    PICKER_METRICS_STALENESS_S,
+    PICKER_REFRESH_METRICS_INTERVAL_S,
+    Manifest,
+    Owner,
+    network_peer,
+    owner_reference,
+    picker_name,
+    picker_selector,
+    tls_enabled,
+)
+from .spec import Spec, selector_labels
+
+#: The picker's ports (its defaults in the pinned release, passed explicitly).
+PICKER_HEALTH_PORT = 9003
+PICKER_METRICS_PORT = 9090
+PICKER_CONFIG_DIR = "/config"
+PICKER_CONFIG_FILE = "config.yaml"
+#: The engine name our metric mapping is registered under (and the default for every pod).
+ENGINE_NAME = "tokenline"
+#: The scheduler's default block size: the prefix scorer's fallback until it reads the
+#: cache configuration (``autoTune``) from the pods' metrics.
+DEFAULT_BLOCK_SIZE_TOKENS = 16
+#: Kinds of the routing children, in the order they are applied (the picker's identity and
+#: configuration before the picker, the picker before the pool that points at it).
+KINDS = (
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+    "ConfigMap",
+    "Deployment",
+    "Service",
+    "NetworkPolicy",
+    "InferencePool",
+)
+
+
+def _picker_settings(spec: Spec) -> dict[str, Any]:
+    return spec["routing"]["inferencePool"]
+
+
+def labels(owner: Owner) -> dict[str, str]:
+    return {
+        **picker_selector(owner),
+        names.LABEL_INSTANCE: owner.name,
+        names.LABEL_COMPONENT: "endpoint-picker",
+        names.LABEL_MANAGED_BY: names.MANAGED_BY,
+    }
+
+
+def _metadata(owner: Owner, name: str, component_labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": component_labels,
+        "ownerReferences": [owner_reference(owner)],
+    }
+
+
+def child_name(owner: Owner, kind: str) -> str:
+    """The pool is named like the InferenceService (HTTPRoutes name it); the rest ``-epp``."""
+    return owner.name if kind == "InferencePool" else picker_name(owner)
+
+
+# --- the picker's configuration -----------------------------------------------------------
+
+
+def endpoint_picker_config(spec: Spec) -> dict[str, Any]:
+    """The EndpointPickerConfig: our metric names, queue + KV + prefix-aware scoring.
+
+    The weights are the upstream chart's defaults for the same three scorers.
+    """
+    engine = {"name": ENGINE_NAME, **names.ENDPOINT_METRICS, **names.CACHE_INFO_LABELS}
+    engine["loraSpec"] = ""  # tokenline serves no LoRA adapters: nothing to scrape
+    return {
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
+        "kind": "EndpointPickerConfig",
+        "plugins": [
+            {"type": "queue-scorer"},
+            {"type": "kv-cache-utilization-scorer"},
+            {
+                "type": "prefix-cache-scorer",
+                "parameters": {
+                    "autoTune": True,
+                    "blockSizeTokens": DEFAULT_BLOCK_SIZE_TOKENS,
+                },
+            },
+            {
+                "type": "metrics-data-source",
+                "parameters": {
+                    "scheme": "https" if tls_enabled(spec) else "http",
+                    "path": "/metrics",
+                    # pod IPs, which no certificate names: encrypted, unverified
+                    "insecureSkipVerify": True,
+                },
+            },
+            {
+                "type": "core-metrics-extractor",
+                "parameters": {"defaultEngine": ENGINE_NAME, "engineConfigs": [engine]},
+            },
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [
+                    {"pluginRef": "queue-scorer", "weight": 2},
+                    {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+                    {"pluginRef": "prefix-cache-scorer", "weight": 3},
+                ],
+            }
+        ],
+    }
+
+
+def picker_config_map(owner: Owner, spec: Spec) -> Manifest:
+    text = yaml.safe_dump(endpoint_picker_config(spec), sort_keys=False)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(owner, picker_name(owner), labels(owner)),
+        "data": {PICKER_CONFIG_FILE: text},
+    }
+
+
+# --- the picker's identity and permissions ------------------------------------------------
+
+
+def picker_service_account(owner: Owner) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _metadata(owner, picker_name(owner), labels(owner)),
+    }
+
+
+#: What the picker reads (the upstream chart's Role): the pods it routes to, its pool, and
+#: the optional objectives and rewrites of the pool's models.
+PICKER_RULES: list[dict[str, Any]] = [
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    {
+        "apiGroups": [names.INFERENCE_POOL_GROUP],
+        "resources": ["inferencepools"],
+        "verbs": ["get", "list", "watch"],
+    },
+    {
+        "apiGroups": ["inference.networking.x-k8s.io"],
+        "resources": ["inferenceobjectives", "inferencemodelrewrites"],
+        "verbs": ["get", "list", "watch"],
+    },
+]
+
+
+def picker_role(owner: Owner) -> Manifest:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _metadata(owner, picker_name(owner), labels(owner)),
+        "rules": [{key: list(value) for key, value in rule.items()} for rule in PICKER_RULES],
+    }
+
+
+def picker_role_binding(owner: Owner) -> Manifest:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _metadata(owner, picker_name(owner), labels(owner)),
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": picker_name(owner),
+        },
+        "subjects": [
+            {"kind": "ServiceAccount", "name": picker_name(owner), "namespace": owner.namespace}
+        ],
+    }
+
+
+# --- the picker ---------------------------------------------------------------------------
+
+
+def picker_args(owner: Owner, spec: Spec) -> list[str]:
+    settings = _picker_settings(spec)
+    return [
+        "--pool-name",
+        owner.name,
+        "--pool-namespace",
+        owner.namespace,
+        "--pool-group",
+        names.INFERENCE_POOL_GROUP,
+        "--config-file",
+        f"{PICKER_CONFIG_DIR}/{PICKER_CONFIG_FILE}",
+        "--grpc-port",
+        str(settings["extProcPort"]),
+        "--grpc-health-port",
+        str(PICKER_HEALTH_PORT),
+        "--metrics-port",
+        str(PICKER_METRICS_PORT),
+        "--refresh-metrics-interval",
+        f"{round(PICKER_REFRESH_METRICS_INTERVAL_S * 1000)}ms",
+        "--metrics-staleness-threshold",
+        f"{PICKER_METRICS_STALENESS_S}s",
+        # Its /metrics is for Prometheus; the NetworkPolicy decides who reaches it, and
+        # authenticating scrapes would need cluster-wide TokenReview permissions.
+        "--metrics-endpoint-auth=false",
+        "--tracing=false",
+        "--zap-encoder",
+        "json",
+    ]
+
+
+def _grpc_probe(period: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "grpc": {"port": PICKER_HEALTH_PORT, "service": "inference-extension"},
+        "periodSeconds": period,
+        **extra,
+    }
+
+
+def picker_deployment(owner: Owner, spec: Spec) -> Manifest:
+    settings = _picker_settings(spec)
+    container: dict[str, Any] = {
+        "name": "epp",
+        "image": settings["image"],
+        "args": picker_args(owner, spec),
+        "ports": [
+            {"name": "grpc", "containerPort": settings["extProcPort"], "protocol": "TCP"},
+            {"name": "grpc-health", "containerPort": PICKER_HEALTH_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": PICKER_METRICS_PORT, "protocol": "TCP"},
+        ],
+        "env": [
+            {"name": "NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        ],
+        "resources": {key: dict(value) for key, value in settings["resources"].items()},
+        "readinessProbe": _grpc_probe(2),
+        "livenessProbe": _grpc_probe(10, initialDelaySeconds=5),
+        "volumeMounts": [
+            {"name": "config", "mountPath": PICKER_CONFIG_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    if spec.get("imagePullPolicy"):
+        container["imagePullPolicy"] = spec["imagePullPolicy"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(owner, picker_name(owner), labels(owner)),
+        "spec": {
+            # One picker: the prefix scorer's index lives in its memory, and several would
+            # need the picker's leader election (the upstream chart's choice as well).
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": picker_selector(owner)},
+            "template": {
+                "metadata": {"labels": labels(owner)},
+                "spec": {
+                    "serviceAccountName": picker_name(owner),
+                    "containers": [container],
+                    "volumes": [
+                        {"name": "config", "configMap": {"name": picker_name(owner)}},
+                        {"name": "tmp", "emptyDir": {}},
+                    ],
+                    "enableServiceLinks": False,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": names.RUN_AS_USER,
+                        "runAsGroup": names.RUN_AS_USER,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                },
+            },
+        },
+    }
+
+
+def picker_service(owner: Owner, spec: Spec) -> Manifest:
+    port = _picker_settings(spec)["extProcPort"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(owner, picker_name(owner), labels(owner)),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": picker_selector(owner),
+            "ports": [
+                {
+                    "name": "grpc-ext-proc",
+                    "port": port,
+                    "targetPort": "grpc",
+                    "protocol": "TCP",
+                },
+                {
+                    "name": "http-metrics",
+                    "port": PICKER_METRICS_PORT,
+                    "targetPort": "metrics",
+                    "protocol": "TCP",
+                },
+            ],
+        },
+    }
+
+
+def picker_network_policy(owner: Owner, spec: Spec) -> Manifest:
+    """ext-proc from the api's peers (the gateway calls both), metrics from ``metricsFrom``."""
+    policy = spec["networkPolicy"]
+    gateway = [network_peer(p) for p in policy.get("apiFrom") or [{}]]
+    ext_proc = [{"protocol": "TCP", "port": _picker_settings(spec)["extProcPort"]}]
+    ingress = [{"from": gateway, "ports": ext_proc}]
+    scrapers = [network_peer(p) for p in policy["metricsFrom"]]
+    if scrapers:  # a rule without peers would admit everyone
+        ingress.append(
+            {"from": scrapers, "ports": [{"protocol": "TCP", "port": PICKER_METRICS_PORT}]}
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(owner, picker_name(owner), labels(owner)),
+        "spec": {
+            "podSelector": {"matchLabels": picker_selector(owner)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
+# --- the pool -----------------------------------------------------------------------------
+
+
+def inference_pool(owner: Owner, spec: Spec) -> Manifest:
+    settings = _picker_settings(spec)
+    return {
+        "apiVersion": names.INFERENCE_POOL_API_VERSION,
+        "kind": "InferencePool",
+        "metadata": _metadata(owner, owner.name, labels(owner)),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(owner.name)},
+            "targetPorts": [{"number": names.API_PORT}],
+            "appProtocol": "http",
+            "endpointPickerRef": {
+                "kind": "Service",
+                "name": picker_name(owner),
+                "port": {"number": settings["extProcPort"]},
+                "failureMode": settings["failureMode"],
+            },
+        },
+    }
+
+
+def children(owner: Owner, spec: Spec) -> list[Manifest]:
+    """Every routing child, in ``KINDS`` order (the NetworkPolicy with spec.networkPolicy)."""
+    built = {
+        "ServiceAccount": picker_service_account(owner),
+        "Role": picker_role(owner),
+        "RoleBinding": picker_role_binding(owner),
+        "ConfigMap": picker_config_map(owner, spec),
+        "Deployment": picker_deployment(owner, spec),
+        "Service": picker_service(owner, spec),
+        "InferencePool": inference_pool(owner, spec),
+    }
+    if spec["networkPolicy"]["enabled"]:
+        built["NetworkPolicy"] = picker_network_policy(owner, spec)
+    return [built[kind] for kind in KINDS if kind in built]

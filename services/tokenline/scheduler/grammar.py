@@ -1,0 +1,100 @@
+"""Constrained decoding: one llguidance matcher per constrained sequence, masks on the device.
+
+llguidance rather than xgrammar: it is one dependency-free abi3 wheel (it also carries to a GPU
+machine with no package registry), it computes masks lazily from an Earley parser over a
+derivative-based lexer, so a new schema costs no ahead-of-time compile of the whole vocabulary,
+and its JSON Schema coverage is broad, with clear errors for what it cannot enforce.
+
+A grammar's first matcher is built on a worker thread, never in the step loop: the request
+waits outside the decode batch until it is ready. Built matchers are kept pristine, by grammar
+text, and every later request with the same grammar starts from a copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from tokenline.metrics import GRAMMAR_COMPILE_TIME
+
+CACHE_SIZE = 64  # distinct grammars kept ready; a copy of one is microseconds
+_BITS = 32
+
+
+class GrammarError(ValueError):
+    """The grammar cannot be enforced; the request's fault (a 400, param response_format)."""
+
+
+class GrammarCompiler:
+    """Builds matchers for grammar strings, off the caller's thread, cached by grammar."""
+
+    def __init__(self, tokenizer, workers: int = 1) -> None:  # tokenizer: a transformers one
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer)
+        self.vocab_size = self.tokenizer.vocab_size
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar")
+        self._ready: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._executor = llguidance.LLExecutor()
+        self._latency = GRAMMAR_COMPILE_TIME.labels(stage="scheduler")
+
+    def cached(self, grammar: str) -> llguidance.LLMatcher | None:
+        """A fresh matcher at once when this grammar was built before, else None."""
+        pristine = self._ready.get(grammar)
+        if pristine is None:
+            return None
+        self._ready.move_to_end(grammar)
+        return pristine.deep_copy()
+
+    def submit(self, grammar: str) -> Future:
+        """A future of a fresh matcher; it raises `GrammarError` for a grammar that fails."""
+        return self._pool.submit(self._build, grammar)
+
+    def _build(self, grammar: str) -> llguidance.LLMatcher:
+        started = time.perf_counter()
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        # The first mask builds the lexer's start states: do that here too, not in a step.
+        first = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
+        llguidance.torch.fill_next_token_bitmask(matcher, first, 0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        self._latency.observe(time.perf_counter() - started)
+        return matcher
+
+    def keep(self, grammar: str, matcher: llguidance.LLMatcher) -> llguidance.LLMatcher:
+        """Remember a freshly built matcher (called on the step loop's thread) and return a
+        copy to use, so the kept one stays at the grammar's start."""
+        self._ready[grammar] = matcher
+        self._ready.move_to_end(grammar)
+        while len(self._ready) > CACHE_SIZE:
+            self._ready.popitem(last=False)
+        return matcher.deep_copy()
+
+    def masks(self, matchers: list[llguidance.LLMatcher], width: int, device) -> torch.Tensor:
+        """Allowed tokens, [len(matchers), width] booleans on ``device``.
+
+        The masks are computed on the CPU (in parallel, by llguidance's executor) and unpacked
+        on the device; the logits never leave it. Columns past the tokenizer's vocabulary (a
+        model may pad its embedding) are never allowed.
+        """
+        packed = llguidance.torch.allocate_token_bitmask(len(matchers), self.vocab_size)
+        llguidance.torch.fill_next_token_bitmask_par(
+            self._executor, [(m, i) for i, m in enumerate(matchers)], packed
+        )
+        packed = packed.to(device, non_blocking=True)
+        bits = torch.arange(_BITS, device=device, dtype=torch.int32)
+        allowed = ((packed.unsqueeze(-1) >> bits) & 1).bool().flatten(1)
+        allowed = allowed[:, : min(width, self.vocab_size)]
+        if allowed.shape[1] < width:
+            pad = torch.zeros(len(matchers), width - allowed.shape[1], dtype=torch.bool)
+            allowed = torch.cat([allowed, pad.to(device)], dim=1)
+        return allowed
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 from openai import OpenAI
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 MAX_TOKENS = 400
 
@@ -32,6 +32,9 @@ class Colour(StrEnum):
 
 
 class Place(BaseModel):
+    # no extra keys: an open object lets the model add unbounded ones until max_tokens
+    model_config = ConfigDict(extra="forbid")
+
     city: str = Field(max_length=8)
     floor: int = Field(ge=0, le=9)
 

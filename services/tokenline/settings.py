@@ -52,6 +52,7 @@ class Settings:
     max_prompt_chars: int = 2**20  # a completions prompt, or all of a chat's message contents
     max_logprobs: int = 20
     tool_call_parser: str = "auto"  # the model's tool-call format; auto: from its chat template
+    allowed_origins: list[str] = field(default_factory=list)  # CORS; empty: no CORS headers
     # scheduler
     device: str = "auto"
     dtype: str = "auto"
@@ -254,6 +255,16 @@ SETTINGS: tuple[Setting, ...] = (
         attr="api_keys",
         repeatable=True,
         metavar="KEY",
+    ),
+    Setting(
+        "allowed-origin",
+        help="a browser origin (https://app.example.com, or * for any) whose pages may call "
+        "the api: answers CORS preflights and adds Access-Control-Allow-* headers; repeat for "
+        "several. Off by default",
+        stages=API,
+        attr="allowed_origins",
+        repeatable=True,
+        metavar="ORIGIN",
     ),
     Setting(
         "api-key-file",

@@ -174,7 +174,6 @@ BAD_BODIES = [
     (b"null", "application/json", None),
     (b'"a string"', "application/json", None),
     (b'{"model": "tiny", "prompt": 5}', "application/json", "prompt"),
-    (b'{"model": "tiny", "prompt": ["a", "b"]}', "application/json", "prompt"),
     (b'{"model": "tiny", "prompt": {"nested": {"deep": []}}}', "application/json", "prompt"),
     (b'{"model": 7, "prompt": "x"}', "application/json", "model"),
     (b'{"model": "tiny", "prompt": "x", "n": "many"}', "application/json", "n"),

@@ -225,7 +225,9 @@ def test_malformed_bodies_are_400_in_openai_shape(served, raw, content_type, par
     before = len(pipeline.opened)
     headers = {"content-type": content_type} if content_type else {}
     path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
-    error = _error(client.post(path, content=raw, headers=headers))
+    # a body declared as something else than JSON is 415, anything else malformed 400
+    status = 415 if content_type and "json" not in content_type else 400
+    error = _error(client.post(path, content=raw, headers=headers), status)
     assert error["type"] == "invalid_request_error"
     if param is not None:
         assert error["param"] == param

@@ -12,6 +12,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from tokenline.api.auth import ApiKeyAuth, ApiKeys
 from tokenline.api.errors import ApiError, http_error, unexpected_error, validation_error
@@ -49,6 +50,17 @@ def create_app(settings: Settings, heartbeat_timeout: float = 5.0) -> FastAPI:
     # The last added runs first: keys are checked before a byte of the body is read.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_size)
     app.add_middleware(ApiKeyAuth, keys=ApiKeys(settings.api_keys, settings.api_key_file))
+    if settings.allowed_origins:
+        # Outermost: a preflight carries no key, and an error answer needs the headers too
+        # for the browser to show it.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=["GET", "HEAD", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["X-Tokenline-Timings", "Retry-After"],
+            max_age=600,
+        )
     return app
 
 

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import json
+import logging
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
+log = logging.getLogger(__name__)
+
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    422: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
     504: "timeout",
@@ -150,25 +155,40 @@ def validation_error(request: Request, exc: RequestValidationError) -> Response:
             "invalid_request_error",
         ).response()
     param = _param(tuple(first.get("loc", ())))
+    if first.get("type") == "extra_forbidden" and param is not None:
+        field = param.rsplit(".", 1)[-1]
+        where = f" (at {param})" if field != param else ""
+        message = (
+            f"`{field}`{where} is not supported by this server; remove it "
+            "(the README lists the request fields served)"
+        )
+        return ApiError(400, message, "unsupported_parameter", param=param).response()
+    reason = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if param is None and first.get("type") == "value_error":  # a check across fields
+        return ApiError(400, f"invalid request body: {reason}", "invalid_request_error").response()
     if param is None:
         content_type = request.headers.get("content-type", "")
-        if "json" not in content_type.lower():
+        if content_type and "json" not in content_type.lower():
             message = (
-                "send the body as a JSON object with `Content-Type: application/json`"
-                f" (got {content_type or 'no Content-Type'})"
+                f"the body must be JSON: send it with `Content-Type: application/json` "
+                f"(got {content_type})"
             )
-        elif first.get("type") == "missing":
+            return ApiError(415, message, "unsupported_media_type").response()
+        if not content_type:
+            message = "send the body as a JSON object with `Content-Type: application/json`"
+            return ApiError(400, message, "invalid_request_error").response()
+        if first.get("type") == "missing":
             message = "the body is empty; send a JSON object"
         else:
             message = "the body must be a JSON object"
         return ApiError(400, message, "invalid_request_error").response()
-    reason = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     message = f"invalid request body at {param}: {reason}"
     return ApiError(400, message, "invalid_request_error", param=param).response()
 
 
 def unexpected_error(request: Request, exc: Exception) -> Response:
-    """A bug, in OpenAI's shape; Starlette logs the traceback after this answers."""
+    """A bug, in OpenAI's shape, with its traceback in the log."""
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
     return ApiError(
         500,
         "the server failed on this request; retry, and report it if it persists",

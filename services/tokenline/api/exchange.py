@@ -30,6 +30,9 @@ class Choice:
     index: int
     finish_reason: str | None = None
     completion_tokens: int = 0
+    prompt_tokens: int = 0
+    prompt_text: str | None = None  # echo: the prompt as the detokenizer decoded it
+    prompt_logprobs: list[LogprobEntry | None] | None = None  # echo with logprobs
 
 
 @dataclass(eq=False)
@@ -81,6 +84,11 @@ class Exchange:
         if choice.finish_reason or self.error is not None:
             return
         choice.completion_tokens += reply.num_tokens
+        choice.prompt_tokens = max(choice.prompt_tokens, reply.prompt_tokens)
+        if reply.prompt_text is not None:
+            choice.prompt_text = reply.prompt_text
+        if reply.prompt_logprobs is not None:
+            choice.prompt_logprobs = reply.prompt_logprobs
         if reply.finish_reason:
             choice.finish_reason = reply.finish_reason
             self.prompt_tokens = max(self.prompt_tokens, reply.prompt_tokens)

@@ -181,10 +181,19 @@ def _check_chat(body: ChatCompletionRequest, limits: Settings) -> None:
 
 
 def _check_completion(body: CompletionRequest, limits: Settings) -> None:
-    if len(body.prompt) > limits.max_prompt_chars:
+    prompts = body.prompts()
+    if body.choices > limits.max_n:
         raise _refuse(
             "prompt",
-            f"the prompt is {len(body.prompt)} characters; this server allows at most "
+            f"{len(prompts)} prompts × n={body.n} is {body.choices} choices; this server allows "
+            f"at most {limits.max_n} per request (--max-n); send fewer prompts per request",
+        )
+    # a token id counts as one character: either way it is what the tokenizer must take in
+    size = sum(len(p) for p in prompts)
+    if size > limits.max_prompt_chars:
+        raise _refuse(
+            "prompt",
+            f"the prompt is {size} characters (or token ids); this server allows at most "
             f"{limits.max_prompt_chars} (--max-prompt-chars)",
         )
     if body.logprobs is not None and body.logprobs > limits.max_logprobs:

@@ -30,14 +30,21 @@ def timings_header(ex: Exchange) -> str:
     return ", ".join(f"{k.removesuffix('_s')}={v * 1000:.3f}ms" for k, v in ex.timings.items())
 
 
-def _usage(ex: Exchange) -> dict:
+def _usage(ex: Exchange, per_prompt: int) -> dict:
+    """Usage of the whole request; choices go prompt by prompt, ``per_prompt`` (n) each, and
+    a prompt counts once however many choices it has."""
     completion = sum(c.completion_tokens for c in ex.choices)
+    prompt = sum(c.prompt_tokens for c in ex.choices[::per_prompt])
     return {
-        "prompt_tokens": ex.prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": ex.prompt_tokens + completion,
+        "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": ex.cached_tokens},
     }
+
+
+def _per_prompt(body) -> int:
+    return body.n
 
 
 # ── logprobs ───────────────────────────────────────────────────────────────────────────────────
@@ -79,6 +86,60 @@ def _completion_logprobs(entries: list[protocol.LogprobEntry], offset: int = 0) 
     }
 
 
+def _echo_logprobs(prompt_text: str, entries: list[protocol.LogprobEntry | None]) -> dict:
+    """The prompt's part of an echoed completion's logprobs: its first token has none."""
+    known = [e for e in entries[1:] if e is not None]
+    first_text = prompt_text[: max(len(prompt_text) - sum(len(e.token) for e in known), 0)]
+    tokens, values, tops, offsets = [first_text], [None], [None], [0]
+    offset = len(first_text)
+    for e in known:
+        tokens.append(e.token)
+        values.append(_logprob(e.logprob))
+        tops.append({t.token: _logprob(t.logprob) for t in e.top})
+        offsets.append(offset)
+        offset += len(e.token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def _joined_logprobs(first: dict, second: dict) -> dict:
+    return {key: first[key] + second[key] for key in first}
+
+
+def _echoed(choice, text: str, logprobs: dict | None) -> tuple[str, dict | None]:
+    """``text`` and ``logprobs`` with the prompt's in front, for a completion with echo."""
+    prompt = choice.prompt_text or ""
+    if logprobs is None:
+        return prompt + text, None
+    if choice.prompt_logprobs is None:
+        return prompt + text, logprobs
+    echo = _echo_logprobs(prompt, choice.prompt_logprobs)
+    shifted = {**logprobs, "text_offset": [o + len(prompt) for o in logprobs["text_offset"]]}
+    return prompt + text, _joined_logprobs(echo, shifted)
+
+
+class RunningUsage:
+    """Usage as a stream has sent it so far (vLLM's ``continuous_usage_stats``)."""
+
+    def __init__(self, ex: Exchange, per_prompt: int) -> None:
+        self._ex, self._per_prompt = ex, per_prompt
+        self._sent = [0] * len(ex.choices)
+
+    def sent(self, index: int, reply: protocol.Reply) -> None:
+        self._sent[index] += reply.num_tokens
+
+    def now(self) -> dict:
+        usage = _usage(self._ex, self._per_prompt)
+        completion = sum(self._sent)
+        usage["completion_tokens"] = completion
+        usage["total_tokens"] = usage["prompt_tokens"] + completion
+        return usage
+
+
 def full_response(ex: Exchange, body, meta: dict, chat: bool) -> dict:
     choices = []
     wanted = body.wanted_logprobs() is not None
@@ -96,19 +157,22 @@ def full_response(ex: Exchange, body, meta: dict, chat: bool) -> dict:
                 }
             )
         else:
+            logprobs = _completion_logprobs(entries) if wanted else None
+            if body.echo:
+                text, logprobs = _echoed(choice, text, logprobs)
             choices.append(
                 {
                     "index": choice.index,
                     "text": text,
                     "finish_reason": choice.finish_reason,
-                    "logprobs": _completion_logprobs(entries) if wanted else None,
+                    "logprobs": logprobs,
                 }
             )
     return {
         **meta,
         "object": "chat.completion" if chat else "text_completion",
         "choices": choices,
-        "usage": _usage(ex),
+        "usage": _usage(ex, _per_prompt(body)),
     }
 
 
@@ -163,11 +227,20 @@ def _error_event(ex: Exchange, reply: protocol.Reply | None) -> bytes:
     )
 
 
+def _chunk_usage(body, running: RunningUsage) -> dict:
+    """What a chunk before the last says of usage: nothing unless asked, then null (OpenAI),
+    or the usage so far with ``continuous_usage_stats`` (vLLM)."""
+    if not body.include_usage:
+        return {}
+    return {"usage": running.now() if body.continuous_usage else None}
+
+
 async def chat_events(
     ex: Exchange, body: ChatCompletionRequest, first: list, meta: dict
 ) -> AsyncIterator[bytes]:
     head = {**meta, "object": "chat.completion.chunk"}
     wanted = body.wanted_logprobs() is not None
+    running = RunningUsage(ex, body.n)
 
     def chunk(
         index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None
@@ -183,6 +256,7 @@ async def chat_events(
                         "finish_reason": finish,
                     }
                 ],
+                **_chunk_usage(body, running),
             }
         )
 
@@ -191,6 +265,7 @@ async def chat_events(
     for choice in ex.choices:
         yield chunk(choice.index, {"role": "assistant", "content": ""})
     async for index, reply in _replies(ex, first):
+        running.sent(index, reply)
         if index in calls:  # tool calls are parsed out of the text before it is sent
             deltas = calls[index].feed(reply.text)
             if reply.finish_reason is not None:
@@ -214,7 +289,7 @@ async def chat_events(
     if ex.error is not None:
         yield _error_event(ex, None)
     elif body.include_usage:
-        yield event({**head, "choices": [], "usage": _usage(ex)})
+        yield event({**head, "choices": [], "usage": _usage(ex, body.n)})
     yield DONE
 
 
@@ -224,38 +299,46 @@ async def completion_events(
     head = {**meta, "object": "text_completion"}
     wanted = body.wanted_logprobs() is not None
     offsets = [0] * len(ex.choices)  # per choice: where the next token's text starts
+    echo_pending = [body.echo] * len(ex.choices)  # the prompt goes in front of the first piece
+    running = RunningUsage(ex, body.n)
 
     def chunk(index: int, reply: protocol.Reply, finish: str | None = None) -> bytes:
-        logprobs = None
+        text, logprobs = reply.text, None
         if wanted:
             entries = reply.logprobs or []
             logprobs = _completion_logprobs(entries, offsets[index])
             offsets[index] += sum(len(e.token) for e in entries)
+        if echo_pending[index]:
+            echo_pending[index] = False
+            text, logprobs = _echoed(ex.choices[index], text, logprobs)
+            offsets[index] += len(ex.choices[index].prompt_text or "")
         return event(
             {
                 **head,
                 "choices": [
                     {
                         "index": index,
-                        "text": reply.text,
+                        "text": text,
                         "logprobs": logprobs,
                         "finish_reason": finish,
                     }
                 ],
+                **_chunk_usage(body, running),
             }
         )
 
     async for index, reply in _replies(ex, first):
+        running.sent(index, reply)
         if reply.finish_reason in NORMAL_ENDS:
             yield chunk(index, reply, reply.finish_reason)
         elif reply.finish_reason:
             yield _error_event(ex, reply)
             yield DONE
             return
-        elif reply.text or (wanted and reply.logprobs):
+        elif reply.text or (wanted and reply.logprobs) or echo_pending[index]:
             yield chunk(index, reply)
     if ex.error is not None:
         yield _error_event(ex, None)
     elif body.include_usage:
-        yield event({**head, "choices": [], "usage": _usage(ex)})
+        yield event({**head, "choices": [], "usage": _usage(ex, body.n)})
     yield DONE

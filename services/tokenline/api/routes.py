@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenline import protocol
 from tokenline.api import structured
-from tokenline.api.flow import Renderer, pipeline_of, serve
+from tokenline.api.flow import Renderer, check_model, pipeline_of, serve
 from tokenline.api.render import chat_events, completion_events, full_response
 from tokenline.api.schemas import ChatCompletionRequest, CompletionRequest
 from tokenline.api.tool_parsers import ToolCallFormat, format_for
@@ -21,11 +21,13 @@ router = APIRouter()
 
 
 @router.get("/health")
+@router.head("/health", include_in_schema=False)
 async def health() -> dict:
     return {"status": "ok"}
 
 
 @router.get("/ready")
+@router.head("/ready", include_in_schema=False)
 async def ready(request: Request) -> JSONResponse:
     pipeline = pipeline_of(request)
     problem = pipeline.problem()  # the same answer admission gives at this moment
@@ -42,24 +44,31 @@ async def ready(request: Request) -> JSONResponse:
 
 
 @router.get("/metrics")
+@router.head("/metrics", include_in_schema=False)
 async def metrics() -> Response:
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/models")
-async def models(request: Request) -> dict:
-    name = pipeline_of(request).model
+def _model_card(request: Request) -> dict:
     return {
-        "object": "list",
-        "data": [
-            {
-                "id": name,
-                "object": "model",
-                "created": request.app.state.started,
-                "owned_by": "tokenline",
-            }
-        ],
+        "id": pipeline_of(request).model,
+        "object": "model",
+        "created": request.app.state.started,
+        "owned_by": "tokenline",
     }
+
+
+@router.get("/v1/models")
+@router.head("/v1/models", include_in_schema=False)
+async def models(request: Request) -> dict:
+    return {"object": "list", "data": [_model_card(request)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+@router.head("/v1/models/{model_id:path}", include_in_schema=False)
+async def model(model_id: str, request: Request) -> dict:
+    check_model(request, model_id)
+    return _model_card(request)
 
 
 async def _tool_format(request: Request) -> ToolCallFormat:
@@ -106,12 +115,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     grammar = structured.completion_grammar(body.response_format)
+    prompts = body.prompts()
 
     def build(uid: str, index: int) -> protocol.Generate:
+        prompt = prompts[index // body.n]  # choices go prompt by prompt, n each
         return protocol.Generate(
             uid=uid,
             sampling=msgspec.structs.replace(body.sampling(index), grammar=grammar),
-            prompt=body.prompt,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_ids=None if isinstance(prompt, str) else prompt,
             timeout_s=pipeline_of(request).settings.request_timeout,
         )
 
@@ -120,4 +132,4 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         lambda ex, first, meta: completion_events(ex, body, first, meta),
         lambda ex, meta: full_response(ex, body, meta, chat=False),
     )
-    return await serve(request, body, body.n, build, render)
+    return await serve(request, body, body.choices, build, render)

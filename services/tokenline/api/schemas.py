@@ -6,13 +6,16 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -45,18 +48,54 @@ def _no_lone_surrogates(value: str) -> str:
 Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
-# NaN and the infinities pass range checks they should fail (NaN compares false both ways)
-_CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False)
+# A field the server does not know is refused (400 ``unsupported_parameter``, errors.py), not
+# ignored: a client that sends one expects it to do something. NaN and the infinities pass
+# range checks they should fail (NaN compares false both ways).
+_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
+MAX_LOGIT_BIAS = 300  # tokens one request may bias, as OpenAI allows
+LOGIT_BIAS_RANGE = 100.0
+LOGIT_BIAS_SCHEMA = {
+    "type": "object",
+    "description": "token id (as text) -> bias added to its logit",
+    "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+    "maxProperties": MAX_LOGIT_BIAS,
+}
 
 
 class StreamOptions(BaseModel):
     model_config = _CONFIG
 
     include_usage: bool = False
+    # vLLM's extension: every chunk carries the usage so far (needs include_usage)
+    continuous_usage_stats: bool = False
+
+
+def _token_id_key(key: str) -> int:
+    try:
+        token = int(key)
+    except ValueError:
+        raise ValueError(f"the key {key!r} is not a token id; keys are token ids as text") from None
+    if not 0 <= token <= INT32_MAX:
+        raise ValueError(f"the key {key!r} is not a token id (0 or more)")
+    return token
+
+
+def _logit_bias(value: dict[str, float] | None) -> dict[int, float]:
+    if not value:
+        return {}
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"{len(value)} tokens are biased; at most {MAX_LOGIT_BIAS} may be")
+    bias = {}
+    for key, amount in value.items():
+        if not -LOGIT_BIAS_RANGE <= amount <= LOGIT_BIAS_RANGE:
+            raise ValueError(f"the bias of token {key} is {amount}; biases go from -100 to 100")
+        bias[_token_id_key(key)] = float(amount)
+    return bias
 
 
 class _SamplingFields(BaseModel):
-    """Fields shared by both endpoints. Unknown fields are ignored, as OpenAI clients send many."""
+    """Fields shared by both endpoints; each one works or is refused with a 400 naming it."""
 
     model_config = _CONFIG
 
@@ -77,6 +116,22 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     stop_token_ids: list[TokenId] = Field(default_factory=list)
+    # Out-of-vocabulary ids are refused by the scheduler, which knows the vocabulary.
+    logit_bias: Annotated[
+        dict[int, float], BeforeValidator(_logit_bias), WithJsonSchema(LOGIT_BIAS_SCHEMA)
+    ] = Field(default_factory=dict)
+    # An end-user id, for the abuse monitoring of a provider; nothing here uses it.
+    user: Text | None = None
+    # Nothing is stored, so there is nothing to tag: only the defaults are accepted.
+    store: bool | None = None
+    service_tier: Literal["auto", "default"] | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_stored(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("this server stores no completions; leave store out or false")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -109,18 +164,52 @@ class _SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
             logprobs=self.wanted_logprobs(),
+            logit_bias=self.logit_bias,
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
-class TextPart(BaseModel):
-    model_config = _CONFIG
+    @field_validator("stream_options")
+    @classmethod
+    def _options_of_a_stream(
+        cls, options: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if options is None:
+            return None
+        if not info.data.get("stream"):
+            raise ValueError("stream_options is only for streamed requests; set stream to true")
+        if options.continuous_usage_stats and not options.include_usage:
+            raise ValueError("continuous_usage_stats needs include_usage set to true")
+        return options
 
-    type: Literal["text"]
-    text: Text
+
+class ContentPart(BaseModel):
+    """A part of a message's content; only text is served, other types are named in the 400."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    type: str
+    text: Text | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ContentPart:
+        if self.type != "text":
+            raise ValueError(
+                f"only text content parts are supported; this part's type is `{self.type}`"
+            )
+        if self.text is None:
+            raise ValueError("a text content part needs its `text`")
+        return self
+
+
+# vLLM joins a message's text parts with a newline, and so does the template render there
+PART_SEPARATOR = "\n"
 
 
 def _json_object_text(value: str) -> str:
@@ -150,14 +239,32 @@ class ToolCallIn(BaseModel):
     function: ToolCallFunctionIn
 
 
+# checked by a validator, so the 400 says what to do; the schema says "null"
+_Empty = Annotated[Any, WithJsonSchema({"type": "null"})]
+
+
 class ChatMessageIn(BaseModel):
     model_config = _CONFIG
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Text | list[TextPart] | None = None
+    content: Text | list[ContentPart] | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant turns
     tool_call_id: Text | None = None  # tool turns: the call answered
     name: Text | None = None
+    # What the official client puts on an assistant message it returned, so that message can be
+    # sent back as it came: accepted when empty, since none of them is served.
+    refusal: _Empty = None
+    audio: _Empty = None
+    function_call: _Empty = None
+    annotations: list[Any] | None = None
+
+    @field_validator("refusal", "audio", "function_call")
+    @classmethod
+    def _left_empty(cls, value: Any, info: ValidationInfo) -> None:
+        if value:
+            hint = "; use tool_calls" if info.field_name == "function_call" else ""
+            raise ValueError(f"{info.field_name} is not served on input messages{hint}; send null")
+        return None
 
     @model_validator(mode="after")
     def _tool_turns_answer_a_call(self) -> ChatMessageIn:
@@ -170,7 +277,7 @@ class ChatMessageIn(BaseModel):
     def to_wire(self) -> ChatMessage:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = PART_SEPARATOR.join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
         calls = [
             ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
@@ -216,28 +323,67 @@ class ChatCompletionRequest(_SamplingFields):
         return [m.to_wire() for m in self.messages]
 
 
+Prompt = str | list[int]  # text, or token ids
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: Text | list[Text]
+    # One prompt or a list; each as text or as token ids. Choices go prompt by prompt, n each.
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     response_format: ResponseFormat | None = None  # as vLLM accepts it; api/structured.py
     max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)  # OpenAI's default
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS, strict=True)
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: Text | None = Field(default=None, json_schema_extra={"maxLength": 0})
 
     def wanted_logprobs(self) -> int | None:
         return self.logprobs
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[str]) -> str:
+    def _some_prompt(cls, value: list) -> list:
         if isinstance(value, list):
-            if len(value) != 1:
-                raise ValueError("send one prompt per request (a list of exactly one string)")
-            return value[0]
+            if not value:
+                raise ValueError("the prompt list is empty; send a prompt")
+            if any(isinstance(p, list) and not p for p in value):
+                raise ValueError("a prompt of token ids is empty; send at least one id")
         return value
 
-    @field_validator("echo")
+    @field_validator("suffix")
     @classmethod
-    def _no_echo(cls, value: bool) -> bool:
+    def _no_suffix(cls, value: str | None) -> str | None:
         if value:
-            raise ValueError("echo is not supported; leave it false")
+            raise ValueError(
+                "suffix (insertion) is not supported: the served model has no fill-in-the-middle"
+                " format here; put all the text in the prompt"
+            )
         return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if value is not None and value != n:
+            raise ValueError(
+                f"best_of is {value} and n is {n}: this server returns every sequence it "
+                "generates, so best_of must equal n (or be left out)"
+            )
+        return value
+
+    def prompts(self) -> list[Prompt]:
+        """Each prompt of the request, as text or token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and isinstance(self.prompt[0], int):
+            return [list(self.prompt)]
+        return list(self.prompt)
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts()) * self.n
+
+    def sampling(self, index: int) -> SamplingParams:
+        params = super().sampling(index)
+        if not self.echo:
+            return params
+        return msgspec.structs.replace(params, echo=True, prompt_logprobs=self.logprobs)

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenline.api.errors import ApiError
 from tokenline.api.tool_parsers import ToolCallFormat
 
-_CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False)
+_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 # Whitespace is fixed, not free: with flexible whitespace a model can emit spaces and newlines
 # between tokens forever without breaking the grammar. These are json.dumps' separators, and

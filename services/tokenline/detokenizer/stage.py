@@ -106,15 +106,19 @@ class Detokenizer(StepFreeHandler):
             finish = "stop"
         elif finish is not None:
             text += live.decoder.flush()
+        # prompt_tokens on every reply: a stream with continuous usage reports it from the start
         reply = protocol.Reply(
-            uid=out.uid, text=text, num_tokens=len(out.token_ids), finish_reason=finish
+            uid=out.uid,
+            text=text,
+            num_tokens=len(out.token_ids),
+            finish_reason=finish,
+            prompt_tokens=live.prompt_tokens,
         )
         if out.logprobs is not None:
             # After a stop string, the tokens up to the one that completed the match keep theirs.
             reply.logprobs = [self.token_texts.entry(lp) for lp in out.logprobs]
         if finish is not None:
             reply.stop_string = stop_string and out.finish_reason is None
-            reply.prompt_tokens = live.prompt_tokens
             reply.cached_tokens = live.cached_tokens
             reply.tokenizer_s = live.tokenizer_s
             reply.queue_s = live.queue_s

@@ -8,7 +8,8 @@ Each hop has one tagged union (`ToTokenizer`, `ToScheduler`, `ToDetokenizer`, `T
 Control messages (`Abort`, `Pause`, `Resume`, `Heartbeat`) ride the same ring behind the
 request they refer to, so no stage sees them out of order. Every admitted uid ends with exactly
 one terminal `Reply` (``finish_reason`` set) at the api; errors found early travel forward as
-`Failed`, so every stage sees the end of every uid it saw the start of.
+`Failed`, so every stage sees the end of every uid it saw the start of. A `TokenizeCall`
+(/tokenize, /detokenize) is answered by the tokenizer alone; no stage holds state for it.
 
 Durations are stamped by each stage from its own monotonic clock; wall-clock differences between
 processes are never taken.
@@ -84,6 +85,8 @@ class Generate(_Message, tag="generate"):
     messages: list[ChatMessage] | None = None
     # OpenAI's tool definitions ({"type": "function", "function": {...}}) for the template
     tools: list[dict[str, Any]] | None = None
+    # A prompt already tokenized: taken as it is (no special tokens added), checked in vocab
+    prompt_ids: list[int] | None = None
     version: int = PROTOCOL_VERSION
 
 
@@ -160,6 +163,37 @@ class Link(_Message, tag="link"):
     reporter: str  # the stage whose inbox saw the event
     peer: str  # the stage upstream of it
     up: bool
+
+
+# ── calls answered by the tokenizer alone (/tokenize, /detokenize) ─────────────────────────────
+
+
+class TokenizeCall(_Message, tag="tokenize"):
+    """Tokenize a prompt or chat messages, or detokenize ids (``decode``), for the api.
+
+    Nothing is admitted and no stage holds it: the tokenizer answers with a `TokenizerAnswer`
+    (or a `Failed`), which the scheduler and the detokenizer pass on to the api.
+    """
+
+    uid: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None  # as `Generate.tools`, for the chat template
+    decode: list[int] | None = None  # ids to turn back into text instead
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class TokenizerAnswer(_Message, tag="tokenizer_answer"):
+    """The tokenizer's answer to a `TokenizeCall`: ids (and their token strings) or text."""
+
+    uid: str
+    ids: list[int] = []
+    token_strs: list[str] | None = None
+    text: str | None = None
+    max_model_len: int = 0
 
 
 # ── scheduler → detokenizer ───────────────────────────────────────────────────────────────────
@@ -246,10 +280,10 @@ class ReplyBatch(_Message, tag="replies"):
     replies: list[Reply]
 
 
-ToTokenizer = Generate | Abort | Pause | Resume | Heartbeat
-ToScheduler = Tokenized | Failed | Abort | Pause | Resume | Heartbeat | Link
-ToDetokenizer = Begin | TokenBatch | Failed | Abort | Heartbeat | Link
-ToApi = ReplyBatch | Failed | Abort | Heartbeat | Link
+ToTokenizer = Generate | TokenizeCall | Abort | Pause | Resume | Heartbeat
+ToScheduler = Tokenized | TokenizerAnswer | Failed | Abort | Pause | Resume | Heartbeat | Link
+ToDetokenizer = Begin | TokenBatch | TokenizerAnswer | Failed | Abort | Heartbeat | Link
+ToApi = ReplyBatch | TokenizerAnswer | Failed | Abort | Heartbeat | Link
 
 
 # ── what a message means for a uid's lifetime (the runtime's ledger and the simulation) ───────
@@ -264,7 +298,7 @@ def started_uids(message: msgspec.Struct) -> list[tuple[str, float]]:
 
 def ended_uids(message: msgspec.Struct) -> list[str]:
     """Uids that ``message``, sent onward, ends: no stage before it holds them any longer."""
-    if isinstance(message, Failed | Abort):
+    if isinstance(message, Failed | Abort | TokenizerAnswer):
         return [message.uid]
     if isinstance(message, TokenBatch):
         return [o.uid for o in message.outputs if o.finish_reason is not None]

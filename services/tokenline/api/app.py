@@ -19,6 +19,7 @@ from tokenline.api.errors import ApiError, http_error, unexpected_error, validat
 from tokenline.api.limits import BodySizeLimit
 from tokenline.api.pipeline import Pipeline
 from tokenline.api.routes import router
+from tokenline.api.tokenize_routes import router as tokenize_router
 from tokenline.lifecycle import freeze_startup_heap
 from tokenline.settings import Settings
 from tokenline.transport import AsyncRing
@@ -43,6 +44,7 @@ def create_app(settings: Settings, heartbeat_timeout: float = 5.0) -> FastAPI:
     app.state.started = int(time.time())
     app.state.settings = settings
     app.include_router(router)
+    app.include_router(tokenize_router)
     app.add_exception_handler(ApiError, lambda request, exc: exc.response())
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)

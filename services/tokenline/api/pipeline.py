@@ -1,6 +1,7 @@
 """The api's side of the ring: admission, reply routing, and the loops that keep both honest.
 
-One listener task routes replies by uid into each request's `Exchange`. Whether the ring can
+One listener task routes replies by uid into each request's `Exchange`, and the tokenizer's
+answers to /tokenize and /detokenize into the waiting `call`. Whether the ring can
 take a request is `RingHealth`'s one answer, shared by `/ready` and admission, so the two never
 disagree. A stage that dies (its connections drop) or hangs (heartbeats stop coming back)
 fails every in-flight request at once with ``stage_failure`` instead of letting it hang;
@@ -22,6 +23,7 @@ import msgspec
 
 from tokenline import protocol
 from tokenline.api.abort_log import AbortLog
+from tokenline.api.calls import Calls
 from tokenline.api.endpoint_metrics import EndpointMetrics
 from tokenline.api.errors import ApiError, abort_error
 from tokenline.api.exchange import Exchange
@@ -45,6 +47,7 @@ class Pipeline:
         self.ring = ring
         self.model = settings.model_name
         self.exchanges: dict[str, Exchange] = {}  # uid → exchange
+        self.calls = Calls()  # /tokenize and /detokenize, answered by the tokenizer alone
         self.draining = False
         self.ledger = Ledger("api")
         self.health = RingHealth(heartbeat_timeout)
@@ -183,6 +186,35 @@ class Pipeline:
     def fail_all(self, reason: str) -> None:
         for ex in self._distinct_exchanges():
             self.abort(ex, reason)
+        self.calls.fail_all(abort_error(reason))
+
+    # ── calls the tokenizer answers alone ──────────────────────────────────────────────────────
+    async def call(self, build: Callable[[str], protocol.TokenizeCall]) -> protocol.TokenizerAnswer:
+        """Send the call ``build(uid)`` makes and wait for the tokenizer's answer, at most the
+        request timeout. Raises `ApiError`: the call's own failure, a 503 when the ring is
+        down (at once, or when it goes down meanwhile), a 504 past the deadline."""
+        problem = self.problem()
+        if problem is not None:
+            raise ApiError(
+                503,
+                f"the pipeline is not ready ({problem}); retry shortly",
+                "shutting_down" if self.draining else "stage_unavailable",
+                retry_after=1,
+            )
+        uid = self.new_uid()
+        frame = self.ring.encode(build(uid))  # before any state: a failure leaves none
+        timeout = self.settings.request_timeout
+        answer = self.calls.open(uid)
+        self.ledger.open(uid, timeout)
+        try:
+            self.ring.send_frame(frame)
+            async with asyncio.timeout(timeout):
+                return await answer
+        except TimeoutError:
+            raise abort_error("deadline") from None
+        finally:
+            self.calls.close(uid)
+            self.ledger.close(uid)
 
     # ── flow control (called by exchanges) ─────────────────────────────────────────────────────
     def pause(self, ex: Exchange) -> None:
@@ -209,6 +241,9 @@ class Pipeline:
                 self._route_reply(reply, now)
         elif isinstance(message, protocol.Failed):
             self._route_failed(message)
+        elif isinstance(message, protocol.TokenizerAnswer):
+            if not self.calls.answer(message):
+                self._late.inc()
         elif isinstance(message, protocol.Heartbeat):
             self._on_heartbeat(message)
         elif isinstance(message, protocol.Link):
@@ -233,6 +268,10 @@ class Pipeline:
             self.ledger.close(reply.uid)
 
     def _route_failed(self, failed: protocol.Failed) -> None:
+        error = ApiError(failed.http_status or 400, failed.message, failed.code, failed.param)
+        if self.calls.fail(failed.uid, error):
+            self.metrics.error(failed.code)
+            return
         ex = self.exchanges.get(failed.uid)
         if ex is None:
             if not self.aborts.settle(failed.uid):
@@ -244,7 +283,7 @@ class Pipeline:
         for uid in ex.live_uids():
             if uid != failed.uid:
                 self._send_abort(uid, "stage_failure")
-        ex.fail(ApiError(failed.http_status or 400, failed.message, failed.code, failed.param))
+        ex.fail(error)
 
     # ── ring health ────────────────────────────────────────────────────────────────────────────
     def _on_link(self, observer: str, stage: str, up: bool) -> None:
@@ -318,7 +357,8 @@ class Pipeline:
             self.abort(ex, reason)
         self._depth.set(sum(ex.depth for ex in exchanges))
         self._unsettled_depth.set(len(self.aborts))
-        for uid in self.ledger.sweep(list(self.exchanges)):
+        for uid in self.ledger.sweep([*self.exchanges, *self.calls]):
             ex = self.exchanges.pop(uid, None)
             if ex is not None:
                 ex.fail(abort_error("deadline"), abort_reason="deadline")
+            self.calls.fail(uid, abort_error("deadline"))

@@ -74,6 +74,8 @@ class Detokenizer(StepFreeHandler):
                 message.tokenizer_s,
             )
             return []
+        if isinstance(message, protocol.TokenizerAnswer):  # the tokenizer's, for the api
+            return [message]
         # Failed, Abort: the end of a uid; free it if held, pass the message on
         self.live.pop(message.uid, None)
         return [message]

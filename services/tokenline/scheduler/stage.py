@@ -77,7 +77,7 @@ class SchedulerStage:
             self.engine.pause(message.uid)
         elif isinstance(message, protocol.Resume):
             self.engine.resume(message.uid)
-        else:  # Failed: a terminal error from upstream, on its way to the api
+        else:  # Failed, TokenizerAnswer: on their way from the tokenizer to the api
             return [message]
         return []
 

@@ -1,7 +1,8 @@
 """The tokenizer stage: chat templates and tokenization, batched; rejects over-long prompts.
 
 It holds no per-request state between batches: every message is forwarded, in order, in the
-same loop iteration that received it, so aborts can never overtake their request here.
+same loop iteration that received it, so aborts can never overtake their request here. It also
+answers the api's `protocol.TokenizeCall`s (/tokenize, /detokenize) itself.
 """
 
 from __future__ import annotations
@@ -43,58 +44,123 @@ def _template_message(message: protocol.ChatMessage) -> dict:
     return out
 
 
+def _invalid(uid: str, param: str, message: str) -> protocol.Failed:
+    return protocol.Failed(uid=uid, code="invalid_request_error", param=param, message=message)
+
+
 class Tokenizer:
-    """Turns `Generate` messages into `Tokenized` or terminal `Failed` ones."""
+    """Turns `Generate` messages into `Tokenized` or terminal `Failed` ones, and answers
+    `TokenizeCall`s with `TokenizerAnswer`s."""
 
     def __init__(self, tokenizer, max_model_len: int) -> None:  # tokenizer: a transformers one
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.vocab_size = len(tokenizer)  # added tokens included: every id decode() knows
 
-    def _render(self, request: protocol.Generate) -> str:
+    def _render(self, request: protocol.Generate | protocol.TokenizeCall) -> str:
+        """The prompt's text; raises when the chat template refuses the messages."""
         if request.messages is None:
             return request.prompt or ""
         messages = [_template_message(m) for m in request.messages]
+        generation_prompt, continue_final = True, False
+        if isinstance(request, protocol.TokenizeCall):
+            generation_prompt = request.add_generation_prompt
+            continue_final = request.continue_final_message
         return self.tokenizer.apply_chat_template(
-            messages, tools=request.tools, tokenize=False, add_generation_prompt=True
+            messages,
+            tools=request.tools,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            continue_final_message=continue_final,
         )
+
+    def _out_of_vocab(self, uid: str, ids: list[int], param: str) -> protocol.Failed | None:
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is None:
+            return None
+        return _invalid(
+            uid,
+            param,
+            f"token id {bad} is out of vocabulary: this model's ids run from 0 to "
+            f"{self.vocab_size - 1} (vocab size {self.vocab_size})",
+        )
+
+    def _encode_all(self, texts: list[tuple[int, str, bool]]) -> dict[int, list[int]]:
+        """(index, text, add_special_tokens) to {index: ids}: one batched tokenizer call per
+        value of ``add_special_tokens``."""
+        encoded: dict[int, list[int]] = {}
+        for special in (True, False):
+            chosen = [(i, t) for i, t, s in texts if s == special]
+            if chosen:
+                batch = self.tokenizer([t for _, t in chosen], add_special_tokens=special)
+                encoded.update(zip((i for i, _ in chosen), batch["input_ids"], strict=True))
+        return encoded
 
     def process(
         self, requests: list[protocol.Generate]
     ) -> list[protocol.Tokenized | protocol.Failed]:
-        texts: list[str | None] = []
-        failures: dict[int, protocol.Failed] = {}
+        texts: list[tuple[int, str, bool]] = []
+        done: dict[int, protocol.Tokenized | protocol.Failed] = {}
         for i, request in enumerate(requests):
-            try:
-                texts.append(self._render(request))
-            except Exception as exc:  # a template error is the request's fault, not ours
-                texts.append(None)
-                failures[i] = protocol.Failed(
-                    uid=request.uid,
-                    code="invalid_request_error",
-                    param="messages",
-                    message=f"the chat template rejected the messages: {exc}",
-                )
-        # Chat templates already carry their special tokens; raw prompts get the tokenizer's.
-        encoded: dict[int, list[int]] = {}
-        for is_chat in (True, False):
-            idx = [
-                i
-                for i, t in enumerate(texts)
-                if t is not None and (requests[i].messages is not None) == is_chat
-            ]
-            if idx:
-                batch = self.tokenizer([texts[i] for i in idx], add_special_tokens=not is_chat)
-                encoded.update(zip(idx, batch["input_ids"], strict=True))
-        out: list[protocol.Tokenized | protocol.Failed] = []
-        for i, request in enumerate(requests):
-            if i in failures:
-                out.append(failures[i])
+            if request.prompt_ids is not None:  # tokenized by the client: checked, not encoded
+                bad = self._out_of_vocab(request.uid, request.prompt_ids, "prompt")
+                done[i] = bad or self._check(request, list(request.prompt_ids))
                 continue
-            out.append(self._check(request, encoded[i]))
+            try:
+                text = self._render(request)
+            except Exception as exc:  # a template error is the request's fault, not ours
+                done[i] = _invalid(
+                    request.uid, "messages", f"the chat template rejected the messages: {exc}"
+                )
+                continue
+            # Chat templates already carry their special tokens; raw prompts get the tokenizer's.
+            texts.append((i, text, request.messages is None))
+        encoded = self._encode_all(texts)
+        return [
+            done[i] if i in done else self._check(request, encoded[i])
+            for i, request in enumerate(requests)
+        ]
+
+    def answer(
+        self, calls: list[protocol.TokenizeCall]
+    ) -> list[protocol.TokenizerAnswer | protocol.Failed]:
+        """Tokenize (or detokenize) what each call asks; no length limit applies here, so a
+        client can measure a prompt that would be too long to serve."""
+        texts: list[tuple[int, str, bool]] = []
+        done: dict[int, protocol.TokenizerAnswer | protocol.Failed] = {}
+        for i, call in enumerate(calls):
+            if call.decode is not None:
+                bad = self._out_of_vocab(call.uid, call.decode, "tokens")
+                text = None if bad else self.tokenizer.decode(call.decode)
+                done[i] = bad or protocol.TokenizerAnswer(uid=call.uid, text=text)
+                continue
+            try:
+                text = self._render(call)
+            except Exception as exc:
+                done[i] = _invalid(
+                    call.uid, "messages", f"the chat template rejected the messages: {exc}"
+                )
+                continue
+            texts.append((i, text, call.add_special_tokens))
+        encoded = self._encode_all(texts)
+        out: list[protocol.TokenizerAnswer | protocol.Failed] = []
+        for i, call in enumerate(calls):
+            if i in done:
+                out.append(done[i])
+                continue
+            ids = encoded[i]
+            strs = self.tokenizer.convert_ids_to_tokens(ids) if call.return_token_strs else None
+            out.append(
+                protocol.TokenizerAnswer(
+                    uid=call.uid, ids=ids, token_strs=strs, max_model_len=self.max_model_len
+                )
+            )
         return out
 
     def _check(self, request: protocol.Generate, ids: list[int]):
         param = "messages" if request.messages is not None else "prompt"
+        if not ids and request.prompt_ids is not None:
+            return _invalid(request.uid, param, "the prompt holds no token ids; send at least one")
         if not ids:
             return protocol.Failed(
                 uid=request.uid,
@@ -140,7 +206,9 @@ class TokenizerStage(StepFreeHandler):
 
     def handle_batch(self, batch: list[tuple[float, msgspec.Struct]]) -> list[msgspec.Struct]:
         requests = [m for _, m in batch if isinstance(m, protocol.Generate)]
+        calls = [m for _, m in batch if isinstance(m, protocol.TokenizeCall)]
         results = iter(self.tokenizer.process(requests)) if requests else iter(())
+        answers = iter(self.tokenizer.answer(calls)) if calls else iter(())
         out: list[msgspec.Struct] = []
         for arrived, message in batch:
             if isinstance(message, protocol.Generate):
@@ -149,6 +217,8 @@ class TokenizerStage(StepFreeHandler):
                     result.tokenizer_s = time.monotonic() - arrived  # inbox wait included
                     self._latency.observe(result.tokenizer_s)
                 out.append(result)
+            elif isinstance(message, protocol.TokenizeCall):
+                out.append(next(answers))
             else:  # Abort, Pause, Resume: nothing held here, pass them on
                 out.append(message)
         return out

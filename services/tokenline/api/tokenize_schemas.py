@@ -1,0 +1,107 @@
+"""Request bodies of /tokenize and /detokenize, in vLLM's shapes.
+
+/tokenize takes a prompt (vLLM's ``TokenizeCompletionRequest``) or chat messages
+(``TokenizeChatRequest``) in one model: which one is decided by the field sent, so a body with
+both, or neither, is refused by name rather than matched to whichever branch parses.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenline.api.errors import ApiError
+from tokenline.api.schemas import ChatMessageIn, Text, TokenId
+from tokenline.api.structured import Tool
+from tokenline.protocol import ChatMessage
+from tokenline.settings import Settings
+
+# Unknown fields are ignored, as in the completion bodies; NaN and infinities are refused.
+_CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def _refuse(param: str, message: str, code: str = "invalid_request_error") -> ApiError:
+    return ApiError(400, message, code, param)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = _CONFIG
+
+    model: Text | None = None  # optional, as vLLM has it; when sent, it must be the served one
+    prompt: Text | None = None
+    messages: list[ChatMessageIn] | None = Field(default=None, min_length=1)
+    # None: True for a prompt (as a completion tokenizes it), False for messages (the chat
+    # template writes its special tokens itself, and a chat completion adds none)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Tool] | None = None
+    return_token_strs: bool | None = False
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+    @property
+    def special_tokens(self) -> bool:
+        return self.add_special_tokens if self.add_special_tokens is not None else not self.is_chat
+
+    def check(self, limits: Settings) -> None:
+        """Raise a 400 naming the param for what the fields cannot mean together, or for a
+        limit the server's flags set (the same ones a completion is held to)."""
+        if (self.prompt is None) == (self.messages is None):
+            raise _refuse(
+                "prompt",
+                "send either prompt (text to tokenize) or messages (a chat to render with the "
+                "model's chat template), exactly one of them",
+            )
+        if self.prompt is not None:
+            for param in ("tools", "continue_final_message"):
+                if getattr(self, param):
+                    raise _refuse(param, f"{param} applies to messages only, not to a prompt")
+            if len(self.prompt) > limits.max_prompt_chars:
+                raise _refuse(
+                    "prompt",
+                    f"the prompt is {len(self.prompt)} characters; this server allows at most "
+                    f"{limits.max_prompt_chars} (--max-prompt-chars)",
+                    "limit_exceeded",
+                )
+            return
+        if self.continue_final_message and self.add_generation_prompt:
+            raise _refuse(
+                "continue_final_message",
+                "continue_final_message and add_generation_prompt cannot both be true: set "
+                "add_generation_prompt to false to continue the last message",
+            )
+        messages = self.messages or []
+        if len(messages) > limits.max_messages:
+            raise _refuse(
+                "messages",
+                f"{len(messages)} messages; this server allows at most {limits.max_messages} "
+                "(--max-messages)",
+                "limit_exceeded",
+            )
+        total = 0
+        for message in messages:
+            content = message.content
+            if isinstance(content, str):
+                total += len(content)
+            elif content:
+                total += sum(len(part.text) for part in content)
+            total += sum(len(call.function.arguments) for call in message.tool_calls or [])
+        if total > limits.max_prompt_chars:
+            raise _refuse(
+                "messages",
+                f"the messages hold {total} characters; this server allows at most "
+                f"{limits.max_prompt_chars} (--max-prompt-chars)",
+                "limit_exceeded",
+            )
+
+    def wire_messages(self) -> list[ChatMessage] | None:
+        return None if self.messages is None else [m.to_wire() for m in self.messages]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _CONFIG
+
+    model: Text | None = None
+    tokens: list[TokenId]

@@ -60,6 +60,10 @@ class Engine:
     ``grammars``: builds the matchers of requests whose output follows a grammar
     (``sampling.grammar``); without one such requests are refused. A request whose grammar is
     new waits in ``compiling``, outside the decode batch, while a worker thread builds it.
+
+    ``sampling.prompt_logprobs``: the prompt's own logprobs, gathered during its prefill and
+    sent on the first output (prompt_logprobs.py). ``max_tokens`` 0 reads the prompt and ends
+    with ``length`` and no token: how echo with logprobs scores a text.
     """
 
     def __init__(

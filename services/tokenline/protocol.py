@@ -208,6 +208,9 @@ class Begin(_Message, tag="begin"):
     timeout_s: float = 0.0
     tokenizer_s: float = 0.0
     prompt_tail: list[int] = []  # the prompt's last ids: the detokenizer primes its stream
+    # sampling.echo: every prompt id, decoded into the first reply's prompt_text (non-empty
+    # exactly when echo was asked; prompt logprobs name their own token ids)
+    echo_ids: list[int] = []
 
 
 class TokenLogprobs(msgspec.Struct, omit_defaults=True, array_like=True):
@@ -229,6 +232,8 @@ class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=T
     error_code: str | None = None
     cached_tokens: int = 0  # set on the first output: prompt tokens found in the prefix cache
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked
+    # With sampling.prompt_logprobs, on the first output only: one per prompt token, [0] None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class TokenBatch(_Message, tag="tokens"):

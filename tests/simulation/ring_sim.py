@@ -65,6 +65,13 @@ class ScriptedRunner:
             logits[row, nxt] = 30.0
         return logits
 
+    def forward_keeping(self, chunks, spans) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and a stand-in hidden state per kept row (prompt logprobs)."""
+        return self.forward(chunks), torch.zeros(sum(n for _, _, n in spans), 1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(hidden.shape[0], self.vocab_size)  # a uniform prompt distribution
+
     def release_decode_contexts(self) -> None:
         pass
 
@@ -101,6 +108,14 @@ class Client:
     leaves_after: int | None  # reads this many batches, then disconnects
     ends: list[str] = field(default_factory=list)  # what ended it, once: "done" or an error
     batches: int = 0
+    echo: bool = False  # asked for its prompt back
+    prompt_logprobs: bool = False  # asked for its prompt's logprobs
+    replies: dict[int, int] = field(default_factory=dict)  # replies read per choice
+    prompt_texts: dict[int, str] = field(default_factory=dict)  # per choice, from replies
+    prompt_scores: dict[int, int] = field(default_factory=dict)  # prompt logprob entries
+    prompt_tokens: dict[int, int] = field(default_factory=dict)  # from terminal replies
+    finishes: dict[int, str] = field(default_factory=dict)
+    misplaced: list[str] = field(default_factory=list)  # prompt fields on a later reply
 
 
 class RingSim:
@@ -118,6 +133,10 @@ class RingSim:
         for stage in STAGES:
             self.runtimes[stage] = self._new_runtime(stage)
         self.clients: list[Client] = []
+        # echo and prompt logprobs are drawn apart, so every seed's scenario is otherwise the
+        # one it was before they existed
+        self.echo_rng = random.Random(seed + 1_000_003)
+        self.restarts = 0
         self.clock_offset = 0.0  # simulated time the api's watchdog sees beyond the real one
 
     # ── stages ─────────────────────────────────────────────────────────────────────────────────
@@ -141,6 +160,7 @@ class RingSim:
     def restart(self, stage: str) -> None:
         """The stage dies with its state and whatever waited in its inbox; a new one starts."""
         self.links[stage].clear()
+        self.restarts += 1
         self.pipeline.route(protocol.Link(reporter="sim", peer=stage, up=False))
         self.runtimes[stage] = self._new_runtime(stage)
         self.pipeline.route(protocol.Link(reporter="sim", peer=stage, up=True))
@@ -207,6 +227,15 @@ class RingSim:
             ignore_eos=rng.random() < 0.3,
             stop=rng.sample(WORDS, k=rng.randint(1, 2)) if rng.random() < 0.3 else [],
         )
+        echo = not chat and self.echo_rng.random() < 0.3
+        scored = self.echo_rng.random() < 0.3
+        if echo or scored:
+            sampling = msgspec.structs.replace(
+                sampling,
+                echo=echo,
+                prompt_logprobs=self.echo_rng.randint(0, 3) if scored else None,
+                max_tokens=self.echo_rng.choice([0, sampling.max_tokens]),
+            )
 
         def build(uid: str, index: int) -> protocol.Generate:
             if chat:
@@ -222,7 +251,9 @@ class RingSim:
             assert getattr(exc, "status", None) in (429, 503), exc
             return
         leaves = rng.randint(0, 3) if rng.random() < 0.15 else None
-        self.clients.append(Client(ex, reads=rng.random() > 0.05, leaves_after=leaves))
+        client = Client(ex, reads=rng.random() > 0.05, leaves_after=leaves)
+        client.echo, client.prompt_logprobs = echo, scored
+        self.clients.append(client)
 
     async def read(self, client: Client) -> None:
         ex = client.exchange
@@ -232,11 +263,31 @@ class RingSim:
             return
         batch = await ex.next_batch()
         client.batches += 1
+        for index, reply in batch:
+            self._saw(client, index, reply)
         if ex.done and not ex.depth:
             self._end(client, "done" if ex.error is None else ex.error.code)
         elif client.leaves_after is not None and client.batches > client.leaves_after:
             self._end(client, "left")
         del batch
+
+    @staticmethod
+    def _saw(client: Client, index: int, reply: protocol.Reply) -> None:
+        seen = client.replies.get(index, 0)
+        client.replies[index] = seen + 1
+        if reply.prompt_text is not None or reply.prompt_logprobs is not None:
+            if seen:
+                client.misplaced.append(f"choice {index}'s reply {seen}")
+            if reply.prompt_text is not None:
+                client.prompt_texts[index] = reply.prompt_text
+            if reply.prompt_logprobs is not None:
+                entries = reply.prompt_logprobs
+                if entries[0] is not None or None in entries[1:]:
+                    client.misplaced.append(f"choice {index}'s entries misplace None")
+                client.prompt_scores[index] = len(entries)
+        if reply.finish_reason is not None:
+            client.finishes[index] = reply.finish_reason
+            client.prompt_tokens[index] = reply.prompt_tokens
 
     def _end(self, client: Client, how: str) -> None:
         client.ends.append(how)
@@ -310,6 +361,8 @@ class RingSim:
                 found.append(f"request {uid} ended {len(client.ends)} times: {client.ends}")
             if not client.exchange.closed:
                 found.append(f"request {uid} never ended")
+            found += [f"request {uid}: prompt fields on {where}" for where in client.misplaced]
+            found += self._echo_violations(client)
         if self.pipeline.exchanges:
             found.append(f"api holds {sorted(self.pipeline.exchanges)}")
         if len(self.pipeline.ledger):
@@ -323,6 +376,24 @@ class RingSim:
         pool = self.scheduler_engine().pool
         if pool.num_referenced:
             found.append(f"{pool.num_referenced} KV block(s) referenced once idle")
+        return found
+
+    def _echo_violations(self, client: Client) -> list[str]:
+        """A choice that asked for its prompt back and ended normally got it, whole, on its
+        first reply (a stage restart may lose the Begin that carries it: then nothing is
+        promised but an end)."""
+        found = []
+        uid = client.exchange.uids[0]
+        for index, finish in client.finishes.items():
+            scores = client.prompt_scores.get(index)
+            if scores is not None and scores != client.prompt_tokens[index]:
+                found.append(f"{uid}: {scores} prompt logprobs for {client.prompt_tokens[index]}")
+            if finish not in ("stop", "length") or self.restarts:
+                continue
+            if client.echo and index not in client.prompt_texts:
+                found.append(f"{uid} choice {index} asked for echo and got no prompt text")
+            if client.prompt_logprobs and scores is None:
+                found.append(f"{uid} choice {index} asked for prompt logprobs and got none")
         return found
 
 

@@ -35,6 +35,7 @@ class _Live:
     tokenizer_s: float = 0.0
     queue_s: float = 0.0
     cached_tokens: int = 0
+    echo_ids: list[int] | None = None  # the prompt to echo, until the first reply takes it
 
 
 class Detokenizer(StepFreeHandler):
@@ -72,6 +73,7 @@ class Detokenizer(StepFreeHandler):
                 IncrementalDecoder(self.tokenizer, message.stop, message.prompt_tail),
                 message.prompt_tokens,
                 message.tokenizer_s,
+                echo_ids=message.echo_ids or None,
             )
             return []
         if isinstance(message, protocol.TokenizerAnswer):  # the tokenizer's, for the api
@@ -119,6 +121,7 @@ class Detokenizer(StepFreeHandler):
         if out.logprobs is not None:
             # After a stop string, the tokens up to the one that completed the match keep theirs.
             reply.logprobs = [self.token_texts.entry(lp) for lp in out.logprobs]
+        self._prompt_fields(reply, live, out)
         if finish is not None:
             reply.stop_string = stop_string and out.finish_reason is None
             reply.cached_tokens = live.cached_tokens
@@ -134,6 +137,18 @@ class Detokenizer(StepFreeHandler):
             if reply.stop_string:
                 self.ended_early.add(out.uid)
         return reply
+
+    def _prompt_fields(self, reply: protocol.Reply, live: _Live, out: protocol.TokenOutput) -> None:
+        """The prompt as echo and prompt logprobs report it; both come with the first reply
+        (the scheduler sends prompt logprobs on the first output only)."""
+        if live.echo_ids is not None:
+            # decoded as the output is (skip_special_tokens), so a plain completions prompt
+            # comes back as it was sent
+            reply.prompt_text = self.tokenizer.decode(live.echo_ids, skip_special_tokens=True)
+            live.echo_ids = None
+        if out.prompt_logprobs is not None:
+            entries = self.token_texts.entry
+            reply.prompt_logprobs = [None if e is None else entries(e) for e in out.prompt_logprobs]
 
     # ── the rest of the handler interface ──────────────────────────────────────────────────────
     def held(self) -> list[str]:

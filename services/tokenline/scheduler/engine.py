@@ -9,7 +9,10 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import torch
+
 from tokenline.protocol import SamplingParams, TokenOutput
+from tokenline.scheduler import prompt_logprobs
 from tokenline.scheduler.grammar import GrammarCompiler, GrammarError
 from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.policy import Chunk, Scheduler
@@ -57,6 +60,10 @@ class Engine:
     ``grammars``: builds the matchers of requests whose output follows a grammar
     (``sampling.grammar``); without one such requests are refused. A request whose grammar is
     new waits in ``compiling``, outside the decode batch, while a worker thread builds it.
+
+    ``sampling.prompt_logprobs``: the prompt's own logprobs, gathered during its prefill and
+    sent on the first output (prompt_logprobs.py). ``max_tokens`` 0 reads the prompt and ends
+    with ``length`` and no token: how echo with logprobs scores a text.
     """
 
     def __init__(
@@ -121,11 +128,19 @@ class Engine:
             )
             error.param = "response_format"
             raise error
+        if sampling.prompt_logprobs is not None:
+            reason = prompt_logprobs.refusal(len(prompt_ids), sampling.prompt_logprobs)
+            if reason is not None:
+                error = InvalidRequest(reason)
+                error.param = "logprobs"
+                raise error
         # A request never grows past the context or past the whole KV pool: one that outgrew
         # the pool could only preempt itself forever.
         capacity = (self.pool.num_blocks - 1) * self.pool.block_size
         room = min(self.limits.max_model_len, capacity) - len(prompt_ids)
-        max_tokens = min(sampling.max_tokens or room, room)
+        # max_tokens 0: the prompt is only read (its logprobs, with echo), nothing generated
+        asked = room if sampling.max_tokens is None else sampling.max_tokens
+        max_tokens = min(asked, room)
         seq = Sequence(
             uid=uid,
             prompt_ids=prompt_ids,
@@ -134,6 +149,8 @@ class Engine:
             deadline=time.monotonic() + timeout_s,
             arrival=time.monotonic() if arrival is None else arrival,
         )
+        if sampling.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # the first token has nothing before it
         if sampling.seed is not None:
             seq.generator = self.runner.make_generator(sampling.seed)
         if sampling.grammar is not None:
@@ -238,9 +255,17 @@ class Engine:
         }
 
     def _run(self, chunks: list[Chunk], outputs: list[TokenOutput]) -> None:
-        logits = self.runner.forward(chunks)
+        spans = prompt_logprobs.spans(chunks)
+        if spans:
+            kept = [(span.chunk, span.offset, span.count) for span in spans]
+            logits, hidden = self.runner.forward_keeping(chunks, kept)
+            prompt_logprobs.score(self.runner, hidden, spans)
+        else:
+            logits = self.runner.forward(chunks)
         self.scheduler.advance(chunks)
         sampling_seqs = [c.seq for c in chunks if c.samples]
+        if any(seq.sampling.max_tokens == 0 for seq in sampling_seqs):
+            logits, sampling_seqs = self._end_read_only(logits, sampling_seqs, outputs)
         if not sampling_seqs:
             return
         allowed = None
@@ -264,8 +289,32 @@ class Engine:
             if logprob is not None:
                 outputs[-1].logprobs = [logprob]
             if first:
-                outputs[-1].queue_s = (seq.first_scheduled or now) - seq.arrival
-                outputs[-1].cached_tokens = seq.cached_tokens or 0
+                self._first_output(outputs[-1], seq, now)
+
+    def _end_read_only(
+        self, logits: torch.Tensor, seqs: list[Sequence], outputs: list[TokenOutput]
+    ) -> tuple[torch.Tensor, list[Sequence]]:
+        """End the sequences that asked for no token (max_tokens 0: the prompt is only read,
+        for its logprobs) now that their prompt is computed; return the rest's logits."""
+        now = time.monotonic()
+        rest = []
+        for i, seq in enumerate(seqs):
+            if seq.sampling.max_tokens != 0:
+                rest.append(i)
+                continue
+            self.scheduler.remove(seq.uid)
+            outputs.append(self._terminal(seq, [], "length"))
+            self._first_output(outputs[-1], seq, now)
+        keep = torch.tensor(rest, dtype=torch.long, device=logits.device)
+        return logits.index_select(0, keep), [seqs[i] for i in rest]
+
+    @staticmethod
+    def _first_output(out: TokenOutput, seq: Sequence, now: float) -> None:
+        """What a uid's first output carries; the prompt logprobs leave the sequence with it."""
+        out.queue_s = (seq.first_scheduled or now) - seq.arrival
+        out.cached_tokens = seq.cached_tokens or 0
+        if seq.prompt_logprobs is not None:
+            out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         s = seq.sampling

@@ -6,7 +6,9 @@ waiting sequences are admitted in arrival order while the budget, ``max_num_seqs
 cache allow; a sequence is admitted only when the pool can hold its whole prompt, so admission
 waits for room instead of failing. An admitted sequence starts with the longest prefix of its
 tokens found in the prefix cache (kv_cache.py) already computed, and only the blocks it must
-newly get count against the pool. When the pool runs dry mid-generation, paused sequences are
+newly get count against the pool; one whose prompt logprobs are still to be computed starts
+from nothing, since every prompt position must run through the model (its blocks are still
+offered to the cache). When the pool runs dry mid-generation, paused sequences are
 parked first (their blocks freed, recomputed on resume), then the newest running ones are
 preempted back to the head of the queue to be recomputed later: output is never corrupted.
 """
@@ -118,14 +120,16 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.pool.lookup(seq)
+            # a prompt still to be scored computes every position; its blocks are still cached
+            looks_up = self.pool.caching and not seq.scores_prompt
+            hits = self.pool.lookup(seq) if looks_up else []
             if not self.pool.can_admit(seq, seq.num_tokens + 1, hits):
                 break
             self.waiting.popleft()
             self.pool.share(seq, hits)
             if seq.cached_tokens is None:
                 seq.cached_tokens = seq.num_computed
-                if self.pool.caching:
+                if looks_up:
                     self.prefix_cache_queries += len(seq.prompt_ids)
                     self.prefix_cache_hits += seq.num_computed
             seq.status = Status.RUNNING

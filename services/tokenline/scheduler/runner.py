@@ -168,9 +168,25 @@ class ModelRunner:
         return max(2, kv_cache_memory // (self.bytes_per_token * self.block_size))
 
     # ── one forward pass ───────────────────────────────────────────────────────────────────────
-    @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Run the chunks; return logits [rows that sample, vocab] in float32."""
+        return self.forward_keeping(chunks, [])[0]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in float32 of final hidden states kept by `forward_keeping`."""
+        return self._lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def forward_keeping(
+        self, chunks: list[Chunk], spans: list[tuple[int, int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and the final hidden states (after the last norm) of more token rows.
+
+        ``spans``: (chunk index, offset of the first row within that chunk, rows). The hidden
+        states come back [sum of the spans' rows, hidden size] in span order, for `logits`:
+        kept rather than turned into logits here, so that the caller bounds how many rows of
+        logits exist at once (a prompt's rows times the vocabulary can be gigabytes)."""
         step = build_step_inputs(
             chunks,
             block_size=self.block_size,
@@ -198,8 +214,16 @@ class ModelRunner:
                 )
                 continue
             hidden = layer.mlp_residual(layer.attention_residual(hidden, attn_out))
-        hidden = self._norm(hidden.index_select(0, step.sample_rows))
-        return self._lm_head(hidden).float()
+        rows = step.sample_rows
+        if spans:
+            starts = [0]
+            for chunk in chunks:
+                starts.append(starts[-1] + chunk.num_tokens)
+            kept = [starts[k] + first + i for k, first, n in spans for i in range(n)]
+            rows = torch.cat((rows, torch.tensor(kept, dtype=torch.long, device=self.device)))
+        hidden = self._norm(hidden.index_select(0, rows))
+        sampling = step.sample_rows.shape[0]
+        return self._lm_head(hidden[:sampling]).float(), hidden[sampling:]
 
     def _attention(
         self, index, layer: DecoderLayer, hidden, cos, sin, step: StepInputs

@@ -8,6 +8,8 @@ from tokenline.protocol import TokenLogprobs
 from tokenline.scheduler.sequence import Sequence
 
 _NEG_INF = float("-inf")
+# reduce_logprobs' result: (chosen [rows], top values [rows, n], top ids [rows, n])
+Reduced = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _apply_penalties(logits: torch.Tensor, row: int, seq: Sequence) -> None:
@@ -55,21 +57,39 @@ def sample_with_logprobs(
     if raw is None:
         return tokens.tolist(), out
     rows = torch.tensor(asked, device=logits.device)
-    chosen = raw.gather(1, tokens[rows].unsqueeze(1)).squeeze(1)
-    top_n = min(max(seqs[i].sampling.logprobs for i in asked), raw.shape[1])
-    top_values, top_ids = torch.topk(raw, top_n, dim=-1, sorted=True)
+    top_n = max(seqs[i].sampling.logprobs for i in asked)
+    reduced = reduce_logprobs(raw, tokens[rows], top_n)
     # copied back only now, after every kernel of the step is queued
-    token_list, chosen_list = tokens.tolist(), chosen.tolist()
-    top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
-    for k, i in enumerate(asked):
-        n = seqs[i].sampling.logprobs
-        out[i] = TokenLogprobs(
-            token_id=token_list[i],
-            logprob=chosen_list[k],
-            top_ids=top_ids_list[k][:n],
-            top_logprobs=top_values_list[k][:n],
-        )
+    token_list = tokens.tolist()
+    entries = token_logprobs(
+        [token_list[i] for i in asked], reduced, [seqs[i].sampling.logprobs for i in asked]
+    )
+    for i, entry in zip(asked, entries, strict=True):
+        out[i] = entry
     return token_list, out
+
+
+def reduce_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, top_n: int) -> Reduced:
+    """On the device: each row's log-probability of its token, and its ``top_n`` likeliest
+    tokens' (log-probabilities, ids), most likely first. ``raw``: [rows, vocab] log-softmaxed
+    logits; ``token_ids``: [rows]. Small enough to copy back, whatever the vocabulary."""
+    chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    top_values, top_ids = torch.topk(raw, min(top_n, raw.shape[1]), dim=-1, sorted=True)
+    return chosen, top_values, top_ids
+
+
+def token_logprobs(
+    token_ids: list[int], reduced: Reduced, top_ns: list[int]
+) -> list[TokenLogprobs]:
+    """`reduce_logprobs`'s rows copied back as one `TokenLogprobs` each, row k keeping its
+    ``top_ns[k]`` alternatives."""
+    chosen, top_values, top_ids = (t.tolist() for t in reduced)
+    return [
+        TokenLogprobs(token_id=token, logprob=value, top_ids=ids[:n], top_logprobs=values[:n])
+        for token, value, ids, values, n in zip(
+            token_ids, chosen, top_ids, top_values, top_ns, strict=True
+        )
+    ]
 
 
 def _apply_logit_bias(logits: torch.Tensor, row: int, bias: dict[int, float]) -> None:

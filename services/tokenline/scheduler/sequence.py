@@ -38,6 +38,16 @@ class Sequence:
     pause_requested: bool = False
     generator: object | None = None  # torch.Generator for seeded sampling, made by the runner
     matcher: object | None = None  # llguidance.LLMatcher when the output follows a grammar
+    # sampling.prompt_logprobs: the prompt tokens' entries gathered so far ([0] is None), up
+    # to the first output, which carries them; None once sent, or when not asked
+    prompt_logprobs: list | None = None
+
+    @property
+    def scores_prompt(self) -> bool:
+        """True while prompt logprobs are still to be computed: every prompt position must
+        then run through the model, so the prefix cache must not skip any."""
+        got = self.prompt_logprobs
+        return got is not None and len(got) < len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:

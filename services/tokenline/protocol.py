@@ -81,7 +81,6 @@ class Generate(_Message, tag="generate"):
     sampling: SamplingParams
     timeout_s: float
     prompt: str | None = None
-    prompt_ids: list[int] | None = None  # a completions prompt sent as token ids
     messages: list[ChatMessage] | None = None
     # OpenAI's tool definitions ({"type": "function", "function": {...}}) for the template
     tools: list[dict[str, Any]] | None = None

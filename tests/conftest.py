@@ -57,6 +57,12 @@ def free_port_block(count: int = 4) -> int:
     raise RuntimeError("no free block of ports")
 
 
+@pytest.fixture(scope="session")
+def port_block():
+    """`free_port_block`, for test modules that cannot import this conftest by name."""
+    return free_port_block
+
+
 def children_of(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (from /proc)."""
     parents: dict[int, int] = {}

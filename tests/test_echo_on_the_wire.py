@@ -13,7 +13,6 @@ import urllib.request
 import msgspec
 import pytest
 import zmq
-from conftest import free_port_block
 
 from tokenline import protocol
 from tokenline.transport import RingEndpoints
@@ -23,12 +22,12 @@ PROMPT = "The old river road runs far, é 🙂"
 
 
 @pytest.fixture(scope="module")
-def ring(model_cache, tmp_path_factory):
+def ring(model_cache, tmp_path_factory, port_block):
     """(endpoints, metrics ports) of the three ring stages, running until the module ends."""
     directory = tmp_path_factory.mktemp("ring")
     endpoints = RingEndpoints.in_directory(str(directory))
     flags = [f"--{s}-endpoint={endpoints.of(s)}" for s in protocol.STAGES]
-    base = free_port_block(3)
+    base = port_block(3)
     ports = {stage: base + i for i, stage in enumerate(STAGES)}
     processes = []
     for stage in STAGES:

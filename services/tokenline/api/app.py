@@ -17,6 +17,7 @@ from tokenline.api.auth import ApiKeyAuth, ApiKeys
 from tokenline.api.errors import ApiError, http_error, unexpected_error, validation_error
 from tokenline.api.limits import BodySizeLimit
 from tokenline.api.pipeline import Pipeline
+from tokenline.api.responses import router as responses_router
 from tokenline.api.routes import router
 from tokenline.lifecycle import freeze_startup_heap
 from tokenline.settings import Settings
@@ -42,6 +43,7 @@ def create_app(settings: Settings, heartbeat_timeout: float = 5.0) -> FastAPI:
     app.state.started = int(time.time())
     app.state.settings = settings
     app.include_router(router)
+    app.include_router(responses_router)
     app.add_exception_handler(ApiError, lambda request, exc: exc.response())
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)

@@ -453,3 +453,37 @@ def test_an_agent_calls_a_tool_then_answers(stack, streamed):
         "MessageOutputItem",
     ]
     assert isinstance(result.final_output, Answer)
+
+
+# ── a failure mid-stream ───────────────────────────────────────────────────────────────────────
+# 700 booleans: about 1,400 tokens that no reply can stop before, seconds of decoding
+LONG_ANSWER = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "array", "items": {"type": "boolean"}, "minItems": 700, "maxItems": 700}
+    },
+    "required": ["a"],
+    "additionalProperties": False,
+}
+
+
+def test_a_deadline_mid_stream_ends_in_error_then_response_failed(launch_stack):
+    short = launch_stack("--request-timeout", "2")
+    try:
+        client = OpenAI(base_url=f"{short.api_url}/v1", api_key="unused", max_retries=0)
+        stream = client.responses.create(
+            model=short.model,
+            input="Count.",
+            text={"format": {"type": "json_schema", "name": "long", "schema": LONG_ANSWER}},
+            stream=True,
+        )
+        events = list(stream)
+    finally:
+        short.stop()
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert "response.output_text.delta" in kinds
+    assert kinds[-2:] == ["error", "response.failed"]
+    assert events[-2].code == "request_timeout"
+    failed = events[-1].response
+    assert failed.status == "failed" and "request-timeout" in failed.error.message

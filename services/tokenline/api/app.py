@@ -18,6 +18,7 @@ from tokenline.api.auth import ApiKeyAuth, ApiKeys
 from tokenline.api.errors import ApiError, http_error, unexpected_error, validation_error
 from tokenline.api.limits import BodySizeLimit
 from tokenline.api.pipeline import Pipeline
+from tokenline.api.responses import router as responses_router
 from tokenline.api.routes import router
 from tokenline.api.tokenize_routes import router as tokenize_router
 from tokenline.lifecycle import freeze_startup_heap
@@ -44,6 +45,7 @@ def create_app(settings: Settings, heartbeat_timeout: float = 5.0) -> FastAPI:
     app.state.started = int(time.time())
     app.state.settings = settings
     app.include_router(router)
+    app.include_router(responses_router)
     app.include_router(tokenize_router)
     app.add_exception_handler(ApiError, lambda request, exc: exc.response())
     app.add_exception_handler(RequestValidationError, validation_error)

@@ -1,0 +1,290 @@
+"""The Responses API's answer: a response object, whole or built up by a stream of events.
+
+One `OutputBuilder` turns a reply's text into output items (messages and function calls),
+whether the text arrives at once or piece by piece, so a streamed response always ends in the
+very object the non-streamed one is. Events are framed as the real API frames them
+(``event: <type>`` then ``data: {...}``, each with a ``sequence_number``), with no
+``data: [DONE]`` after the terminal event.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from tokenline.api.errors import ApiError
+from tokenline.api.exchange import Exchange
+from tokenline.api.render import NORMAL_ENDS, coalesce
+from tokenline.api.tool_parsers import Call, Content, ToolCallFormat
+from tokenline.api.tool_render import call_id
+
+if TYPE_CHECKING:
+    from tokenline.api.responses import ResponsesRequest
+
+_encode = msgspec.json.Encoder().encode
+
+
+def frame(payload: dict) -> bytes:
+    return b"event: " + payload["type"].encode() + b"\ndata: " + _encode(payload) + b"\n\n"
+
+
+def usage(ex: Exchange) -> dict:
+    output = sum(c.completion_tokens for c in ex.choices)
+    return {
+        "input_tokens": ex.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": ex.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": ex.prompt_tokens + output,
+    }
+
+
+def echo(body: ResponsesRequest) -> dict:
+    """The request's settings as the response object repeats them."""
+    tools = [
+        {
+            "type": "function",
+            "name": t.name,
+            "description": t.description,
+            "parameters": t.parameters,
+            "strict": t.strict,
+        }
+        for t in body.tools or []
+    ]
+    fmt: dict[str, Any] = {"type": "text"}
+    if body.text is not None and body.text.format is not None:
+        fmt = body.text.format.model_dump(by_alias=True, exclude_none=True)
+    return {
+        "background": False,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "max_tool_calls": None,
+        "metadata": body.metadata or {},
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": None,
+        "prompt_cache_key": body.prompt_cache_key,
+        "reasoning": None,
+        "safety_identifier": body.safety_identifier,
+        "service_tier": "default",
+        "store": False,  # whatever was asked: nothing is kept
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "text": {"format": fmt},
+        "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+        "tools": tools,
+        "top_logprobs": None,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "truncation": "disabled",
+        "user": body.user,
+    }
+
+
+class OutputBuilder:
+    """One response's output items and, when ``emit``, the events that build them."""
+
+    def __init__(
+        self, meta: dict, body: ResponsesRequest, parser: ToolCallFormat | None, emit: bool
+    ):
+        self.response: dict[str, Any] = {
+            "id": meta["id"],
+            "object": "response",
+            "created_at": meta["created"],
+            "status": "in_progress",
+            "error": None,
+            "incomplete_details": None,
+            "model": meta["model"],
+            "output": [],
+            "usage": None,
+            **echo(body),
+        }
+        self._calls = parser.stream() if parser is not None else None
+        self._emit = emit
+        self._sequence = 0
+        self._message: dict | None = None  # the message item text is streaming into
+        self._pieces: list[str] = []
+
+    # ── events ─────────────────────────────────────────────────────────────────────────────────
+    def _event(self, out: list[bytes], kind: str, **fields: Any) -> None:
+        if self._emit:
+            out.append(frame({"type": kind, "sequence_number": self._sequence, **fields}))
+        self._sequence += 1
+
+    def _lifecycle(self, out: list[bytes], kind: str) -> None:
+        self._event(out, kind, response=self.response)
+
+    def start(self) -> list[bytes]:
+        out: list[bytes] = []
+        self._lifecycle(out, "response.created")
+        self._lifecycle(out, "response.in_progress")
+        return out
+
+    # ── items ──────────────────────────────────────────────────────────────────────────────────
+    def _add(self, out: list[bytes], item: dict) -> int:
+        index = len(self.response["output"])
+        self.response["output"].append(item)
+        self._event(out, "response.output_item.added", output_index=index, item=item)
+        return index
+
+    def _text(self, out: list[bytes], text: str) -> None:
+        if self._message is None:
+            item = {
+                "type": "message",
+                "id": "msg_" + secrets.token_hex(12),
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
+            index = self._add(out, item)
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item["content"].append(part)
+            self._event(
+                out,
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=part,
+            )
+            self._message, self._pieces = item, []
+        if text:
+            self._pieces.append(text)
+            self._event(
+                out,
+                "response.output_text.delta",
+                item_id=self._message["id"],
+                output_index=len(self.response["output"]) - 1,
+                content_index=0,
+                delta=text,
+                logprobs=[],
+            )
+
+    def _close_message(self, out: list[bytes], status: str = "completed") -> None:
+        item, self._message = self._message, None
+        if item is None:
+            return
+        index = self.response["output"].index(item)
+        text = "".join(self._pieces)
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        item["content"][0] = part
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        self._event(out, "response.output_text.done", **where, text=text, logprobs=[])
+        self._event(out, "response.content_part.done", **where, part=part)
+        item["status"] = status
+        self._event(out, "response.output_item.done", output_index=index, item=item)
+
+    def _call(self, out: list[bytes], name: str, arguments: str) -> None:
+        self._close_message(out)
+        item = {
+            "type": "function_call",
+            "id": "fc_" + secrets.token_hex(12),
+            "call_id": call_id(),
+            "name": name,
+            "arguments": "",
+            "status": "in_progress",
+        }
+        index = self._add(out, item)
+        where = {"item_id": item["id"], "output_index": index}
+        self._event(out, "response.function_call_arguments.delta", **where, delta=arguments)
+        item["arguments"] = arguments
+        self._event(
+            out, "response.function_call_arguments.done", **where, name=name, arguments=arguments
+        )
+        item["status"] = "completed"
+        self._event(out, "response.output_item.done", output_index=index, item=item)
+
+    def _deltas(self, out: list[bytes], deltas: list) -> None:
+        for delta in deltas:
+            if isinstance(delta, Content):
+                self._text(out, delta.text)
+            elif isinstance(delta, Call):
+                self._call(out, delta.call.name, delta.call.arguments)
+
+    # ── the reply ──────────────────────────────────────────────────────────────────────────────
+    def feed(self, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self._calls is None:
+            if text:
+                self._text(out, text)
+        elif text:
+            self._deltas(out, self._calls.feed(text))
+        return out
+
+    def finish(self, finish_reason: str, used: dict) -> list[bytes]:
+        """End on ``stop`` or ``length``: close the open items, then the response."""
+        out: list[bytes] = []
+        if self._calls is not None:
+            self._deltas(out, self._calls.finish())
+        cut = finish_reason == "length"
+        if not self.response["output"]:
+            self._text(out, "")  # a reply with nothing in it is still an (empty) message
+        self._close_message(out, "incomplete" if cut else "completed")
+        self.response["usage"] = used
+        if cut:
+            self.response["status"] = "incomplete"
+            self.response["incomplete_details"] = {"reason": "max_output_tokens"}
+            self._lifecycle(out, "response.incomplete")
+        else:
+            self.response["status"] = "completed"
+            self.response["completed_at"] = int(time.time())
+            self._lifecycle(out, "response.completed")
+        return out
+
+    def fail(self, error: ApiError, used: dict) -> list[bytes]:
+        """End mid-stream on an error: an ``error`` event, then ``response.failed``."""
+        out: list[bytes] = []
+        self._event(out, "error", code=error.code, message=error.message, param=error.param)
+        self.response["status"] = "failed"
+        self.response["usage"] = used
+        # the response object's error codes are OpenAI's; ours rides in the message
+        self.response["error"] = {
+            "code": "server_error",
+            "message": f"{error.message} ({error.code})",
+        }
+        self._lifecycle(out, "response.failed")
+        return out
+
+
+def full_response(
+    ex: Exchange, meta: dict, body: ResponsesRequest, parser: ToolCallFormat | None
+) -> dict:
+    builder = OutputBuilder(meta, body, parser, emit=False)
+    builder.start()
+    builder.feed("".join(ex.texts[0]))
+    builder.finish(ex.choices[0].finish_reason or "stop", usage(ex))
+    return builder.response
+
+
+def _ended_with(ex: Exchange, reason: str | None, error_code: str | None) -> ApiError:
+    if ex.error is not None:
+        return ex.error
+    return ApiError(500, f"generation ended with {reason or 'error'}", error_code or "engine_error")
+
+
+async def response_events(
+    ex: Exchange, first: list, meta: dict, body: ResponsesRequest, parser: ToolCallFormat | None
+) -> AsyncIterator[bytes]:
+    builder = OutputBuilder(meta, body, parser, emit=True)
+    for chunk in builder.start():
+        yield chunk
+    batch = first
+    while batch:
+        for _, reply in coalesce(batch):
+            for chunk in builder.feed(reply.text):
+                yield chunk
+            if reply.finish_reason in NORMAL_ENDS:
+                for chunk in builder.finish(reply.finish_reason, usage(ex)):
+                    yield chunk
+                return
+            if reply.finish_reason:
+                for chunk in builder.fail(
+                    _ended_with(ex, reply.finish_reason, reply.error_code), usage(ex)
+                ):
+                    yield chunk
+                return
+        batch = await ex.next_batch()
+    # over without a terminal reply: aborted (deadline, shutdown, a stage failing)
+    for chunk in builder.fail(_ended_with(ex, None, None), usage(ex)):
+        yield chunk

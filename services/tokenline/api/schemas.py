@@ -330,7 +330,8 @@ class CompletionRequest(_SamplingFields):
     # One prompt or a list; each as text or as token ids. Choices go prompt by prompt, n each.
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     response_format: ResponseFormat | None = None  # as vLLM accepts it; api/structured.py
-    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)  # OpenAI's default
+    # OpenAI's default; 0 generates nothing: with echo and logprobs, it scores the prompt
+    max_tokens: int | None = Field(default=16, ge=0, le=INT32_MAX)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS, strict=True)
     best_of: int | None = Field(default=None, ge=1)

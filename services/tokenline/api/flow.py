@@ -23,6 +23,8 @@ from tokenline.api.limits import check_request
 from tokenline.api.pipeline import Pipeline
 from tokenline.api.render import NORMAL_ENDS, timings_header
 from tokenline.api.sse import SSE_HEADERS
+from tokenline.api.tool_parsers import ToolCallFormat, format_for
+from tokenline.model_source import chat_template_text
 
 Build = Callable[[str, int], protocol.Generate]
 
@@ -52,6 +54,20 @@ def check_model(request: Request, model: str | None) -> None:
             "model_not_found",
             "model",
         )
+
+
+async def tool_format(request: Request) -> ToolCallFormat:
+    """The model's tool-call format: --tool-call-parser, or read once from its chat template."""
+    state = request.app.state
+    if getattr(state, "tool_format", None) is None:
+        settings = state.settings
+        template = None
+        if settings.tool_call_parser == "auto":
+            template = await asyncio.to_thread(
+                chat_template_text, settings.model, settings.model_cache_dir, settings.revision
+            )
+        state.tool_format = format_for(template, settings.tool_call_parser)
+    return state.tool_format
 
 
 async def _watch_disconnect(request: Request, pipeline: Pipeline, ex: Exchange) -> None:

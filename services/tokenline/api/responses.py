@@ -23,9 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenline import protocol
 from tokenline.api import structured
 from tokenline.api.errors import ApiError
-from tokenline.api.flow import Renderer, pipeline_of, serve
+from tokenline.api.flow import Renderer, pipeline_of, serve, tool_format
 from tokenline.api.responses_render import full_response, response_events
-from tokenline.api.routes import _tool_format
 from tokenline.api.schemas import INT32_MAX, ChatCompletionRequest, Text
 
 router = APIRouter()
@@ -385,7 +384,7 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     chat = to_chat(body)
-    fmt = await _tool_format(request) if chat.tools else None
+    fmt = await tool_format(request) if chat.tools else None
     # A call is forced, so no text comes out for text.format to shape: it is moot this turn,
     # not a conflict (agents send both: an output type, and tool_choice for the first turn).
     # Chat refuses the pair, as there the format would be the message's and none comes.

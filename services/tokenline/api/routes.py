@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -11,11 +9,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenline import protocol
 from tokenline.api import structured
-from tokenline.api.flow import Renderer, check_model, pipeline_of, serve
+from tokenline.api.flow import Renderer, check_model, pipeline_of, serve, tool_format
 from tokenline.api.render import chat_events, completion_events, full_response
 from tokenline.api.schemas import ChatCompletionRequest, CompletionRequest
-from tokenline.api.tool_parsers import ToolCallFormat, format_for
-from tokenline.model_source import chat_template_text
 
 router = APIRouter()
 
@@ -71,24 +67,10 @@ async def model(model_id: str, request: Request) -> dict:
     return _model_card(request)
 
 
-async def _tool_format(request: Request) -> ToolCallFormat:
-    """The model's tool-call format: --tool-call-parser, or read once from its chat template."""
-    state = request.app.state
-    if getattr(state, "tool_format", None) is None:
-        settings = state.settings
-        template = None
-        if settings.tool_call_parser == "auto":
-            template = await asyncio.to_thread(
-                chat_template_text, settings.model, settings.model_cache_dir, settings.revision
-            )
-        state.tool_format = format_for(template, settings.tool_call_parser)
-    return state.tool_format
-
-
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     structured.refuse_deprecated(body.functions, body.function_call)
-    fmt = await _tool_format(request) if body.tools else None
+    fmt = await tool_format(request) if body.tools else None
     plan = structured.plan_tools(
         body.tools, body.tool_choice, body.parallel_tool_calls, body.response_format, fmt
     )

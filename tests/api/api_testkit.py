@@ -120,7 +120,7 @@ def api_process(workdir: Path, *flags: str, ca_file: str | None = None) -> Itera
 # (field, value): beyond what the field's range, the wire format or the stages can carry
 OUT_OF_RANGE = [
     ("max_tokens", 2**64),
-    ("max_tokens", 0),
+    ("max_tokens", -1),  # 0 is in range on completions: it scores the prompt with echo
     ("max_tokens", -(2**63) - 1),
     ("top_k", 2**64),
     ("top_k", -2),

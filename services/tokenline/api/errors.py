@@ -89,6 +89,16 @@ ABORT_ERRORS = {
 }
 
 
+def unencodable(exc: Exception) -> ApiError:
+    """A value the schemas let through but the ring's encoder cannot carry: a gap in them."""
+    return ApiError(
+        400,
+        f"the request holds a value the server cannot carry ({exc}); keep integers "
+        "within their documented ranges and strings valid Unicode",
+        "invalid_request_error",
+    )
+
+
 def abort_error(reason: str) -> ApiError:
     status, code, message = ABORT_ERRORS.get(reason, (500, reason, f"aborted: {reason}"))
     return ApiError(status, message, code)

@@ -13,16 +13,19 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenline import protocol
-from tokenline.api.errors import ApiError
+from tokenline.api.errors import ApiError, unencodable
 from tokenline.api.exchange import Exchange
 from tokenline.api.limits import check_request
 from tokenline.api.pipeline import Pipeline
 from tokenline.api.render import NORMAL_ENDS, timings_header
+from tokenline.api.schemas import ChatCompletionRequest
 from tokenline.api.sse import SSE_HEADERS
+from tokenline.api.structured import ToolPlan
 from tokenline.api.tool_parsers import ToolCallFormat, format_for
 from tokenline.model_source import chat_template_text
 
@@ -70,6 +73,23 @@ async def tool_format(request: Request) -> ToolCallFormat:
     return state.tool_format
 
 
+def chat_builder(request: Request, chat: ChatCompletionRequest, plan: ToolPlan) -> Build:
+    """What a chat request (or a Responses request turned into one) sends per choice."""
+    messages = chat.wire_messages()
+    timeout = pipeline_of(request).settings.request_timeout
+
+    def build(uid: str, index: int) -> protocol.Generate:
+        return protocol.Generate(
+            uid=uid,
+            sampling=msgspec.structs.replace(chat.sampling(index), grammar=plan.grammar),
+            messages=messages,
+            tools=plan.tools,
+            timeout_s=timeout,
+        )
+
+    return build
+
+
 async def _watch_disconnect(request: Request, pipeline: Pipeline, ex: Exchange) -> None:
     """Turn a client disconnect into an abort the moment it happens, even mid-wait."""
     while True:
@@ -89,12 +109,7 @@ async def serve(request: Request, body, n: int, build: Build, render: Renderer) 
     except (OverflowError, UnicodeError) as exc:
         # The schemas bound every field, so this is a gap in them; open() has already let go
         # of the request's uids.
-        raise ApiError(
-            400,
-            f"the request holds a value the server cannot carry ({exc}); keep integers "
-            "within their documented ranges and strings valid Unicode",
-            "invalid_request_error",
-        ) from exc
+        raise unencodable(exc) from exc
     # One watcher for the request's whole life; a stream takes it over with the exchange.
     watcher = asyncio.create_task(_watch_disconnect(request, pipeline, ex))
     handed_over = False  # once an ExchangeStream owns the exchange, it closes it

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenline.api.errors import ApiError
-from tokenline.api.schemas import ChatCompletionRequest, CompletionRequest
+from tokenline.api.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest
 from tokenline.settings import Settings
 
 
@@ -151,15 +151,16 @@ def check_request(body: ChatCompletionRequest | CompletionRequest, limits: Setti
         _check_completion(body, limits)
 
 
-def _check_chat(body: ChatCompletionRequest, limits: Settings) -> None:
-    if len(body.messages) > limits.max_messages:
+def check_messages(messages: list[ChatMessageIn], limits: Settings) -> None:
+    """How many messages, and how much text in them all (tool-call arguments included)."""
+    if len(messages) > limits.max_messages:
         raise _refuse(
             "messages",
-            f"{len(body.messages)} messages; this server allows at most {limits.max_messages} "
+            f"{len(messages)} messages; this server allows at most {limits.max_messages} "
             "(--max-messages)",
         )
     total = 0
-    for message in body.messages:
+    for message in messages:
         content = message.content
         if isinstance(content, str):
             total += len(content)
@@ -172,6 +173,10 @@ def _check_chat(body: ChatCompletionRequest, limits: Settings) -> None:
             f"the messages hold {total} characters; this server allows at most "
             f"{limits.max_prompt_chars} (--max-prompt-chars)",
         )
+
+
+def _check_chat(body: ChatCompletionRequest, limits: Settings) -> None:
+    check_messages(body.messages, limits)
     if body.logprobs and (body.top_logprobs or 0) > limits.max_logprobs:
         raise _refuse(
             "top_logprobs",

@@ -14,16 +14,14 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-import msgspec
 import pydantic
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenline import protocol
 from tokenline.api import structured
 from tokenline.api.errors import ApiError
-from tokenline.api.flow import Renderer, pipeline_of, serve, tool_format
+from tokenline.api.flow import Renderer, chat_builder, serve, tool_format
 from tokenline.api.responses_render import full_response, response_events
 from tokenline.api.schemas import INT32_MAX, ChatCompletionRequest, Text
 
@@ -397,16 +395,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     except ApiError as exc:
         raise renamed(exc) from exc
     chat._tool_plan = plan
-    messages = chat.wire_messages()
-
-    def build(uid: str, index: int) -> protocol.Generate:
-        return protocol.Generate(
-            uid=uid,
-            sampling=msgspec.structs.replace(chat.sampling(index), grammar=plan.grammar),
-            messages=messages,
-            tools=plan.tools,
-            timeout_s=pipeline_of(request).settings.request_timeout,
-        )
+    build = chat_builder(request, chat, plan)
 
     render = Renderer(
         "resp_",

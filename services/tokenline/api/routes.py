@@ -9,7 +9,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenline import protocol
 from tokenline.api import structured
-from tokenline.api.flow import Renderer, check_model, pipeline_of, serve, tool_format
+from tokenline.api.flow import (
+    Renderer,
+    chat_builder,
+    check_model,
+    pipeline_of,
+    serve,
+    tool_format,
+)
 from tokenline.api.render import chat_events, completion_events, full_response
 from tokenline.api.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -75,17 +82,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         body.tools, body.tool_choice, body.parallel_tool_calls, body.response_format, fmt
     )
     body._tool_plan = plan
-    messages = body.wire_messages()
-
-    def build(uid: str, index: int) -> protocol.Generate:
-        return protocol.Generate(
-            uid=uid,
-            sampling=msgspec.structs.replace(body.sampling(index), grammar=plan.grammar),
-            messages=messages,
-            tools=plan.tools,
-            timeout_s=pipeline_of(request).settings.request_timeout,
-        )
-
+    build = chat_builder(request, body, plan)
     render = Renderer(
         "chatcmpl-",
         lambda ex, first, meta: chat_events(ex, body, first, meta),

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 
 from tokenline import protocol
 from tokenline.api import structured
-from tokenline.api.errors import ApiError
+from tokenline.api.errors import ApiError, unencodable
 from tokenline.api.pipeline import Pipeline
 from tokenline.api.tokenize_schemas import DetokenizeRequest, TokenizeRequest
 
@@ -39,12 +39,7 @@ async def _call(
     try:
         return await pipeline.call(build)
     except (OverflowError, UnicodeError) as exc:  # as in routes.py: a gap in the schemas
-        raise ApiError(
-            400,
-            f"the request holds a value the server cannot carry ({exc}); keep integers "
-            "within their documented ranges and strings valid Unicode",
-            "invalid_request_error",
-        ) from exc
+        raise unencodable(exc) from exc
 
 
 @router.post("/tokenize")

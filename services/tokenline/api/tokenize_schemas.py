@@ -10,6 +10,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenline.api.errors import ApiError
+from tokenline.api.limits import check_messages
 from tokenline.api.schemas import ChatMessageIn, Text, TokenId
 from tokenline.api.structured import Tool
 from tokenline.protocol import ChatMessage
@@ -72,29 +73,7 @@ class TokenizeRequest(BaseModel):
                 "continue_final_message and add_generation_prompt cannot both be true: set "
                 "add_generation_prompt to false to continue the last message",
             )
-        messages = self.messages or []
-        if len(messages) > limits.max_messages:
-            raise _refuse(
-                "messages",
-                f"{len(messages)} messages; this server allows at most {limits.max_messages} "
-                "(--max-messages)",
-                "limit_exceeded",
-            )
-        total = 0
-        for message in messages:
-            content = message.content
-            if isinstance(content, str):
-                total += len(content)
-            elif content:
-                total += sum(len(part.text) for part in content)
-            total += sum(len(call.function.arguments) for call in message.tool_calls or [])
-        if total > limits.max_prompt_chars:
-            raise _refuse(
-                "messages",
-                f"the messages hold {total} characters; this server allows at most "
-                f"{limits.max_prompt_chars} (--max-prompt-chars)",
-                "limit_exceeded",
-            )
+        check_messages(self.messages or [], limits)
 
     def wire_messages(self) -> list[ChatMessage] | None:
         return None if self.messages is None else [m.to_wire() for m in self.messages]

@@ -180,4 +180,21 @@ BAD_BODIES = [
     (b'{"model": "tiny", "prompt": "x", "stream": "maybe"}', "application/json", "stream"),
     (b'{"model": "tiny", "messages": []}', "application/json", "messages"),
     (b'{"model": "tiny", "messages": [{"role": "robot"}]}', "application/json", None),
+    # logit_bias is checked before pydantic's own type checks: every raw shape must be a 400
+    (
+        b'{"model": "tiny", "prompt": "x", "logit_bias": {"1": {"a": 1}}}',
+        "application/json",
+        "logit_bias",
+    ),
+    (
+        b'{"model": "tiny", "prompt": "x", "logit_bias": {"1": true}}',
+        "application/json",
+        "logit_bias",
+    ),
+    (b'{"model": "tiny", "prompt": "x", "logit_bias": [1, 2]}', "application/json", "logit_bias"),
+    (
+        b'{"model": "tiny", "prompt": "x", "logit_bias": {"-1": 1}}',
+        "application/json",
+        "logit_bias",
+    ),
 ]

@@ -75,21 +75,26 @@ def _token_id_key(key: str) -> int:
     try:
         token = int(key)
     except ValueError:
-        raise ValueError(f"the key {key!r} is not a token id; keys are token ids as text") from None
+        raise ValueError(f"the key {key[:24]!r} is not a token id; keys are ids as text") from None
     if not 0 <= token <= INT32_MAX:
-        raise ValueError(f"the key {key!r} is not a token id (0 or more)")
+        raise ValueError(f"the key {key[:24]!r} is not a token id (0 to {INT32_MAX})")
     return token
 
 
-def _logit_bias(value: dict[str, float] | None) -> dict[int, float]:
-    if not value:
+def _logit_bias(value: Any) -> dict[int, float]:
+    """The raw JSON value (this runs before pydantic's own checks)."""
+    if value is None:
         return {}
+    if not isinstance(value, dict):
+        raise ValueError("logit_bias must be an object of token id (as text) -> bias")
     if len(value) > MAX_LOGIT_BIAS:
         raise ValueError(f"{len(value)} tokens are biased; at most {MAX_LOGIT_BIAS} may be")
     bias = {}
     for key, amount in value.items():
-        if not -LOGIT_BIAS_RANGE <= amount <= LOGIT_BIAS_RANGE:
-            raise ValueError(f"the bias of token {key} is {amount}; biases go from -100 to 100")
+        if isinstance(amount, bool) or not isinstance(amount, int | float):
+            raise ValueError(f"the bias of token {key[:24]} must be a number from -100 to 100")
+        if not -LOGIT_BIAS_RANGE <= amount <= LOGIT_BIAS_RANGE:  # NaN fails this too
+            raise ValueError(f"the bias of token {key[:24]} is out of range: -100 to 100")
         bias[_token_id_key(key)] = float(amount)
     return bias
 
@@ -123,7 +128,7 @@ class _SamplingFields(BaseModel):
     # An end-user id, for the abuse monitoring of a provider; nothing here uses it.
     user: Text | None = None
     # Nothing is stored, so there is nothing to tag: only the defaults are accepted.
-    store: bool | None = None
+    store: Annotated[bool | None, WithJsonSchema({"enum": [False, None]})] = None
     service_tier: Literal["auto", "default"] | None = None
 
     @field_validator("store")
@@ -194,8 +199,9 @@ class ContentPart(BaseModel):
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    type: str
-    text: Text | None = None
+    # Any type is read, so the 400 can name it; the schema says what is served.
+    type: Annotated[str, WithJsonSchema({"type": "string", "enum": ["text"]})]
+    text: Annotated[Text | None, WithJsonSchema({"type": "string"})] = None
 
     @model_validator(mode="after")
     def _text_only(self) -> ContentPart:

@@ -184,6 +184,32 @@ def test_token_id_prompts_complete_as_their_text(client, stack, tiny_tokenizer):
     # ids need not spell valid text: [72, 105] is two ids, whatever they decode to
     raw = _greedy(client, stack, prompt=[72, 105])
     assert raw.usage.prompt_tokens == 2 and raw.usage.completion_tokens == MAX_TOKENS
+    # a forced token: the completion is exactly its text, the echo the prompt's in front
+    token = _plain_token(tiny_tokenizer, "")
+    forced = {"max_tokens": 2, "logit_bias": {str(token): 100}}
+    twice = tiny_tokenizer.decode([token, token])
+    assert _greedy(client, stack, prompt=ids[0], **forced).choices[0].text == twice
+    echoed = _greedy(client, stack, prompt=ids[0], echo=True, **forced).choices[0].text
+    assert echoed == texts[0] + twice
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="product bug: when a token-id prompt ends in an id that is part of a UTF-8 "
+    "character (105 decodes to U+FFFD alone), the detokenizer's DecodeStream, primed with the "
+    "prompt's tail, emits that tail's text in front of the first generated token",
+)
+@pytest.mark.parametrize("ids", [[72, 105], [105]])
+def test_a_token_id_prompt_ending_mid_character_leaks_no_prompt_text(
+    client, stack, tiny_tokenizer, ids
+):
+    token = _plain_token(tiny_tokenizer, "")  # forced, so the completion's ids are known
+    forced = {"max_tokens": 2, "temperature": 0, "logit_bias": {str(token): 100}}
+    reply = client.completions.create(model=stack.model, prompt=ids, **forced)
+    assert reply.choices[0].text == tiny_tokenizer.decode([token, token])
+    echoed = client.completions.create(model=stack.model, prompt=ids, echo=True, **forced)
+    want = tiny_tokenizer.decode(ids) + tiny_tokenizer.decode([token, token])
+    assert echoed.choices[0].text == want
 
 
 def test_a_list_of_prompts_gives_n_choices_each_in_prompt_order(client, stack, tiny_tokenizer):

@@ -264,6 +264,22 @@ def test_echo_puts_the_prompt_in_front(client, stack):
     assert "".join(c.choices[0].text for c in streamed) == PROMPT + plain
 
 
+def test_echo_gives_each_choice_its_own_prompt_and_stop_strings_skip_it(client, stack):
+    prompts = ["ab", "river"]
+    reply = _greedy(client, stack, prompt=prompts, n=2, echo=True, logprobs=1, max_tokens=2)
+    for choice in reply.choices:
+        prompt = prompts[choice.index // 2]
+        assert choice.text.startswith(prompt)
+        assert choice.logprobs.token_logprobs[0] is None
+        assert "".join(choice.logprobs.tokens) == choice.text
+    # a stop string is looked for in what is generated, never in the echoed prompt
+    plain = _greedy(client, stack, max_tokens=6).choices[0].text
+    stop = next(w for w in PROMPT.split() if w not in plain)
+    stopped = _greedy(client, stack, max_tokens=6, echo=True, stop=[stop])
+    assert stopped.choices[0].text == PROMPT + plain
+    assert stopped.choices[0].finish_reason == "length"
+
+
 def test_echo_with_logprobs_scores_the_prompt_first(client, stack, tiny_tokenizer):
     plain = _greedy(client, stack, logprobs=1).choices[0]
     reply = _greedy(client, stack, echo=True, logprobs=1)
@@ -683,6 +699,15 @@ def test_a_non_empty_refusal_audio_or_function_call_is_refused(client, stack, fi
     assert field in error["message"]
     if field == "function_call":
         assert "tool_calls" in error["message"]
+
+
+def test_annotations_must_be_a_list(client, stack):
+    message = {"role": "assistant", "content": "ok", "annotations": "cited"}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=stack.model, messages=[*CHAT, message, *CHAT], max_tokens=1
+        )
+    assert _refusal(caught)["param"] == "messages.1.annotations"
 
 
 def test_text_parts_are_joined_with_a_newline(client, stack):

@@ -242,6 +242,7 @@ EXERCISED: dict[str, tuple[str, ...]] = {
     "CompletionRequest.echo": t(
         SURFACE,
         "test_echo_puts_the_prompt_in_front",
+        "test_echo_gives_each_choice_its_own_prompt_and_stop_strings_skip_it",
         "test_echo_with_logprobs_scores_the_prompt_first",
     ),
     "CompletionRequest.logprobs": t(
@@ -358,7 +359,9 @@ REFUSED_OR_NO_OP: dict[str, tuple[str, ...]] = {
     "ChatMessageIn.audio": _ASSISTANT_ECHO,
     "ChatMessageIn.function_call": _ASSISTANT_ECHO,
     "ChatMessageIn.annotations": t(
-        SURFACE, "test_an_assistant_message_goes_back_as_the_client_returned_it"
+        SURFACE,
+        "test_an_assistant_message_goes_back_as_the_client_returned_it",
+        "test_annotations_must_be_a_list",
     ),
     # kept for tool turns (the wire carries it there); on other turns it is dropped
     "ChatMessageIn.name": t(

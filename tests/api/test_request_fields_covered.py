@@ -284,9 +284,6 @@ EXERCISED: dict[str, tuple[str, ...]] = {
     "responses.ResponsesRequest.stream": t(
         RESPONSES, "test_stream_events_come_in_order_and_join_to_the_final_text"
     ),
-    "responses.ResponsesRequest.stream_options": t(
-        SURFACE, "test_responses_fields_that_ask_for_nothing_are_accepted"
-    ),
     "responses.ResponsesRequest.tools": _ROUND_TRIP,
     "responses.FunctionToolIn.type": _ROUND_TRIP
     + t(RESPONSES, "test_unserved_fields_are_refused_naming_the_param"),
@@ -379,6 +376,7 @@ REFUSED_OR_NO_OP: dict[str, tuple[str, ...]] = {
     "responses.ResponsesRequest.previous_response_id": _UNSERVED
     + t(RESPONSES, "test_the_official_client_sees_the_storage_refusal"),
     "responses.ResponsesRequest.conversation": _UNSERVED,
+    "responses.ResponsesRequest.stream_options": _UNSERVED + _RESPONSES_NOTHING,
     "responses.StreamOptions.include_obfuscation": _UNSERVED + _RESPONSES_NOTHING,
     "responses.TextConfig.verbosity": _UNSERVED,
     "responses.FunctionToolIn.defer_loading": _UNSERVED,

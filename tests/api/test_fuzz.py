@@ -73,12 +73,14 @@ def _cheap(case, model: str, rng: random.Random) -> None:
         body.pop("stream_options", None)
     if "best_of" in body and rng.random() < 0.8:
         body["best_of"] = body.get("n", 1)
-    for message in body.get("messages") or []:
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else []:
         if not isinstance(message, dict) or rng.random() < 0.2:
             continue
         if message.get("role") == "tool":
             message.setdefault("tool_call_id", "call_0")
-        for call in message.get("tool_calls") or []:
+        calls = message.get("tool_calls")
+        for call in calls if isinstance(calls, list) else []:
             if isinstance(call, dict) and isinstance(call.get("function"), dict):
                 call["function"]["arguments"] = "{}"
     if isinstance(body.get("prompt"), list) and rng.random() < 0.8:

@@ -119,11 +119,6 @@ def test_unknown_routes_wrong_methods_and_non_json_bodies_answer_in_openai_shape
         assert content_type in response.json()["error"]["message"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: a 405 on a GET route says `allow: HEAD` only; GET and HEAD are "
-    "separate routes and Starlette reports the last one's methods",
-)
 def test_the_allow_header_of_a_405_lists_every_method_served(http):
     for path in ("/v1/models", "/health"):
         allowed = {m.strip() for m in http.post(path, json={}).headers["allow"].split(",")}
@@ -193,12 +188,6 @@ def test_token_id_prompts_complete_as_their_text(client, stack, tiny_tokenizer):
     assert echoed == texts[0] + twice
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: when a token-id prompt ends in an id that is part of a UTF-8 "
-    "character (105 decodes to U+FFFD alone), the detokenizer's DecodeStream, primed with the "
-    "prompt's tail, emits that tail's text in front of the first generated token",
-)
 @pytest.mark.parametrize("ids", [[72, 105], [105]])
 def test_a_token_id_prompt_ending_mid_character_leaks_no_prompt_text(
     client, stack, tiny_tokenizer, ids
@@ -342,11 +331,6 @@ def test_a_bad_logit_bias_is_refused_naming_it(client, stack, bias):
     assert _refusal(caught)["param"].split(".")[0] == "logit_bias"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: schemas._logit_bias runs before type checks, so a bias that is not a "
-    "number, or a logit_bias that is not an object, raises TypeError/AttributeError: a 500",
-)
 @pytest.mark.parametrize(
     "bias",
     [{"10": "a"}, {"10": None}, {"10": [1]}, [1, 2], "ab", 5],
@@ -540,11 +524,6 @@ def test_unknown_fields_are_refused_by_name_at_any_depth(client, stack, endpoint
     assert param.rsplit(".", 1)[-1] in error["message"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: a pydantic union tag leaks into param "
-    "(tool_choice.NamedToolChoice.function.frobnicate)",
-)
 def test_an_unknown_field_in_a_named_tool_choice_is_named_by_its_path(client, stack):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
@@ -560,11 +539,6 @@ def test_an_unknown_field_in_a_named_tool_choice_is_named_by_its_path(client, st
     assert _refusal(caught)["param"] == "tool_choice.function.frobnicate"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: a text content part takes unknown fields silently "
-    "(ContentPart is extra='allow', so that non-text parts reach the type check)",
-)
 def test_an_unknown_field_in_a_text_part_is_refused(client, stack):
     part = {"type": "text", "text": "hi", "frobnicate": 1}
     with pytest.raises(openai.BadRequestError) as caught:
@@ -574,12 +548,6 @@ def test_an_unknown_field_in_a_text_part_is_refused(client, stack):
     assert _refusal(caught)["param"] == "messages.0.content.0.frobnicate"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product inconsistency: /tokenize and /detokenize ignore unknown fields "
-    "(tokenize_schemas.py is extra='ignore'; its comment says 'as in the completion bodies', "
-    "which now refuse them)",
-)
 def test_tokenize_refuses_unknown_fields(http):
     for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
         response = http.post(path, json={**body, "frobnicate": 1})
@@ -1022,11 +990,6 @@ def test_responses_refuse_unknown_fields_by_name(client, stack, extra, param):
     assert (error["code"], error["param"]) == ("unsupported_parameter", param), error
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: text.format takes unknown fields silently (responses.TextFormat is "
-    "extra='ignore'), though api/responses.py promises any field it does not know is refused",
-)
 def test_responses_refuse_an_unknown_field_in_the_text_format(client, stack):
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(

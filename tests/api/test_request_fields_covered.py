@@ -387,7 +387,7 @@ REFUSED_OR_NO_OP: dict[str, tuple[str, ...]] = {
 # Models that do not forbid unknown fields, and the tests that check what happens to them.
 OPEN_MODELS: dict[str, tuple[str, ...]] = {
     # allowed so that a non-text part reaches the check that names its type; a text part's
-    # unknown fields pass unseen (a strict xfail until that is fixed)
+    # unknown fields are then refused by name
     "ContentPart": t(
         SURFACE,
         "test_a_non_text_part_is_refused_naming_its_type_and_place",
@@ -402,9 +402,6 @@ OPEN_MODELS: dict[str, tuple[str, ...]] = {
     # output items sent back carry ids and statuses that have no bearing on the prompt
     "responses.InputItem": _ROUND_TRIP,
     "responses.ContentPart": _ITEMS,  # an output_text part's annotations
-    "responses.TextFormat": t(SURFACE, "test_responses_refuse_an_unknown_field_in_the_text_format"),
-    "TokenizeRequest": t(SURFACE, "test_tokenize_refuses_unknown_fields"),
-    "DetokenizeRequest": t(SURFACE, "test_tokenize_refuses_unknown_fields"),
 }
 
 

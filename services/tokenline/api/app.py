@@ -16,6 +16,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from tokenline.api.auth import ApiKeyAuth, ApiKeys
 from tokenline.api.errors import ApiError, http_error, unexpected_error, validation_error
+from tokenline.api.head import HeadAsGet
 from tokenline.api.limits import BodySizeLimit
 from tokenline.api.pipeline import Pipeline
 from tokenline.api.responses import router as responses_router
@@ -54,6 +55,7 @@ def create_app(settings: Settings, heartbeat_timeout: float = 5.0) -> FastAPI:
     # The last added runs first: keys are checked before a byte of the body is read.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_size)
     app.add_middleware(ApiKeyAuth, keys=ApiKeys(settings.api_keys, settings.api_key_file))
+    app.add_middleware(HeadAsGet)
     if settings.allowed_origins:
         # Outermost: a preflight carries no key, and an error answer needs the headers too
         # for the browser to show it.

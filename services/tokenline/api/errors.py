@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
+
+from tokenline.api.head import HEAD_SCOPE_KEY
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +125,13 @@ def http_error(request: Request, exc: HTTPException) -> Response:
     if status == 404:
         message = f"no route {request.url.path}; see /openapi.json for the routes served"
     elif status == 405:
-        message = f"{request.method} is not allowed on {request.url.path}"
+        method = "HEAD" if request.scope.get(HEAD_SCOPE_KEY) else request.method
+        message = f"{method} is not allowed on {request.url.path}"
+        headers = dict(exc.headers or {})
+        served = [m.strip() for m in headers.get("Allow", "").split(",") if m.strip()]
+        if "GET" in served and "HEAD" not in served:  # head.py serves it for every GET
+            headers["Allow"] = ", ".join([*served, "HEAD"])
+        return ApiError(status, message, code, headers=headers).response()
     elif status == 400 and exc.__cause__ is not None:
         cause = exc.__cause__
         if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
@@ -140,11 +149,16 @@ def http_error(request: Request, exc: HTTPException) -> Response:
 _LOC_NOISE = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "body"})
 
 
+# a union branch that is a model shows as its class name: CamelCase, where fields are snake_case
+_MODEL_NAME = re.compile(r"[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]*)+")
+
+
 def _param(loc: tuple) -> str | None:
     parts = [
         str(p)
         for p in loc
-        if isinstance(p, int) or (p not in _LOC_NOISE and "[" not in p and "(" not in p)
+        if isinstance(p, int)
+        or (p not in _LOC_NOISE and "[" not in p and "(" not in p and not _MODEL_NAME.fullmatch(p))
     ]
     return ".".join(parts) or None
 
@@ -166,6 +180,9 @@ def validation_error(request: Request, exc: RequestValidationError) -> Response:
         ).response()
     param = _param(tuple(first.get("loc", ())))
     if first.get("type") == "extra_forbidden" and param is not None:
+        named = first.get("ctx", {}).get("field")  # raised by a validator, at its model's loc
+        if named:
+            param = f"{param}.{named}"
         field = param.rsplit(".", 1)[-1]
         where = f" (at {param})" if field != param else ""
         message = (

@@ -78,7 +78,7 @@ class FunctionToolIn(BaseModel):
 
 
 class TextFormat(BaseModel):
-    model_config = _ITEM
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(default=None, max_length=64)

@@ -24,13 +24,11 @@ router = APIRouter()
 
 
 @router.get("/health")
-@router.head("/health", include_in_schema=False)
 async def health() -> dict:
     return {"status": "ok"}
 
 
 @router.get("/ready")
-@router.head("/ready", include_in_schema=False)
 async def ready(request: Request) -> JSONResponse:
     pipeline = pipeline_of(request)
     problem = pipeline.problem()  # the same answer admission gives at this moment
@@ -47,7 +45,6 @@ async def ready(request: Request) -> JSONResponse:
 
 
 @router.get("/metrics")
-@router.head("/metrics", include_in_schema=False)
 async def metrics() -> Response:
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
@@ -62,13 +59,11 @@ def _model_card(request: Request) -> dict:
 
 
 @router.get("/v1/models")
-@router.head("/v1/models", include_in_schema=False)
 async def models(request: Request) -> dict:
     return {"object": "list", "data": [_model_card(request)]}
 
 
 @router.get("/v1/models/{model_id:path}")
-@router.head("/v1/models/{model_id:path}", include_in_schema=False)
 async def model(model_id: str, request: Request) -> dict:
     check_model(request, model_id)
     return _model_card(request)

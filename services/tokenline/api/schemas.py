@@ -19,6 +19,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from tokenline.api.structured import ResponseFormat, Tool, ToolChoice, ToolPlan
 from tokenline.protocol import ChatMessage, SamplingParams, ToolCall
@@ -71,14 +72,13 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+
+
 def _token_id_key(key: str) -> int:
-    try:
-        token = int(key)
-    except ValueError:
-        raise ValueError(f"the key {key[:24]!r} is not a token id; keys are ids as text") from None
-    if not 0 <= token <= INT32_MAX:
-        raise ValueError(f"the key {key[:24]!r} is not a token id (0 to {INT32_MAX})")
-    return token
+    if not _TOKEN_ID_KEY.fullmatch(key) or int(key) > INT32_MAX:
+        raise ValueError(f"the key {key[:24]!r} is not a token id; keys are ids as text (0-9)")
+    return int(key)
 
 
 def _logit_bias(value: Any) -> dict[int, float]:
@@ -211,6 +211,10 @@ class ContentPart(BaseModel):
             )
         if self.text is None:
             raise ValueError("a text content part needs its `text`")
+        for name in self.model_extra or {}:  # other types' fields are allowed only to be named
+            raise PydanticCustomError(
+                "extra_forbidden", "`{field}` is not a field of a text part", {"field": name}
+            )
         return self
 
 

@@ -16,8 +16,9 @@ from tokenline.api.structured import Tool
 from tokenline.protocol import ChatMessage
 from tokenline.settings import Settings
 
-# Unknown fields are ignored, as in the completion bodies; NaN and infinities are refused.
-_CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False)
+# Unknown fields are refused (400 unsupported_parameter), as in the completion bodies; NaN
+# and infinities too.
+_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 def _refuse(param: str, message: str, code: str = "invalid_request_error") -> ApiError:

@@ -22,7 +22,9 @@ class IncrementalDecoder:
         # Primed with the prompt's last ids, as vLLM primes it: a SentencePiece decoder drops
         # the leading space of a sequence's first piece, and the first generated token is not
         # the sequence's first piece.
-        self._stream = DecodeStream(ids=list(prompt_tail or ()), skip_special_tokens=True)
+        self._stream = DecodeStream(
+            ids=_whole_characters(tokenizer, prompt_tail or []), skip_special_tokens=True
+        )
         self._stop = [s for s in (stop or []) if s]
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self._text = ""  # decoded text not yet emitted
@@ -50,3 +52,17 @@ class IncrementalDecoder:
         """Whatever is held back, at the end of the request."""
         out, self._text = self._text, ""
         return out
+
+
+def _whole_characters(tokenizer: Tokenizer, tail: list[int]) -> list[int]:
+    """The prompt's tail without ids that end it partway through a character.
+
+    A prompt sent as token ids may stop inside a multi-byte character; primed with it, the
+    stream would count the prompt's unfinished character as the completion's first text.
+    """
+    tail = list(tail)
+    for _ in range(4):  # a UTF-8 character spans at most four bytes, so four ids
+        if not tail or not tokenizer.decode(tail, skip_special_tokens=True).endswith("\ufffd"):
+            break
+        tail.pop()
+    return tail

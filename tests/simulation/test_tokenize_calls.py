@@ -118,3 +118,29 @@ async def test_an_unknown_answer_is_counted_late(sim_tokenizer):
     late = LATE._value.get()
     sim.pipeline.route(protocol.TokenizerAnswer(uid="nobody", ids=[1]))
     assert LATE._value.get() == late + 1
+
+
+async def test_calls_count_as_waiting_so_a_flood_of_them_gets_429s(sim_tokenizer):
+    sim = ring(sim_tokenizer)
+    sim.pipeline.settings.max_waiting = 2
+    # not delivered yet: both wait in the tokenizer's inbox
+    first = [
+        asyncio.create_task(sim.pipeline.call(lambda uid: tokenize(uid, prompt="x")))
+        for _ in range(2)
+    ]
+    await asyncio.sleep(0)
+    with pytest.raises(ApiError) as caught:
+        await sim.pipeline.call(lambda uid: tokenize(uid, prompt="x"))
+    assert (caught.value.status, caught.value.code) == (429, "too_many_requests")
+    with pytest.raises(ApiError) as caught:  # generations wait behind the same inbox
+        sim.pipeline.open(
+            1,
+            lambda uid, i: protocol.Generate(
+                uid=uid, sampling=protocol.SamplingParams(), prompt="x", timeout_s=1.0
+            ),
+        )
+    assert caught.value.status == 429
+    sim.settle_links()
+    for call in first:
+        assert (await call).ids
+    assert nothing_held(sim) == []

@@ -94,7 +94,18 @@ class Pipeline:
         return len(self._distinct_exchanges())
 
     def waiting(self) -> int:
-        return sum(ex.first_token_at is None for ex in self._distinct_exchanges())
+        """Requests not answered yet: generations before their first token, and tokenizer
+        calls, which queue in the same tokenizer inbox."""
+        return len(self.calls) + sum(ex.first_token_at is None for ex in self._distinct_exchanges())
+
+    def _refuse_when_full(self) -> None:
+        if self.waiting() >= self.settings.max_waiting:
+            raise ApiError(
+                429,
+                f"more than {self.settings.max_waiting} requests are waiting; retry later",
+                "too_many_requests",
+                retry_after=1,
+            )
 
     # ── admission and cleanup ──────────────────────────────────────────────────────────────────
     def new_uid(self) -> str:
@@ -121,13 +132,7 @@ class Pipeline:
                 "stage_unavailable",
                 retry_after=1,
             )
-        if self.waiting() >= self.settings.max_waiting:
-            raise ApiError(
-                429,
-                f"more than {self.settings.max_waiting} requests are waiting; retry later",
-                "too_many_requests",
-                retry_after=1,
-            )
+        self._refuse_when_full()
         base = self.new_uid()
         uids = [base] if n == 1 else [f"{base}.{i}" for i in range(n)]
         # Everything is built and encoded before any state exists, so a request that cannot
@@ -201,6 +206,7 @@ class Pipeline:
                 "shutting_down" if self.draining else "stage_unavailable",
                 retry_after=1,
             )
+        self._refuse_when_full()
         uid = self.new_uid()
         frame = self.ring.encode(build(uid))  # before any state: a failure leaves none
         timeout = self.settings.request_timeout

@@ -208,10 +208,13 @@ def test_streamed_call_assembles_into_the_non_streamed_one(client, stack):
         temperature=1.0,
     )
     whole = client.chat.completions.create(**request).choices[0].message.tool_calls
+    pieces = []
     with client.chat.completions.stream(**request) as stream:
-        for _ in stream:
-            pass
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                pieces.append(event.arguments_delta)
         streamed = stream.get_final_completion().choices[0]
+    assert len(pieces) > 1  # the arguments stream as they are generated, not in one piece
     assert streamed.finish_reason == "tool_calls"
     assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
         (c.function.name, c.function.arguments) for c in whole

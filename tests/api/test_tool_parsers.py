@@ -14,7 +14,10 @@ from tokenline.api.tool_parsers import (
     HERMES,
     LLAMA3_JSON,
     PARSER_CHOICES,
+    ArgumentsPiece,
     Call,
+    CallEnd,
+    CallStart,
     Content,
     ParsedCall,
     format_for,
@@ -32,7 +35,7 @@ def _streamed(fmt, text: str, size: int):
         deltas += stream.feed(text[i : i + size])
     deltas += stream.finish()
     content = "".join(d.text for d in deltas if isinstance(d, Content))
-    return content, [d.call for d in deltas if isinstance(d, Call)], deltas
+    return content, [d.call for d in deltas if isinstance(d, Call | CallEnd)], deltas
 
 
 def test_hermes_finds_calls_and_the_text_before_them():
@@ -66,7 +69,36 @@ def test_streaming_in_any_pieces_gives_what_parsing_whole_gives(size):
     for delta in deltas:
         if isinstance(delta, Content):
             assert "<" not in delta.text
-    assert [d.index for d in deltas if isinstance(d, Call)] == [0, 1]
+    assert [d.index for d in deltas if isinstance(d, Call | CallEnd)] == [0, 1]
+
+
+def test_a_call_streams_its_name_then_its_arguments_in_pieces():
+    arguments = '{"city": "Oslo \\"}</tool_call>{", "days": [1, {"n": 2}]}'
+    text = f'<tool_call>\n{{"name": "weather", "arguments": {arguments}}}\n</tool_call> after'
+    _, calls, deltas = _streamed(HERMES, text, 3)
+    starts = [d for d in deltas if isinstance(d, CallStart)]
+    pieces = [d.text for d in deltas if isinstance(d, ArgumentsPiece)]
+    assert starts == [CallStart(0, "weather")]
+    assert len(pieces) > 5 and "".join(pieces) == arguments  # markup inside strings included
+    ended = next(i for i, d in enumerate(deltas) if isinstance(d, CallEnd))
+    assert deltas.index(starts[0]) < ended
+    assert calls == [ParsedCall("weather", arguments)] == HERMES.parse(text).calls
+    assert json.loads(arguments)["days"][1] == {"n": 2}
+    assert "".join(d.text for d in deltas if isinstance(d, Content)) == "after"
+
+
+def test_a_streamed_call_cut_off_keeps_what_it_had():
+    stream = HERMES.stream()
+    deltas = stream.feed('<tool_call>\n{"name": "f", "arguments": {"x": [1, 2') + stream.finish()
+    assert deltas[0] == CallStart(0, "f")
+    assert deltas[-1] == CallEnd(0, ParsedCall("f", '{"x": [1, 2'))
+
+
+def test_a_call_written_arguments_first_is_parsed_whole_when_it_closes():
+    text = '<tool_call>\n{"arguments": {"x": 1}, "name": "f"}\n</tool_call>'
+    _, calls, deltas = _streamed(HERMES, text, 2)
+    assert not any(isinstance(d, CallStart | ArgumentsPiece) for d in deltas)
+    assert calls == [ParsedCall("f", '{"x": 1}')]
 
 
 def test_streamed_content_is_sent_before_the_reply_ends():

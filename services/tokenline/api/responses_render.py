@@ -19,7 +19,14 @@ import msgspec
 from tokenline.api.errors import ApiError
 from tokenline.api.exchange import Exchange
 from tokenline.api.render import NORMAL_ENDS, coalesce
-from tokenline.api.tool_parsers import Call, Content, ToolCallFormat
+from tokenline.api.tool_parsers import (
+    ArgumentsPiece,
+    Call,
+    CallEnd,
+    CallStart,
+    Content,
+    ToolCallFormat,
+)
 from tokenline.api.tool_render import call_id
 
 if TYPE_CHECKING:
@@ -104,6 +111,7 @@ class OutputBuilder:
         self._emit = emit
         self._sequence = 0
         self._message: dict | None = None  # the message item text is streaming into
+        self._open_call: dict | None = None  # the function_call item arguments stream into
         self._pieces: list[str] = []
 
     # ── events ─────────────────────────────────────────────────────────────────────────────────
@@ -175,7 +183,7 @@ class OutputBuilder:
         item["status"] = status
         self._event(out, "response.output_item.done", output_index=index, item=item)
 
-    def _call(self, out: list[bytes], name: str, arguments: str) -> None:
+    def _call_start(self, out: list[bytes], name: str) -> None:
         self._close_message(out)
         item = {
             "type": "function_call",
@@ -185,12 +193,25 @@ class OutputBuilder:
             "arguments": "",
             "status": "in_progress",
         }
-        index = self._add(out, item)
+        self._add(out, item)
+        self._open_call = item
+
+    def _call_arguments(self, out: list[bytes], text: str) -> None:
+        item = self._open_call
+        item["arguments"] += text
+        where = {"item_id": item["id"], "output_index": self.response["output"].index(item)}
+        self._event(out, "response.function_call_arguments.delta", **where, delta=text)
+
+    def _call_end(self, out: list[bytes]) -> None:
+        item, self._open_call = self._open_call, None
+        index = self.response["output"].index(item)
         where = {"item_id": item["id"], "output_index": index}
-        self._event(out, "response.function_call_arguments.delta", **where, delta=arguments)
-        item["arguments"] = arguments
         self._event(
-            out, "response.function_call_arguments.done", **where, name=name, arguments=arguments
+            out,
+            "response.function_call_arguments.done",
+            **where,
+            name=item["name"],
+            arguments=item["arguments"],
         )
         item["status"] = "completed"
         self._event(out, "response.output_item.done", output_index=index, item=item)
@@ -199,8 +220,16 @@ class OutputBuilder:
         for delta in deltas:
             if isinstance(delta, Content):
                 self._text(out, delta.text)
-            elif isinstance(delta, Call):
-                self._call(out, delta.call.name, delta.call.arguments)
+            elif isinstance(delta, Call):  # known whole: started, given and ended at once
+                self._call_start(out, delta.call.name)
+                self._call_arguments(out, delta.call.arguments)
+                self._call_end(out)
+            elif isinstance(delta, CallStart):
+                self._call_start(out, delta.name)
+            elif isinstance(delta, ArgumentsPiece):
+                self._call_arguments(out, delta.text)
+            elif isinstance(delta, CallEnd):
+                self._call_end(out)
 
     # ── the reply ──────────────────────────────────────────────────────────────────────────────
     def feed(self, text: str) -> list[bytes]:

@@ -7,11 +7,18 @@ tests drive the parsers directly.
 
 A reply is parsed by feeding it to a stream parser in one piece, so a streamed reply and a
 whole one always split into the same content and the same calls.
+
+A Hermes call written as templates and the constrained grammar write it, name first, streams:
+its name as soon as it is known (`CallStart`), its arguments' JSON text as it is generated
+(`ArgumentsPiece`), then `CallEnd`. Once streamed, a call cannot be taken back, so one whose
+arguments turn out to be broken JSON stays a call (its arguments as written), where a whole
+block that never looked like a call is content.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 
@@ -32,7 +39,27 @@ class Call:
     call: ParsedCall
 
 
-Delta = Content | Call
+@dataclass(frozen=True)
+class CallStart:
+    index: int
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsPiece:
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class CallEnd:
+    """A streamed call is complete; ``call`` holds its whole arguments."""
+
+    index: int
+    call: ParsedCall
+
+
+Delta = Content | Call | CallStart | ArgumentsPiece | CallEnd
 
 
 @dataclass
@@ -77,8 +104,45 @@ class ToolCallStream:
     def parse(self, text: str) -> Parsed:
         deltas = self.feed(text) + self.finish()
         content = "".join(d.text for d in deltas if isinstance(d, Content))
-        calls = [d.call for d in deltas if isinstance(d, Call)]
+        calls = [d.call for d in deltas if isinstance(d, Call | CallEnd)]
         return Parsed(content if content or not calls else None, calls)
+
+
+# A call's head as templates and the grammar write it: name first, then the arguments object.
+_STREAMABLE_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]{1,64})"\s*,\s*"arguments"\s*:\s*(?=\{)'
+)
+
+
+@dataclass
+class _ObjectScanner:
+    """Where a JSON object that arrives in pieces ends: depth, strings and escapes."""
+
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    closed: bool = False
+
+    def take(self, text: str) -> int:
+        """How much of ``text`` belongs to the object (all of it until it closes)."""
+        for i, char in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.closed = True
+                    return i + 1
+        return len(text)
 
 
 @dataclass
@@ -98,6 +162,8 @@ class _HermesStream(ToolCallStream):
     _after_call: bool = False  # drop the whitespace that follows a call
     _calls: int = 0
     _held_space: str = ""
+    # the call whose arguments are streaming: its name, scanner and the arguments so far
+    _streaming: tuple[str, _ObjectScanner, list[str]] | None = None
 
     def _content(self, text: str, final: bool = False) -> list[Delta]:
         if self._after_call:
@@ -123,11 +189,45 @@ class _HermesStream(ToolCallStream):
         self._calls += 1
         return [Call(self._calls - 1, call)]
 
+    def _stream_arguments(self) -> list[Delta]:
+        _, scanner, pieces = self._streaming
+        if scanner.closed:
+            return []
+        size = scanner.take(self._pending)
+        piece, self._pending = self._pending[:size], self._pending[size:]
+        if not piece:
+            return []
+        pieces.append(piece)
+        return [ArgumentsPiece(self._calls, piece)]
+
+    def _end_streamed(self) -> list[Delta]:
+        name, _, pieces = self._streaming
+        self._streaming = None
+        self._after_call = True
+        self._calls += 1
+        return [CallEnd(self._calls - 1, ParsedCall(name, "".join(pieces)))]
+
     def feed(self, text: str) -> list[Delta]:
         self._pending += text
         out: list[Delta] = []
         while True:
+            if self._in_call and self._streaming is not None:
+                out += self._stream_arguments()
+                end = self._pending.find(self.CLOSE)
+                if not self._streaming[1].closed or end < 0:
+                    return out
+                self._pending = self._pending[end + len(self.CLOSE) :]
+                self._in_call = False
+                out += self._end_streamed()
+                continue
             if self._in_call:
+                head = _STREAMABLE_HEAD.match(self._pending)
+                if head is not None:
+                    self._pending = self._pending[head.end() :]
+                    self._streaming = (head.group(1), _ObjectScanner(), [])
+                    self._held_space = ""
+                    out.append(CallStart(self._calls, head.group(1)))
+                    continue
                 end = self._pending.find(self.CLOSE)
                 if end < 0:
                     return out
@@ -149,6 +249,10 @@ class _HermesStream(ToolCallStream):
             return out + self._content(ready)
 
     def finish(self) -> list[Delta]:
+        if self._streaming is not None:  # ended before its closing tag: the call as written
+            self._in_call = False
+            self._pending = ""
+            return self._end_streamed()
         pending, self._pending = self._pending, ""
         if self._in_call:  # ended before its closing tag: a call if its JSON is whole
             self._in_call = False

@@ -1,15 +1,25 @@
 """Tool calls as OpenAI shows them: ``message.tool_calls`` whole, ``delta.tool_calls`` streamed.
 
-A streamed call goes out as two chunks, its id, type and name first (arguments empty), then its
-arguments, the way the official client's stream helpers expect to assemble them. Its text is
-known once the call's markup closes; the content around it streams as it is generated.
+A streamed call goes out as its id, type and name first (arguments empty), then its arguments
+in pieces, the way the official client's stream helpers assemble them: piece by piece as they
+are generated where the parser can stream them (`tool_parsers.CallStart`), in one piece once
+the call's markup closes where it cannot. The content around calls streams as it is generated.
 """
 
 from __future__ import annotations
 
 import secrets
 
-from tokenline.api.tool_parsers import Call, Content, Delta, ParsedCall, ToolCallFormat
+from tokenline.api.tool_parsers import (
+    ArgumentsPiece,
+    Call,
+    CallEnd,
+    CallStart,
+    Content,
+    Delta,
+    ParsedCall,
+    ToolCallFormat,
+)
 
 
 def call_id() -> str:
@@ -22,6 +32,10 @@ def _call(call: ParsedCall) -> dict:
         "type": "function",
         "function": {"name": call.name, "arguments": call.arguments},
     }
+
+
+def _arguments(index: int, text: str) -> dict:
+    return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}
 
 
 def finish_reason(reason: str | None, has_calls: bool) -> str | None:
@@ -64,7 +78,13 @@ class DeltaStream:
                 arguments = head["function"]["arguments"]
                 head["function"]["arguments"] = ""
                 out.append({"tool_calls": [{"index": delta.index, **head}]})
-                out.append(
-                    {"tool_calls": [{"index": delta.index, "function": {"arguments": arguments}}]}
-                )
+                out.append(_arguments(delta.index, arguments))
+            elif isinstance(delta, CallStart):
+                self.has_calls = True
+                head = _call(ParsedCall(delta.name, ""))
+                out.append({"tool_calls": [{"index": delta.index, **head}]})
+            elif isinstance(delta, ArgumentsPiece):
+                out.append(_arguments(delta.index, delta.text))
+            elif isinstance(delta, CallEnd):
+                pass  # every piece has gone out
         return out

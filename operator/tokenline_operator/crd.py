@@ -26,6 +26,15 @@ BYTES_PATTERN = r"^[0-9]+(\.[0-9]+)?([KMGT]i?B?)?$"
 #: Prometheus durations: 15s, 1m, 1m30s.
 DURATION_PATTERN = r"^([0-9]+(ms|s|m|h))+$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+#: A browser origin as the Origin header spells it (`scheme://host[:port]`: lower case, no
+#: path, no trailing slash), or `*`; anything else never equals a request's Origin.
+ORIGIN_PATTERN = (
+    r"^(\*|[a-z][a-z0-9+.-]*://"
+    r"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*|\[[0-9a-f:.]+\])"
+    r"(:[0-9]{1,5})?)$"
+)
+#: Most origins the api allows (the list is compared per request).
+MAX_ALLOWED_ORIGINS = 64
 
 
 def _string(description: str, **extra: Any) -> Schema:
@@ -196,6 +205,17 @@ SERVER = {
             enum=["debug", "info", "warning", "error"],
             default="info",
         ),
+        "allowedOrigins": {
+            "type": "array",
+            "description": (
+                "Browser origins whose pages may call the API (CORS), e.g. "
+                "https://app.example.com, or * for any; unset or empty: no CORS headers. "
+                "Write each as the browser sends it: lower case, no path or trailing slash, "
+                "no default port."
+            ),
+            "maxItems": MAX_ALLOWED_ORIGINS,
+            "items": _string("An origin, scheme://host[:port], or *.", pattern=ORIGIN_PATTERN),
+        },
         "apiKeySecret": {
             "type": "object",
             "description": (

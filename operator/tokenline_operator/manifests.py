@@ -141,6 +141,7 @@ STAGE_SETTINGS: dict[str, tuple[str, ...]] = {
         "TOKENLINE_REQUEST_TIMEOUT",
         "TOKENLINE_SLOW_CLIENT_TIMEOUT",
         "TOKENLINE_MAX_WAITING",
+        "TOKENLINE_ALLOWED_ORIGIN",
     ),
     "tokenizer": (),
     "scheduler": (
@@ -172,6 +173,9 @@ def engine_settings(spec: Spec) -> dict[str, str]:
         "TOKENLINE_SLOW_CLIENT_TIMEOUT": server["slowClientTimeoutSeconds"],
         "TOKENLINE_DRAIN_TIMEOUT": server["drainTimeoutSeconds"],
         "TOKENLINE_MAX_WAITING": server["maxWaiting"],
+        # The mirror is comma-separated (no origin the schema admits holds a comma); only
+        # when set, so pods made before the field existed do not roll.
+        "TOKENLINE_ALLOWED_ORIGIN": ",".join(server.get("allowedOrigins") or []) or None,
         "TOKENLINE_MAX_MODEL_LEN": engine.get("maxModelLen"),
         "TOKENLINE_DEVICE": device,
         "TOKENLINE_DTYPE": engine["dtype"],

@@ -265,6 +265,7 @@ SETTINGS: tuple[Setting, ...] = (
         attr="allowed_origins",
         repeatable=True,
         metavar="ORIGIN",
+        crd="server.allowedOrigins",
     ),
     Setting(
         "api-key-file",

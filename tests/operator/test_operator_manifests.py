@@ -8,6 +8,7 @@ import kubernetes_validate.utils as kv
 import pytest
 from pod_security import hardening_violations, restricted_violations
 
+from tokenline.cli import build_parser, settings_from
 from tokenline_operator import manifests, names, rbac, spec
 from tokenline_operator.manifests import Capabilities, Owner
 
@@ -417,6 +418,34 @@ def test_prefix_caching_off_reaches_the_scheduler_alone_and_on_rolls_nothing():
     assert "TOKENLINE_NO_PREFIX_CACHING" not in manifests.engine_settings(parse(default))
     explicit = {"model": {"name": "m"}, "engine": {"prefixCaching": True}}
     assert template(default) == template(explicit)
+
+
+APP_ORIGIN = "https://app.example.com"
+
+
+def test_allowed_origins_reach_the_api_alone_and_unset_rolls_nothing():
+    raw = {"model": {"name": "m"}, "server": {"allowedOrigins": [APP_ORIGIN]}}
+    assert manifests.engine_settings(parse(raw))["TOKENLINE_ALLOWED_ORIGIN"] == APP_ORIGIN
+    for stage, container in containers_of(raw).items():
+        env = {e["name"]: e for e in container["env"]}
+        if stage == "api":
+            ref = env["TOKENLINE_ALLOWED_ORIGIN"]["valueFrom"]["configMapKeyRef"]
+            assert ref == {"name": "chat-config", "key": "TOKENLINE_ALLOWED_ORIGIN"}
+        else:
+            assert "TOKENLINE_ALLOWED_ORIGIN" not in env, stage
+    # Unset and empty both leave CORS off and add no key: existing pods do not roll.
+    unset = {"model": {"name": "m"}}
+    assert "TOKENLINE_ALLOWED_ORIGIN" not in manifests.engine_settings(parse(unset))
+    empty = {**unset, "server": {"allowedOrigins": []}}
+    assert manifests.deployment(OWNER, parse(unset)) == manifests.deployment(OWNER, parse(empty))
+
+
+def test_several_allowed_origins_parse_back_as_the_api_reads_its_env(monkeypatch):
+    origins = [APP_ORIGIN, "http://localhost:3000", "*"]
+    raw = {"model": {"name": "m"}, "server": {"allowedOrigins": origins}}
+    value = manifests.engine_settings(parse(raw))["TOKENLINE_ALLOWED_ORIGIN"]
+    monkeypatch.setenv("TOKENLINE_ALLOWED_ORIGIN", value)
+    assert settings_from(build_parser().parse_args(["api"])).allowed_origins == origins
 
 
 def rules_of(raw: dict[str, Any]) -> list[dict[str, Any]]:

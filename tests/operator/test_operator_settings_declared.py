@@ -33,7 +33,11 @@ EVERYTHING: dict[str, Any] = {
         "compile": True,
         "prefixCaching": False,
     },
-    "server": {"apiKeySecret": {"name": "keys"}, "tlsSecret": {"name": "tls"}},
+    "server": {
+        "apiKeySecret": {"name": "keys"},
+        "tlsSecret": {"name": "tls"},
+        "allowedOrigins": ["https://app.example.com"],
+    },
 }
 
 

@@ -141,6 +141,16 @@ def test_user_values_win_over_defaults():
         ("chat", {"networkPolicy": {"apiFrom": [{"cidr": "anywhere"}]}}, "apiFrom[0].cidr"),
         ("chat", {"networkPolicy": {"apiFrom": [{"namespace": "Bad_NS"}]}}, "apiFrom[0].namespace"),
         ("chat", {"networkPolicy": {"apiFrom": [{}] * 33}}, "spec.networkPolicy.apiFrom"),
+        (
+            "chat",
+            {"server": {"allowedOrigins": ["https://app.example.com/path"]}},
+            "spec.server.allowedOrigins[0]",
+        ),
+        ("chat", {"server": {"allowedOrigins": ["https://a.example/"]}}, "allowedOrigins[0]"),
+        ("chat", {"server": {"allowedOrigins": ["https://App.example"]}}, "allowedOrigins[0]"),
+        ("chat", {"server": {"allowedOrigins": ["app.example.com"]}}, "allowedOrigins[0]"),
+        ("chat", {"server": {"allowedOrigins": ["https://a,https://b"]}}, "allowedOrigins[0]"),
+        ("chat", {"server": {"allowedOrigins": ["*"] * 65}}, "spec.server.allowedOrigins"),
         ("Chat", {}, "metadata.name"),
         ("x" * 53, {}, "metadata.name"),
     ],
@@ -149,6 +159,18 @@ def test_invalid_specs_name_the_problem(name, patch, problem):
     raw = {**MINIMAL, **patch}
     with pytest.raises(spec.SpecError, match=re.escape(problem)):
         spec.parse(name, raw, default_image="img:1")
+
+
+@pytest.mark.parametrize(
+    "origin",
+    ["*", "https://app.example.com", "http://localhost:3000", "http://[::1]:8080", "app://x"],
+)
+def test_allowed_origins_accept_any_and_scheme_host_port(origin):
+    raw = {**MINIMAL, "server": {"allowedOrigins": [origin]}}
+    jsonschema.validate(
+        {"apiVersion": names.API_VERSION, "kind": names.KIND, "spec": raw}, object_schema()
+    )
+    assert spec.parse("chat", raw, default_image="img:1")["server"]["allowedOrigins"] == [origin]
 
 
 def test_no_image_anywhere_is_an_error():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from tokenline.api.responses import ResponsesRequest
+from tokenline.api.responses_schemas import ResponsesRequest
 from tokenline.api.schemas import ChatCompletionRequest, CompletionRequest
 from tokenline.api.tokenize_schemas import DetokenizeRequest, TokenizeRequest
 
@@ -407,7 +407,7 @@ OPEN_MODELS: dict[str, tuple[str, ...]] = {
 
 # ── the walk ──────────────────────────────────────────────────────────────────────────────────
 def _label(model: type[BaseModel]) -> str:
-    prefix = "responses." if model.__module__ == "tokenline.api.responses" else ""
+    prefix = "responses." if model.__module__.startswith("tokenline.api.responses") else ""
     return prefix + model.__name__
 
 

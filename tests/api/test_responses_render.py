@@ -9,8 +9,8 @@ import pydantic
 from openai.types.responses import Response, ResponseStreamEvent
 
 from tokenline.api.errors import ApiError
-from tokenline.api.responses import ResponsesRequest
 from tokenline.api.responses_render import OutputBuilder
+from tokenline.api.responses_schemas import ResponsesRequest
 from tokenline.api.tool_parsers import HERMES
 
 EVENT = pydantic.TypeAdapter(ResponseStreamEvent)

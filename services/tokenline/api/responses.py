@@ -12,22 +12,27 @@ Every field the official client can send is either honoured or refused with a 40
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any
 
 import pydantic
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
 
 from tokenline.api import structured
 from tokenline.api.errors import ApiError
 from tokenline.api.flow import Renderer, chat_builder, serve, tool_format
 from tokenline.api.responses_render import full_response, response_events
-from tokenline.api.schemas import INT32_MAX, ChatCompletionRequest, Text
+from tokenline.api.responses_schemas import (
+    ContentPart,
+    FunctionToolIn,
+    InputItem,
+    ResponsesRequest,
+    TextConfig,
+)
+from tokenline.api.schemas import ChatCompletionRequest
 
 router = APIRouter()
 
-_ITEM = ConfigDict(extra="ignore", allow_inf_nan=False)  # ids, status, phase: no bearing
 MAX_METADATA_KEYS = 16  # as OpenAI allows
 
 
@@ -37,97 +42,6 @@ def unsupported(param: str, message: str) -> ApiError:
 
 def _invalid(param: str, message: str) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param)
-
-
-# ── the request ────────────────────────────────────────────────────────────────────────────────
-class ContentPart(BaseModel):
-    model_config = _ITEM
-
-    type: str
-    text: Text | None = None
-    refusal: Text | None = None  # an earlier assistant turn's refusal part
-
-
-class InputItem(BaseModel):
-    """One input item, of any type; `_messages` checks which fields each type needs."""
-
-    model_config = _ITEM
-
-    type: str = "message"
-    role: str | None = None
-    content: Text | list[ContentPart] | None = None
-    call_id: Text | None = None
-    name: Text | None = None
-    arguments: Text | None = None
-    output: Text | list[ContentPart] | None = None
-
-
-class FunctionToolIn(BaseModel):
-    """A tool in the Responses flat shape; only functions are served."""
-
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-
-    type: str
-    name: str | None = None
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-    defer_loading: bool | None = None
-    allowed_callers: list[str] | None = None
-    output_schema: dict[str, Any] | None = None
-
-
-class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    type: Literal["text", "json_object", "json_schema"]
-    name: str | None = Field(default=None, max_length=64)
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class TextConfig(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-
-    format: TextFormat | None = None
-    verbosity: str | None = None
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-
-    include_obfuscation: bool | None = None
-
-
-class ResponsesRequest(BaseModel):
-    # Unknown fields are kept so that `refuse_unserved` can name them, not dropped unseen.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-
-    model: Text
-    input: Text | list[InputItem]
-    instructions: Text | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    tools: list[FunctionToolIn] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    text: TextConfig | None = None
-    store: bool | None = None  # accepted either way; nothing is ever stored
-    metadata: dict[Text, Text] | None = None
-    user: Text | None = None
-    safety_identifier: Text | None = None
-    prompt_cache_key: Text | None = None  # prefixes are cached by content, key or not
-    service_tier: str | None = None
-    truncation: str | None = None
-    reasoning: dict[str, Any] | None = None
-    include: list[str] | None = None
-    background: bool | None = None
-    previous_response_id: str | None = None
-    conversation: Any = None
 
 
 _STORAGE = (

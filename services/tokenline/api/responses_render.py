@@ -12,13 +12,14 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from tokenline.api.errors import ApiError
 from tokenline.api.exchange import Exchange
 from tokenline.api.render import NORMAL_ENDS, coalesce
+from tokenline.api.responses_schemas import ResponsesRequest
 from tokenline.api.tool_parsers import (
     ArgumentsPiece,
     Call,
@@ -28,9 +29,6 @@ from tokenline.api.tool_parsers import (
     ToolCallFormat,
 )
 from tokenline.api.tool_render import call_id
-
-if TYPE_CHECKING:
-    from tokenline.api.responses import ResponsesRequest
 
 _encode = msgspec.json.Encoder().encode
 

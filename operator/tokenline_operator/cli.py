@@ -7,12 +7,18 @@ import os
 
 import kopf
 
+from . import resync
 from .metrics import OperatorMetrics
 
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value else default
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value else default
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env_int("TOKENLINE_HEALTH_PORT", 8081),
         help="Port of the liveness endpoint /healthz (0 disables). Env: TOKENLINE_HEALTH_PORT. "
         "Default: 8081.",
+    )
+    parser.add_argument(
+        "--discovery-interval",
+        type=float,
+        default=_env_float("TOKENLINE_DISCOVERY_INTERVAL", resync.DEFAULT_INTERVAL),
+        help="Seconds between looks at API discovery, which notice optional CRDs "
+        "(InferencePool, KEDA, Prometheus operator) installed or removed after an "
+        "InferenceService was reconciled (0 disables). Env: TOKENLINE_DISCOVERY_INTERVAL. "
+        f"Default: {resync.DEFAULT_INTERVAL:g}.",
     )
     parser.add_argument(
         "--log-level",
@@ -91,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         clusterwide=not namespaces,
         namespaces=namespaces,
         liveness_endpoint=liveness,
-        memo=kopf.Memo(metrics=metrics, default_image=args.default_image),
+        memo=kopf.Memo(
+            metrics=metrics,
+            default_image=args.default_image,
+            discovery_interval=args.discovery_interval,
+        ),
     )
     return 0

@@ -6,13 +6,15 @@ nothing until an operator is started with ``registry=handlers.registry``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import logging
 from typing import Any
 
 import kopf
 
-from . import names
+from . import names, resync
 from .kube import KINDS, Kube, KubeError, load_configuration
 from .metrics import OperatorMetrics
 from .reconcile import Context, reconcile
@@ -81,15 +83,24 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.posting.reporting_component = names.MANAGED_BY
     settings.posting.level = logging.WARNING  # Events for problems, not for every success
     metrics = memo.get("metrics") or OperatorMetrics()
-    memo["ctx"] = Context(
+    ctx = memo["ctx"] = Context(
         kube=await Kube.connect(),
         metrics=metrics,
         default_image=memo.get("default_image"),
     )
+    # CRDs installed or removed later change no InferenceService: a loop of its own notices.
+    interval = memo.get("discovery_interval", resync.DEFAULT_INTERVAL)
+    if interval:
+        memo["resync"] = asyncio.create_task(resync.run(ctx, interval), name="resync")
 
 
 @kopf.on.cleanup(registry=registry)
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    task: asyncio.Task[None] | None = memo.get("resync")
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     ctx: Context | None = memo.get("ctx")
     if ctx is not None:
         await ctx.kube.close()
@@ -119,6 +130,13 @@ async def reconcile_inference_service(
         raise kopf.PermanentError(result.spec_error)  # retrying cannot help; a new spec will
     if result.api_error:
         raise kopf.TemporaryError(result.api_error, delay=RETRY_DELAY)
+
+
+@kopf.on.event(names.GROUP, names.VERSION, names.PLURAL, id="forget", registry=registry)
+def forget_deleted(type: str | None, namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    """A deleted InferenceService needs no reconcile when the cluster's APIs change."""
+    if type == "DELETED":
+        memo["ctx"].forget(namespace, name)
 
 
 async def on_child_event(

@@ -6,6 +6,7 @@ discovery. Objects stay dicts end to end, so the builders' output is sent as it 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -93,6 +94,7 @@ class Kube:
         self._api = api
         self._discovery_ttl = discovery_ttl
         self._discovered: dict[str, tuple[float, set[str]]] = {}
+        self._discovering: dict[str, asyncio.Lock] = {}
 
     @classmethod
     async def connect(cls, **kwargs: Any) -> Kube:
@@ -170,11 +172,24 @@ class Kube:
             content_type="application/merge-patch+json",
         )
 
-    async def serves(self, kind: str) -> bool:
-        """Whether the cluster serves ``kind`` (its CRD is installed), cached for a while."""
-        api_version, plural = KINDS[kind].api_version, KINDS[kind].plural
-        cached = self._discovered.get(api_version)
-        if cached is None or time.monotonic() - cached[0] > self._discovery_ttl:
+    async def serves(self, kind: str, *, max_age: float | None = None) -> bool:
+        """Whether the cluster serves ``kind`` (its CRD is installed).
+
+        The answer comes from API discovery at most ``max_age`` seconds old (default: the
+        client's discovery TTL); ``max_age=0`` asks the API server now.
+        """
+        ref = KINDS[kind]
+        max_age = self._discovery_ttl if max_age is None else max_age
+        return ref.plural in await self._plurals(ref.api_version, max_age)
+
+    async def _plurals(self, api_version: str, max_age: float) -> set[str]:
+        # One discovery request per group version at a time: callers that find the cache
+        # expired together (every reconcile after the TTL) share the first one's answer.
+        lock = self._discovering.setdefault(api_version, asyncio.Lock())
+        async with lock:
+            cached = self._discovered.get(api_version)
+            if cached is not None and time.monotonic() - cached[0] < max_age:
+                return cached[1]
             root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
             try:
                 listing = await self._call("GET", root)
@@ -183,9 +198,8 @@ class Kube:
                 if exc.status != 404:
                     raise
                 plurals = set()
-            cached = (time.monotonic(), plurals)
-            self._discovered[api_version] = cached
-        return plural in cached[1]
+            self._discovered[api_version] = (time.monotonic(), plurals)
+            return plurals
 
 
 def _message(body: Any) -> str:

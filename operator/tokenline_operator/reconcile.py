@@ -1,9 +1,10 @@
 """Level-based reconciliation: make the children match the spec, then report status.
 
 Every trigger (the InferenceService changed, a child changed or vanished, the operator
-restarted) runs the same function, which reads the world, writes only what differs, and
-writes the status only when it changes. Running it twice in a row writes nothing the second
-time, which is what keeps watch events from feeding back into more writes.
+restarted, the cluster gained or lost an optional API) runs the same function, which reads
+the world, writes only what differs, and writes the status only when it changes. Running it
+twice in a row writes nothing the second time, which is what keeps watch events from feeding
+back into more writes.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class Context:
     _locks: weakref.WeakValueDictionary[tuple[str, str], asyncio.Lock] = field(
         default_factory=weakref.WeakValueDictionary
     )
+    #: The optional APIs each InferenceService's children and status were last made from.
+    _reconciled_with: dict[tuple[str, str], Capabilities] = field(default_factory=dict)
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         """One lock per InferenceService: its reconciles never interleave."""
@@ -42,6 +45,21 @@ class Context:
             lock = asyncio.Lock()
             self._locks[key] = lock
         return lock
+
+    def reconciled_without(self, caps: Capabilities) -> list[tuple[str, str]]:
+        """The InferenceServices last reconciled when the cluster served other optional APIs."""
+        return [key for key, seen in self._reconciled_with.items() if seen != caps]
+
+    def remember(self, namespace: str, name: str, caps: Capabilities | None) -> None:
+        """What this InferenceService was reconciled with (None: nothing to redo for them)."""
+        if caps is None:
+            self.forget(namespace, name)
+        else:
+            self._reconciled_with[namespace, name] = caps
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The InferenceService is gone: nothing to re-reconcile when the APIs change."""
+        self._reconciled_with.pop((namespace, name), None)
 
 
 @dataclass(frozen=True)
@@ -81,11 +99,12 @@ def owned_by(obj: dict[str, Any], owner: Owner) -> bool:
     return any(ref.get("uid") == owner.uid for ref in refs)
 
 
-async def capabilities(kube: Kube) -> Capabilities:
+async def capabilities(kube: Kube, *, max_age: float | None = None) -> Capabilities:
+    """The optional APIs the cluster serves, from discovery at most ``max_age`` seconds old."""
     return Capabilities(
-        keda=await kube.serves("ScaledObject"),
-        prometheus_operator=await kube.serves("PodMonitor"),
-        inference_pool=await kube.serves("InferencePool"),
+        keda=await kube.serves("ScaledObject", max_age=max_age),
+        prometheus_operator=await kube.serves("PodMonitor", max_age=max_age),
+        inference_pool=await kube.serves("InferencePool", max_age=max_age),
     )
 
 
@@ -149,9 +168,8 @@ async def _apply_routing(
 
 
 async def _apply_children(
-    ctx: Context, owner: Owner, parsed: spec.Spec
+    ctx: Context, owner: Owner, parsed: spec.Spec, caps: Capabilities
 ) -> tuple[dict[str, Any], status.Routing]:
-    caps = await capabilities(ctx.kube)
     desired = manifests.children(owner, parsed, caps)
     missing = [k for k in desired if k in manifests.OPTIONAL_KINDS and not await ctx.kube.serves(k)]
     if missing:
@@ -180,6 +198,7 @@ async def reconcile(ctx: Context, namespace: str, name: str, *, trigger: str) ->
     async with ctx.lock(namespace, name):
         body = await ctx.kube.get(names.KIND, namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
+            ctx.forget(namespace, name)
             return None
         return await _reconcile_locked(ctx, body, trigger=trigger)
 
@@ -192,6 +211,7 @@ async def _reconcile_locked(ctx: Context, body: dict[str, Any], *, trigger: str)
     spec_error = api_error = None
     deployment = None
     routing: status.Routing | None = None
+    caps: Capabilities | None = None
     obs_extra: dict[str, Any] = {}
     try:
         parsed = spec.parse(owner.name, body.get("spec"), default_image=ctx.default_image)
@@ -206,11 +226,13 @@ async def _reconcile_locked(ctx: Context, body: dict[str, Any], *, trigger: str)
             "model": spec.served_model_name(parsed),
         }
         try:
-            deployment, routing = await _apply_children(ctx, owner, parsed)
+            caps = await capabilities(ctx.kube)
+            deployment, routing = await _apply_children(ctx, owner, parsed, caps)
         except KubeError as exc:
             api_error = str(exc)
             deployment = await _read_deployment(ctx, owner)
-            caps = await _capabilities_or_none(ctx)
+            if caps is None:  # discovery itself failed
+                caps = await _capabilities_or_none(ctx)
             routing = status.Routing(
                 wanted=manifests.routing_enabled(parsed, caps), served=caps.inference_pool
             )
@@ -228,6 +250,9 @@ async def _reconcile_locked(ctx: Context, body: dict[str, Any], *, trigger: str)
     new_status = status.compute(observation, previous)
     if status.differs(previous, new_status):
         await ctx.kube.patch_status(names.KIND, owner.namespace, owner.name, new_status)
+    # Only once the status says what these APIs made of it (a failed write is retried by
+    # kopf). An invalid spec waits for a new spec, whatever the cluster serves.
+    ctx.remember(owner.namespace, owner.name, caps)
 
     result_label = "invalid_spec" if spec_error else "error" if api_error else "ok"
     ctx.metrics.reconciles.labels(trigger=trigger, result=result_label).inc()

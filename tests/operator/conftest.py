@@ -61,14 +61,25 @@ async def cluster(
 
 
 @pytest.fixture
-def operator(cluster: kmock.KubernetesEmulator) -> Iterator[dict[str, Any]]:
+def discovery_interval() -> float:
+    """Seconds between the operator's looks at API discovery: short, so tests that install
+    or remove a CRD see the effect quickly, and every other test runs with the loop busy."""
+    return 0.2
+
+
+@pytest.fixture
+def operator(
+    cluster: kmock.KubernetesEmulator, discovery_interval: float
+) -> Iterator[dict[str, Any]]:
     """The operator's kopf loop, in a thread with its own event loop (as kopf's KopfRunner).
 
     Its own loop matters: on exit kopf waits for, then cancels, every task of its loop,
     which in the test's loop would include the emulator's open watch streams.
     """
     metrics = OperatorMetrics()
-    memo = kopf.Memo(metrics=metrics, default_image="tokenline:test")
+    memo = kopf.Memo(
+        metrics=metrics, default_image="tokenline:test", discovery_interval=discovery_interval
+    )
     settings = kopf.OperatorSettings()
     settings.watching.reconnect_backoff = 0.05
     settings.persistence.consistency_timeout = 0.2

@@ -56,3 +56,29 @@ async def eventually(
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"condition not met in {within}s") from last
         await asyncio.sleep(interval)
+
+
+def inference_service(name: str = "chat", **spec: Any) -> dict[str, Any]:
+    """An InferenceService of a small model in the test namespace; ``spec`` adds fields."""
+    return {
+        "apiVersion": names.API_VERSION,
+        "kind": names.KIND,
+        "metadata": {"name": name, "namespace": NAMESPACE, "uid": f"uid-{name}", "generation": 1},
+        "spec": {"model": {"name": "Qwen/Qwen2.5-0.5B-Instruct"}, **spec},
+    }
+
+
+def stored(cluster: Any, resource: str, name: str = "chat") -> dict:
+    """The object as the emulator holds it now (KeyError while absent or deleted)."""
+    obj = cluster.objects[resource, NAMESPACE, name]
+    if obj.deleted:
+        raise KeyError(name)
+    return obj.raw
+
+
+def absent(cluster: Any, resource: str, name: str) -> bool:
+    try:
+        stored(cluster, resource, name)
+    except KeyError:
+        return True
+    return False

@@ -16,7 +16,7 @@ from typing import Any
 import inference_pool_schema
 import kmock
 import pytest
-from operator_testkit import IS_RESOURCE, NAMESPACE, eventually
+from operator_testkit import IS_RESOURCE, NAMESPACE, absent, eventually, inference_service, stored
 
 from tokenline_operator import names, resync
 from tokenline_operator.kube import Kube
@@ -40,30 +40,6 @@ ROUTING_CHILDREN = {
     "Service": ("v1/services", "chat-epp"),
     "InferencePool": (POOLS, "chat"),
 }
-
-
-def inference_service(name: str = "chat", **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": names.API_VERSION,
-        "kind": names.KIND,
-        "metadata": {"name": name, "namespace": NAMESPACE, "uid": f"uid-{name}", "generation": 1},
-        "spec": {"model": {"name": "Qwen/Qwen2.5-0.5B-Instruct"}, **spec},
-    }
-
-
-def stored(cluster: kmock.KubernetesEmulator, resource: str, name: str = "chat") -> dict:
-    obj = cluster.objects[resource, NAMESPACE, name]
-    if obj.deleted:
-        raise KeyError(name)
-    return obj.raw
-
-
-def absent(cluster: kmock.KubernetesEmulator, resource: str, name: str) -> bool:
-    try:
-        stored(cluster, resource, name)
-    except KeyError:
-        return True
-    return False
 
 
 def condition(cluster: kmock.KubernetesEmulator, kind: str, name: str = "chat") -> dict:

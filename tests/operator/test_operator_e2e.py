@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import kmock
 import pytest
-from operator_testkit import IS_RESOURCE, NAMESPACE, eventually
+from operator_testkit import IS_RESOURCE, NAMESPACE, eventually, inference_service, stored
 
 from tokenline_operator import names
 
@@ -23,23 +23,6 @@ API = f"/apis/{names.API_VERSION}/namespaces/{NAMESPACE}/{names.PLURAL}"
 DEPLOYMENTS = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments"
 MERGE = {"Content-Type": "application/merge-patch+json"}
 WRITES = ("POST", "PUT", "PATCH", "DELETE")
-
-
-def inference_service(name: str = "chat", **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": names.API_VERSION,
-        "kind": names.KIND,
-        "metadata": {"name": name, "namespace": NAMESPACE, "uid": f"uid-{name}", "generation": 1},
-        "spec": {"model": {"name": "Qwen/Qwen2.5-0.5B-Instruct"}, **spec},
-    }
-
-
-def stored(cluster: kmock.KubernetesEmulator, resource: str, name: str = "chat") -> dict:
-    """The object as the emulator holds it now (KeyError while absent or deleted)."""
-    obj = cluster.objects[resource, NAMESPACE, name]
-    if obj.deleted:
-        raise KeyError(name)
-    return obj.raw
 
 
 def condition(obj: dict, kind: str) -> dict:

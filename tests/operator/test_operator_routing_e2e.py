@@ -8,13 +8,12 @@ removed when routing is turned off; without it, the status says routing is a pla
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import inference_pool_schema
 import kmock
 import pytest
 import yaml
-from operator_testkit import IS_RESOURCE, NAMESPACE, eventually
+from operator_testkit import IS_RESOURCE, NAMESPACE, absent, eventually, inference_service, stored
 
 from tokenline_operator import inference_pool, names
 
@@ -34,30 +33,6 @@ ROUTING_CHILDREN = {
     "NetworkPolicy": ("networking.k8s.io/v1/networkpolicies", "chat-epp"),
     "InferencePool": (POOLS, "chat"),
 }
-
-
-def inference_service(**spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": names.API_VERSION,
-        "kind": names.KIND,
-        "metadata": {"name": "chat", "namespace": NAMESPACE, "uid": "uid-chat", "generation": 1},
-        "spec": {"model": {"name": "Qwen/Qwen2.5-0.5B-Instruct"}, **spec},
-    }
-
-
-def stored(cluster: kmock.KubernetesEmulator, resource: str, name: str = "chat") -> dict:
-    obj = cluster.objects[resource, NAMESPACE, name]
-    if obj.deleted:
-        raise KeyError(name)
-    return obj.raw
-
-
-def absent(cluster: kmock.KubernetesEmulator, resource: str, name: str) -> bool:
-    try:
-        stored(cluster, resource, name)
-    except KeyError:
-        return True
-    return False
 
 
 def condition(cluster: kmock.KubernetesEmulator, kind: str) -> dict:

@@ -98,7 +98,23 @@ class Pipeline:
         calls, which queue in the same tokenizer inbox."""
         return len(self.calls) + sum(ex.first_token_at is None for ex in self._distinct_exchanges())
 
-    def _refuse_when_full(self) -> None:
+    def _refuse_unless_admissible(self) -> None:
+        """Raise the 503 or 429 a new request (or tokenizer call) gets now, if any."""
+        if self.draining:
+            raise ApiError(
+                503,
+                "the server is shutting down; retry on another replica",
+                "shutting_down",
+                retry_after=1,
+            )
+        problem = self.health.problem(time.monotonic())
+        if problem is not None:
+            raise ApiError(
+                503,
+                f"the pipeline is not ready ({problem}); retry shortly",
+                "stage_unavailable",
+                retry_after=1,
+            )
         if self.waiting() >= self.settings.max_waiting:
             raise ApiError(
                 429,
@@ -117,22 +133,7 @@ class Pipeline:
         Every exchange opened must be closed (`close` or the `exchange` context manager): that
         is the only place per-request api state is freed.
         """
-        if self.draining:
-            raise ApiError(
-                503,
-                "the server is shutting down; retry on another replica",
-                "shutting_down",
-                retry_after=1,
-            )
-        problem = self.health.problem(time.monotonic())
-        if problem is not None:
-            raise ApiError(
-                503,
-                f"the pipeline is not ready ({problem}); retry shortly",
-                "stage_unavailable",
-                retry_after=1,
-            )
-        self._refuse_when_full()
+        self._refuse_unless_admissible()
         base = self.new_uid()
         uids = [base] if n == 1 else [f"{base}.{i}" for i in range(n)]
         # Everything is built and encoded before any state exists, so a request that cannot
@@ -198,15 +199,7 @@ class Pipeline:
         """Send the call ``build(uid)`` makes and wait for the tokenizer's answer, at most the
         request timeout. Raises `ApiError`: the call's own failure, a 503 when the ring is
         down (at once, or when it goes down meanwhile), a 504 past the deadline."""
-        problem = self.problem()
-        if problem is not None:
-            raise ApiError(
-                503,
-                f"the pipeline is not ready ({problem}); retry shortly",
-                "shutting_down" if self.draining else "stage_unavailable",
-                retry_after=1,
-            )
-        self._refuse_when_full()
+        self._refuse_unless_admissible()
         uid = self.new_uid()
         frame = self.ring.encode(build(uid))  # before any state: a failure leaves none
         timeout = self.settings.request_timeout

@@ -43,10 +43,6 @@ def _usage(ex: Exchange, per_prompt: int) -> dict:
     }
 
 
-def _per_prompt(body) -> int:
-    return body.n
-
-
 # ── logprobs ───────────────────────────────────────────────────────────────────────────────────
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI and vLLM report this instead
 
@@ -172,7 +168,7 @@ def full_response(ex: Exchange, body, meta: dict, chat: bool) -> dict:
         **meta,
         "object": "chat.completion" if chat else "text_completion",
         "choices": choices,
-        "usage": _usage(ex, _per_prompt(body)),
+        "usage": _usage(ex, body.n),
     }
 
 

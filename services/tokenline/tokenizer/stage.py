@@ -85,9 +85,22 @@ class Tokenizer:
             f"{self.vocab_size - 1} (vocab size {self.vocab_size})",
         )
 
-    def _encode_all(self, texts: list[tuple[int, str, bool]]) -> dict[int, list[int]]:
-        """(index, text, add_special_tokens) to {index: ids}: one batched tokenizer call per
-        value of ``add_special_tokens``."""
+    def _encode_rendered(
+        self,
+        requests: list[tuple[int, protocol.Generate | protocol.TokenizeCall, bool]],
+        failed: dict[int, protocol.Failed],
+    ) -> dict[int, list[int]]:
+        """(index, request, add_special_tokens) to {index: ids}: each prompt rendered, then one
+        batched tokenizer call per value of ``add_special_tokens``. A request whose chat
+        template fails goes into ``failed`` instead."""
+        texts: list[tuple[int, str, bool]] = []
+        for i, request, special in requests:
+            try:
+                texts.append((i, self._render(request), special))
+            except Exception as exc:  # a template error is the request's fault, not ours
+                failed[i] = _invalid(
+                    request.uid, "messages", f"the chat template rejected the messages: {exc}"
+                )
         encoded: dict[int, list[int]] = {}
         for special in (True, False):
             chosen = [(i, t) for i, t, s in texts if s == special]
@@ -99,23 +112,16 @@ class Tokenizer:
     def process(
         self, requests: list[protocol.Generate]
     ) -> list[protocol.Tokenized | protocol.Failed]:
-        texts: list[tuple[int, str, bool]] = []
+        to_encode = []
         done: dict[int, protocol.Tokenized | protocol.Failed] = {}
         for i, request in enumerate(requests):
             if request.prompt_ids is not None:  # tokenized by the client: checked, not encoded
                 bad = self._out_of_vocab(request.uid, request.prompt_ids, "prompt")
                 done[i] = bad or self._check(request, list(request.prompt_ids))
-                continue
-            try:
-                text = self._render(request)
-            except Exception as exc:  # a template error is the request's fault, not ours
-                done[i] = _invalid(
-                    request.uid, "messages", f"the chat template rejected the messages: {exc}"
-                )
-                continue
-            # Chat templates already carry their special tokens; raw prompts get the tokenizer's.
-            texts.append((i, text, request.messages is None))
-        encoded = self._encode_all(texts)
+            else:
+                # Chat templates carry their special tokens; raw prompts get the tokenizer's.
+                to_encode.append((i, request, request.messages is None))
+        encoded = self._encode_rendered(to_encode, done)
         return [
             done[i] if i in done else self._check(request, encoded[i])
             for i, request in enumerate(requests)
@@ -126,23 +132,16 @@ class Tokenizer:
     ) -> list[protocol.TokenizerAnswer | protocol.Failed]:
         """Tokenize (or detokenize) what each call asks; no length limit applies here, so a
         client can measure a prompt that would be too long to serve."""
-        texts: list[tuple[int, str, bool]] = []
+        to_encode = []
         done: dict[int, protocol.TokenizerAnswer | protocol.Failed] = {}
         for i, call in enumerate(calls):
             if call.decode is not None:
                 bad = self._out_of_vocab(call.uid, call.decode, "tokens")
                 text = None if bad else self.tokenizer.decode(call.decode)
                 done[i] = bad or protocol.TokenizerAnswer(uid=call.uid, text=text)
-                continue
-            try:
-                text = self._render(call)
-            except Exception as exc:
-                done[i] = _invalid(
-                    call.uid, "messages", f"the chat template rejected the messages: {exc}"
-                )
-                continue
-            texts.append((i, text, call.add_special_tokens))
-        encoded = self._encode_all(texts)
+            else:
+                to_encode.append((i, call, call.add_special_tokens))
+        encoded = self._encode_rendered(to_encode, done)
         out: list[protocol.TokenizerAnswer | protocol.Failed] = []
         for i, call in enumerate(calls):
             if i in done:

@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 
 from tokenline.cli import build_parser, settings_from
-from tokenline.serve import stage_argv
+from tokenline.serve import stage_argv, stage_env
 from tokenline.settings import BY_FLAG, SETTINGS, Settings, settings_of
 from tokenline.transport import RingEndpoints
 
@@ -109,7 +109,11 @@ def test_serve_passes_each_stage_only_flags_it_takes_and_they_round_trip(stage):
     passed = {a for a in argv if a.startswith("--")}
     taken = {f"--{s.flag}" for s in settings_of(stage)}
     assert passed <= taken, passed - taken
-    parsed = settings_from(build_parser().parse_args(argv[argv.index(stage) :]))
+    secrets = stage_env(stage, settings)  # the rest travels in the child's environment
+    assert set(secrets) == {s.env for s in settings_of(stage) if s.secret}
+    assert not passed & {f"--{s.flag}" for s in SETTINGS if s.secret}
+    with mock.patch.dict(os.environ, secrets):
+        parsed = settings_from(build_parser().parse_args(argv[argv.index(stage) :]))
     for setting in settings_of(stage):
         if setting.flag == "metrics-port":
             continue  # serve's own: port+1..3

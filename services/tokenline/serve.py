@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenline import protocol
 from tokenline.model_source import resolve
@@ -40,9 +40,12 @@ def _die_with_parent() -> None:
 
 
 def stage_argv(stage: str, settings: Settings) -> list[str]:
-    """The child's command line: every flag `stage` takes that has a value (`SETTINGS`)."""
+    """The child's command line: every flag `stage` takes that has a value (`SETTINGS`), but
+    the secrets, which travel in `stage_env`."""
     argv = [sys.executable, "-m", "tokenline.cli", stage]
     for setting in settings_of(stage):
+        if setting.secret:
+            continue
         if setting.flag == "metrics-port":
             value = metrics_port(stage, settings.port)  # serve's own scheme: port+1..3
         elif not setting.serve:
@@ -62,6 +65,35 @@ def stage_argv(stage: str, settings: Settings) -> list[str]:
     return argv
 
 
+class SecretError(ValueError):
+    """A secret that its environment mirror cannot carry unchanged."""
+
+
+def stage_env(stage: str, settings: Settings) -> dict[str, str]:
+    """The secret settings `stage` takes, as their ``TOKENLINE_*`` mirrors: only the child's
+    own user (and root) can read its environment, while its command line is world-readable
+    in /proc and ``ps``."""
+    env = {}
+    for setting in settings_of(stage):
+        if not setting.secret:
+            continue
+        value = setting.value(settings)
+        if not value:
+            continue
+        items = [str(v) for v in value] if setting.repeatable else [str(value)]
+        for item in items:
+            # the mirror is comma-separated and stripped (cli.py): such a value would arrive
+            # as other keys, each of them accepted
+            if "," in item or item != item.strip() or not item:
+                raise SecretError(
+                    f"a --{setting.flag} value holds a comma or starts or ends with white "
+                    f"space, which `tokenline serve` cannot hand to the {stage} stage; "
+                    "put it in a file named by --api-key-file instead"
+                )
+        env[setting.env] = ",".join(items)
+    return env
+
+
 def metrics_port(stage: str, api_port: int) -> int:
     return api_port + {"tokenizer": 1, "scheduler": 2, "detokenizer": 3}[stage]
 
@@ -70,6 +102,7 @@ def metrics_port(stage: str, api_port: int) -> int:
 class Child:
     stage: str
     argv: list[str]
+    secrets: dict[str, str] = field(default_factory=dict, repr=False)  # `stage_env`
     process: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -87,6 +120,7 @@ class Child:
     def start(self) -> None:
         self.started_at = time.monotonic()
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENLINE_")}
+        env.update(self.secrets)
         self.process = subprocess.Popen(
             self.argv, start_new_session=True, preexec_fn=_die_with_parent, env=env
         )
@@ -111,6 +145,11 @@ def _wait_ready(url: str, children: list[Child], timeout: float) -> bool:
 
 
 def serve(settings: Settings, ipc_dir: str | None = None) -> int:
+    try:
+        secrets = {stage: stage_env(stage, settings) for stage in START_ORDER}
+    except SecretError as exc:
+        log.error("%s", exc)
+        return 2
     # Build or locate the model once, before four processes race for it.
     source = resolve(settings.model, settings.model_cache_dir, settings.revision)
     log.info("model %s at %s", source.spec, source.path)
@@ -118,7 +157,7 @@ def serve(settings: Settings, ipc_dir: str | None = None) -> int:
     if ipc_dir is None:
         owned_dir = ipc_dir = tempfile.mkdtemp(prefix="tokenline-")
     settings.endpoints = RingEndpoints.in_directory(ipc_dir)
-    children = [Child(stage, stage_argv(stage, settings)) for stage in START_ORDER]
+    children = [Child(stage, stage_argv(stage, settings), secrets[stage]) for stage in START_ORDER]
 
     stopping = False
 

@@ -141,6 +141,9 @@ class Setting:
     metavar: str | None = None
     #: a default of each stage's own, instead of `default`
     stage_defaults: Mapping[str, Any] | None = None
+    #: a credential: `serve` hands it to its children in their environment (the mirror),
+    #: never on a command line, which every local user can read in ``ps``
+    secret: bool = False
 
     @property
     def env(self) -> str:
@@ -255,6 +258,7 @@ SETTINGS: tuple[Setting, ...] = (
         attr="api_keys",
         repeatable=True,
         metavar="KEY",
+        secret=True,
     ),
     Setting(
         "allowed-origin",

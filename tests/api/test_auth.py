@@ -11,7 +11,7 @@ from api_testkit import ADMITTED, app_with, client_for
 
 from tokenline.api.auth import OPEN_PATHS, ApiKeys, KeyFileError, parse_key_file
 from tokenline.cli import build_parser, settings_from
-from tokenline.serve import stage_argv
+from tokenline.serve import SecretError, stage_argv, stage_env
 
 KEY = "sk-right-0123456789"
 OTHER_KEY = "sk-second-key"
@@ -207,12 +207,14 @@ def test_keys_are_not_in_the_settings_repr():
     assert KEY not in repr(_settings(["api", "--api-key", KEY]))
 
 
-def test_serve_hands_keys_and_limits_to_the_api_only():
+def test_serve_hands_keys_and_limits_to_the_api_only(monkeypatch):
     settings = _settings(
         [
             "serve",
             "--api-key",
             KEY,
+            "--api-key",
+            OTHER_KEY,
             "--api-key-file",
             "/k",
             "--max-n",
@@ -222,10 +224,21 @@ def test_serve_hands_keys_and_limits_to_the_api_only():
         ]
     )
     api = stage_argv("api", settings)
-    assert api[api.index("--api-key") + 1] == KEY
+    assert "--api-key" not in api and not any(KEY in a or OTHER_KEY in a for a in api)
     assert api[api.index("--api-key-file") + 1] == "/k"
+    assert stage_env("api", settings) == {"TOKENLINE_API_KEY": f"{KEY},{OTHER_KEY}"}
     for stage in ("tokenizer", "scheduler", "detokenizer"):
-        assert KEY not in stage_argv(stage, settings)
+        assert KEY not in " ".join(stage_argv(stage, settings))
+        assert stage_env(stage, settings) == {}
+    for name, value in stage_env("api", settings).items():  # as the child starts
+        monkeypatch.setenv(name, value)
     parsed = _settings(api[api.index("api") :])
-    assert parsed.api_keys == [KEY] and parsed.api_key_file == "/k"
+    assert parsed.api_keys == [KEY, OTHER_KEY] and parsed.api_key_file == "/k"
     assert parsed.max_n == 4 and parsed.max_body_size == 2**20
+
+
+@pytest.mark.parametrize("key", ["a,b", " padded", "trailing\t"])
+def test_serve_refuses_a_key_its_children_would_read_as_other_keys(key):
+    settings = _settings(["serve", "--api-key", key])
+    with pytest.raises(SecretError, match="--api-key-file"):
+        stage_env("api", settings)

@@ -155,6 +155,43 @@ def test_no_key_in_the_stacks_log(keyed_stack):
     assert KEY not in log and FILE_KEY_OLD not in log
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``, from /proc."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        below = [p for p, parent in parents.items() if parent == current]
+        found += below
+        frontier += below
+    return found
+
+
+def test_no_key_on_any_child_command_line(keyed_stack):
+    """`ps` shows every local user each process's command line: the keys given to `serve`
+    reach the api through its environment, which only its own user can read."""
+    children = _descendants(keyed_stack.process.pid)
+    stages = {s: keyed_stack.pid_of(s) for s in ("api", "tokenizer", "scheduler", "detokenizer")}
+    assert set(stages.values()) <= set(children)
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        assert KEY.encode() not in cmdline, cmdline
+    with open(f"/proc/{stages['api']}/environ", "rb") as f:
+        environ = f.read().split(b"\0")
+    assert f"TOKENLINE_API_KEY={KEY}".encode() in environ  # how it got there instead
+    for stage in ("tokenizer", "scheduler", "detokenizer"):
+        with open(f"/proc/{stages[stage]}/environ", "rb") as f:
+            assert KEY.encode() not in f.read(), stage
+
+
 # Last in this module: an empty prompt once took the scheduler down, and if it ever does
 # again, nothing after it uses this stack.
 def test_an_empty_prompt_is_answered_and_kills_nothing(keyed_stack):

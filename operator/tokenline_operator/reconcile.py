@@ -36,6 +36,9 @@ class Context:
     )
     #: The optional APIs each InferenceService's children and status were last made from.
     _reconciled_with: dict[tuple[str, str], Capabilities] = field(default_factory=dict)
+    #: InferenceServices told (in the log) that the InferencePool they ask for cannot be
+    #: served: each reconcile would say it again, so after the first it is said at debug.
+    _told_no_pool: set[tuple[str, str]] = field(default_factory=set)
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         """One lock per InferenceService: its reconciles never interleave."""
@@ -60,6 +63,18 @@ class Context:
     def forget(self, namespace: str, name: str) -> None:
         """The InferenceService is gone: nothing to re-reconcile when the APIs change."""
         self._reconciled_with.pop((namespace, name), None)
+        self._told_no_pool.discard((namespace, name))
+
+    def first_time_without_pool(self, namespace: str, name: str, without: bool) -> bool:
+        """Whether the missing InferencePool is news for this InferenceService; ``without``
+        False (served again, or no longer asked for) makes a later absence news again."""
+        key = (namespace, name)
+        if not without:
+            self._told_no_pool.discard(key)
+            return False
+        news = key not in self._told_no_pool
+        self._told_no_pool.add(key)
+        return news
 
 
 @dataclass(frozen=True)
@@ -150,6 +165,7 @@ async def _apply_routing(
     """The InferencePool and its picker when routing is on; none of them when it is off."""
     wanted = manifests.routing_enabled(parsed, caps)
     if wanted and caps.inference_pool:
+        ctx.first_time_without_pool(owner.namespace, owner.name, False)
         live = {}
         for desired in inference_pool.children(owner, parsed):
             live[desired["kind"]] = await _ensure(ctx, owner, desired)
@@ -158,12 +174,20 @@ async def _apply_routing(
         return status.Routing(wanted=True, served=True, pool=owner.name, picker=live["Deployment"])
     for kind in reversed(inference_pool.KINDS):
         await _remove(ctx, owner, kind, inference_pool.child_name(owner, kind))
+    # Asked for but not served is a state of the cluster, not a failed reconcile: retrying
+    # cannot fix it (kopf would log an error at every retry), the status says it, and the
+    # discovery loop (resync.py) reconciles again once the CRD is installed.
+    news = ctx.first_time_without_pool(owner.namespace, owner.name, wanted)
     if wanted:
-        raise KubeError(
-            404,
-            f"the cluster does not serve {names.INFERENCE_POOL_CRD}: install the Gateway API "
-            f"Inference Extension's CRDs or set spec.routing.inferencePool.enabled to false",
+        log.log(
+            logging.WARNING if news else logging.DEBUG,
+            "%s/%s asks for an InferencePool but the cluster does not serve %s: it is served "
+            "through its plain Service until the CRD is installed (see its Degraded condition)",
+            owner.namespace,
+            owner.name,
+            names.INFERENCE_POOL_CRD,
         )
+        return status.Routing(wanted=True, served=False, pool=None)
     return status.Routing(wanted=False, served=caps.inference_pool, pool=None)
 
 

@@ -79,6 +79,19 @@ def _deployment_condition(deployment: dict[str, Any], kind: str) -> dict[str, An
     return {}
 
 
+def _routing_problem(obs: Observation) -> str | None:
+    """Why the routing the spec asks for is not served, if it is not."""
+    if obs.routing is None or not obs.routing.wanted or obs.routing.served:
+        return None
+    return (
+        f"spec.routing.inferencePool.enabled is true but the cluster does not serve "
+        f"{INFERENCE_POOL_CRD}: install the Gateway API Inference Extension's CRDs (the "
+        "operator notices within its discovery interval) or set "
+        "spec.routing.inferencePool.enabled to false. Meanwhile requests reach the pods "
+        f"through the plain Service {obs.service}."
+    )
+
+
 def _assess(
     obs: Observation,
 ) -> tuple[tuple[bool, str, str], tuple[bool, str, str], tuple[bool, str, str]]:
@@ -90,15 +103,18 @@ def _assess(
             (True, "InvalidSpec", obs.spec_error),
         )
     dep = obs.deployment
+    no_pool = _routing_problem(obs)
     if dep is None:
+        if obs.reconcile_error:
+            degraded = (True, "ReconcileFailed", obs.reconcile_error)
+        elif no_pool:
+            degraded = (True, "InferencePoolUnavailable", no_pool)
+        else:
+            degraded = (False, "AsExpected", "No problem found.")
         return (
             (False, "DeploymentMissing", "The Deployment does not exist yet."),
             (True, "Creating", "Creating the children."),
-            (
-                bool(obs.reconcile_error),
-                "ReconcileFailed" if obs.reconcile_error else "AsExpected",
-                obs.reconcile_error or "No problem found.",
-            ),
+            degraded,
         )
 
     status = dep.get("status", {})
@@ -148,6 +164,8 @@ def _assess(
         degraded = (True, "ReplicaFailure", failure_cond.get("message", "Pods cannot be created."))
     elif ready_count < desired and not rolling:
         degraded = (True, "ReplicasUnavailable", f"Only {ready_count}/{desired} replicas ready.")
+    elif no_pool:
+        degraded = (True, "InferencePoolUnavailable", no_pool)
     else:
         degraded = (False, "AsExpected", "No problem found.")
     return ready, progressing, degraded

@@ -8,6 +8,7 @@ removed when routing is turned off; without it, the status says routing is a pla
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import inference_pool_schema
 import kmock
@@ -147,7 +148,15 @@ async def test_without_the_crd_the_condition_says_plain_service(cluster, operato
         assert absent(cluster, resource, name)
 
 
-async def test_asking_for_a_pool_the_cluster_cannot_serve_is_degraded_but_serves(cluster, operator):
+def _reconciles(operator: dict) -> float:
+    (family,) = operator["metrics"].reconciles.collect()
+    return sum(s.value for s in family.samples if s.name.endswith("_total"))
+
+
+async def test_asking_for_a_pool_the_cluster_cannot_serve_is_degraded_but_serves(
+    cluster, operator, caplog
+):
+    caplog.set_level(logging.DEBUG)
     await apply(cluster, inference_service(routing={"inferencePool": {"enabled": True}}))
     await eventually(lambda: stored(cluster, "apps/v1/deployments"))
     await eventually(lambda: stored(cluster, "v1/services"))
@@ -157,10 +166,28 @@ async def test_asking_for_a_pool_the_cluster_cannot_serve_is_degraded_but_serves
             condition(cluster, "Degraded")["status"] == "True" and condition(cluster, "Degraded")
         )
     )
-    assert degraded["reason"] == "ReconcileFailed"
+    assert degraded["reason"] == "InferencePoolUnavailable"
     assert names.INFERENCE_POOL_CRD in degraded["message"]
+    assert "plain Service chat" in degraded["message"]
     assert condition(cluster, "Routing")["reason"] == "InferencePoolUnavailable"
     assert absent(cluster, "apps/v1/deployments", "chat-epp")
+
+    # Every later reconcile finds the same cluster: said once, then at debug, and never an
+    # error (a failed reconcile would be retried and logged by kopf every 30 s).
+    done = _reconciles(operator)
+    for replicas in (1, 2, 3):
+        await patch(
+            cluster,
+            f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/chat/status",
+            {"status": {"replicas": replicas, "readyReplicas": replicas}},
+        )
+        await eventually(lambda r=replicas: _reconciles(operator) >= done + r)
+    told = [r for r in caplog.records if names.INFERENCE_POOL_CRD in r.getMessage()]
+    assert [r.levelno for r in told if r.levelno > logging.DEBUG] == [logging.WARNING]
+    assert sum(r.levelno == logging.DEBUG for r in told) >= 3
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == []
+    assert condition(cluster, "Degraded")["reason"] == "InferencePoolUnavailable"
 
 
 @pytest.mark.parametrize("optional_apis", [{"inferencepool"}])

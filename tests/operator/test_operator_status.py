@@ -5,7 +5,10 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import pytest
+
 from tokenline_operator import status
+from tokenline_operator.names import INFERENCE_POOL_CRD
 from tokenline_operator.reconcile import is_subset
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
@@ -134,6 +137,22 @@ def test_api_failure_is_degraded_but_keeps_reporting_the_deployment():
     result = compute(deployment(), reconcile_error="PATCH ...: 403 Forbidden")
     assert conditions(result)["Degraded"] == ("True", "ReconcileFailed")
     assert conditions(result)["Ready"] == ("True", "ReplicasReady")
+
+
+@pytest.mark.parametrize("dep", [deployment(), None], ids=["serving", "no-deployment"])
+def test_a_pool_asked_for_but_not_served_is_degraded_and_says_how_to_fix_it(dep):
+    routing = status.Routing(wanted=True, served=False)
+    result = compute(dep, routing=routing, service="chat")
+    degraded = next(c for c in result["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "InferencePoolUnavailable")
+    assert INFERENCE_POOL_CRD in degraded["message"] and "plain Service chat" in degraded["message"]
+    assert conditions(result)["Routing"] == ("False", "InferencePoolUnavailable")
+    assert result["phase"] == "Degraded"
+    # a failed write says more than the pool, a stalled rollout too
+    failed = compute(dep, routing=routing, service="chat", reconcile_error="PATCH: 403")
+    assert conditions(failed)["Degraded"] == ("True", "ReconcileFailed")
+    served = compute(dep, routing=status.Routing(wanted=True, served=True, pool="chat"))
+    assert conditions(served)["Degraded"][1] != "InferencePoolUnavailable"
 
 
 def test_transition_time_moves_only_when_the_status_flips():

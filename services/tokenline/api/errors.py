@@ -102,6 +102,15 @@ def unencodable(exc: Exception) -> ApiError:
     )
 
 
+def no_websocket(path: str) -> ApiError:
+    return ApiError(
+        404,
+        f"no WebSocket route {path}; this server answers plain HTTP requests (and SSE "
+        "streams); see /openapi.json for the routes served",
+        "not_found",
+    )
+
+
 def abort_error(reason: str) -> ApiError:
     status, code, message = ABORT_ERRORS.get(reason, (500, reason, f"aborted: {reason}"))
     return ApiError(status, message, code)

@@ -7,6 +7,8 @@ a stage exports the ones it owns. Dashboards and alerts depend on these names.
 from __future__ import annotations
 
 import threading
+import weakref
+from collections.abc import Callable, Sized
 from http.server import ThreadingHTTPServer
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -47,6 +49,12 @@ STAGE_LATENCY = Histogram(
 )
 MALFORMED_FRAMES = Counter(
     "tokenline_malformed_frames", "Frames that failed to decode and were dropped.", ["stage"]
+)
+CACHE_ENTRIES = Gauge(
+    "tokenline_cache_entries",
+    "Entries held by a bounded cache or history (grammars, schema checks, tombstones, ...); "
+    "each has a limit, so this levels off under any traffic.",
+    ["stage", "cache"],
 )
 LATE_REPLIES = Counter(
     "tokenline_late_messages",
@@ -111,6 +119,23 @@ GRAMMAR_COMPILE_TIME = Histogram(
     ["stage"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
 )
+
+
+def track_cache(stage: str, cache: str, sized: Sized | Callable[[], int]) -> None:
+    """Export the size of ``sized`` as ``tokenline_cache_entries{stage, cache}``, read at each
+    scrape. An object is held weakly, so a gauge never keeps a discarded stage alive (tests
+    build many); a function (``lambda: f.cache_info().currsize``) is called as it is. The
+    latest object tracked under a name is the one exported."""
+    if callable(sized) and not hasattr(sized, "__len__"):
+        size = sized
+    else:
+        ref = weakref.ref(sized)
+
+        def size() -> int:
+            held = ref()
+            return 0 if held is None else len(held)
+
+    CACHE_ENTRIES.labels(stage=stage, cache=cache).set_function(size)
 
 
 def serve_metrics(port: int, host: str = "0.0.0.0") -> ThreadingHTTPServer:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from tokenline.ledger import BoundedSet, Ledger
+from tokenline.ledger import Ledger
 from tokenline.metrics import LEAKED_UIDS, LEAKS_RECLAIMED
 
 
@@ -32,11 +32,3 @@ def test_past_deadline_plus_grace_is_a_leak():
 
 def test_unknown_uid_held_is_a_leak():
     assert Ledger("test-unknown").sweep(held=["ghost"]) == ["ghost"]
-
-
-def test_bounded_set_forgets_the_oldest():
-    tombstones = BoundedSet(capacity=2)
-    for uid in ("a", "b", "c"):
-        tombstones.add(uid)
-    assert "a" not in tombstones and "b" in tombstones and "c" in tombstones
-    assert len(tombstones) == 2

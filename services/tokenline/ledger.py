@@ -4,13 +4,16 @@ A stage opens a uid when its state is created and closes it on the uid's termina
 periodic sweep compares the ledger with the uids the stage really holds: a uid that is held
 after it was closed, or past its deadline plus a grace period, is a leak. Leaks are reported in
 ``tokenline_leaked_uids``, logged, counted and handed back to the stage to reclaim.
+
+A closed uid is forgotten at once: the sweep needs only the open ones (a held uid that is not
+open is a leak, whichever way it was closed), and a history of closed uids would grow with
+every request served.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Iterable
 
 from tokenline.metrics import LEAKED_UIDS, LEAKS_RECLAIMED, LIVE_UIDS
@@ -18,40 +21,14 @@ from tokenline.metrics import LEAKED_UIDS, LEAKS_RECLAIMED, LIVE_UIDS
 log = logging.getLogger(__name__)
 
 
-class BoundedSet:
-    """Insertion-ordered set that forgets its oldest members past ``capacity``."""
-
-    def __init__(self, capacity: int) -> None:
-        self._items: OrderedDict[str, None] = OrderedDict()
-        self._capacity = capacity
-
-    def add(self, item: str) -> None:
-        self._items[item] = None
-        self._items.move_to_end(item)
-        while len(self._items) > self._capacity:
-            self._items.popitem(last=False)
-
-    def discard(self, item: str) -> None:
-        self._items.pop(item, None)
-
-    def __contains__(self, item: object) -> bool:
-        return item in self._items
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
 LEAK_GRACE_S = 30.0  # past its deadline, a uid is reclaimed (and counted) after this long
 
 
 class Ledger:
-    def __init__(
-        self, stage: str, grace_s: float = LEAK_GRACE_S, closed_capacity: int = 65_536
-    ) -> None:
+    def __init__(self, stage: str, grace_s: float = LEAK_GRACE_S) -> None:
         self.stage = stage
         self.grace_s = grace_s
         self._deadlines: dict[str, float] = {}
-        self._closed = BoundedSet(closed_capacity)
         self._live = LIVE_UIDS.labels(stage=stage)
         self._leaked = LEAKED_UIDS.labels(stage=stage)
         self._reclaimed = LEAKS_RECLAIMED.labels(stage=stage)
@@ -60,12 +37,10 @@ class Ledger:
 
     def open(self, uid: str, timeout_s: float) -> None:
         self._deadlines[uid] = time.monotonic() + timeout_s
-        self._closed.discard(uid)
         self._live.set(len(self._deadlines))
 
     def close(self, uid: str) -> None:
-        if self._deadlines.pop(uid, None) is not None:
-            self._closed.add(uid)
+        self._deadlines.pop(uid, None)
         self._live.set(len(self._deadlines))
 
     def is_open(self, uid: str) -> bool:
@@ -92,6 +67,5 @@ class Ledger:
             )
             self._reclaimed.inc()
             self._deadlines.pop(uid, None)
-            self._closed.add(uid)
         self._live.set(len(self._deadlines))
         return leaked

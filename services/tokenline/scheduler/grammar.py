@@ -7,13 +7,13 @@ and its JSON Schema coverage is broad, with clear errors for what it cannot enfo
 
 A grammar's first matcher is built on a worker thread, never in the step loop: the request
 waits outside the decode batch until it is ready. Built matchers are kept pristine, by grammar
-text, and every later request with the same grammar starts from a copy.
+text, and every later request with the same grammar starts from a copy. The cache is bounded
+in entries and in an estimate of the matchers' memory, since a client chooses the grammar.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
@@ -21,14 +21,26 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
+from tokenline.bounded import LruCache
 from tokenline.metrics import GRAMMAR_COMPILE_TIME
 
 CACHE_SIZE = 64  # distinct grammars kept ready; a copy of one is microseconds
+CACHE_BYTES = 64 * 2**20  # estimated matcher memory kept, over every cached grammar
+# A built matcher's memory, estimated from its grammar's length: a fixed part (lexer and
+# parser state for the tokenizer) and a part that grows with the grammar, both measured
+# (benchmarks/README.md, "Soak"). A grammar over a quarter of CACHE_BYTES is built every time.
+MATCHER_BASE_BYTES = 64 * 2**10
+MATCHER_BYTES_PER_CHAR = 64
 _BITS = 32
 
 
 class GrammarError(ValueError):
     """The grammar cannot be enforced; the request's fault (a 400, param response_format)."""
+
+
+def matcher_cost(grammar: str, matcher: object) -> int:
+    """Estimated bytes a kept matcher holds (its grammar text included)."""
+    return MATCHER_BASE_BYTES + MATCHER_BYTES_PER_CHAR * len(grammar)
 
 
 class GrammarCompiler:
@@ -38,17 +50,16 @@ class GrammarCompiler:
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer)
         self.vocab_size = self.tokenizer.vocab_size
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar")
-        self._ready: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self.cache: LruCache[str, llguidance.LLMatcher] = LruCache(
+            CACHE_SIZE, CACHE_BYTES, matcher_cost
+        )
         self._executor = llguidance.LLExecutor()
         self._latency = GRAMMAR_COMPILE_TIME.labels(stage="scheduler")
 
     def cached(self, grammar: str) -> llguidance.LLMatcher | None:
         """A fresh matcher at once when this grammar was built before, else None."""
-        pristine = self._ready.get(grammar)
-        if pristine is None:
-            return None
-        self._ready.move_to_end(grammar)
-        return pristine.deep_copy()
+        pristine = self.cache.get(grammar)
+        return None if pristine is None else pristine.deep_copy()
 
     def submit(self, grammar: str) -> Future:
         """A future of a fresh matcher; it raises `GrammarError` for a grammar that fails."""
@@ -70,10 +81,7 @@ class GrammarCompiler:
     def keep(self, grammar: str, matcher: llguidance.LLMatcher) -> llguidance.LLMatcher:
         """Remember a freshly built matcher (called on the step loop's thread) and return a
         copy to use, so the kept one stays at the grammar's start."""
-        self._ready[grammar] = matcher
-        self._ready.move_to_end(grammar)
-        while len(self._ready) > CACHE_SIZE:
-            self._ready.popitem(last=False)
+        self.cache.put(grammar, matcher)
         return matcher.deep_copy()
 
     def masks(self, matchers: list[llguidance.LLMatcher], width: int, device) -> torch.Tensor:

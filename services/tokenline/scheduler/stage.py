@@ -11,7 +11,7 @@ import logging
 import msgspec
 
 from tokenline import protocol
-from tokenline.ledger import BoundedSet
+from tokenline.bounded import ExpiringSet
 from tokenline.lifecycle import Drain
 from tokenline.metrics import (
     BUFFER_DEPTH,
@@ -24,6 +24,7 @@ from tokenline.metrics import (
     REQUESTS_WAITING,
     STAGE_LATENCY,
     serve_metrics,
+    track_cache,
 )
 from tokenline.model_source import resolve
 from tokenline.scheduler.engine import (
@@ -40,6 +41,10 @@ from tokenline.transport import SyncRing
 
 log = logging.getLogger(__name__)
 PROMPT_TAIL = 8  # prompt ids the detokenizer primes its stream with
+# An abort overtakes its request only while both are in flight (queued behind a restarted
+# stage); a request that arrives later than this after its abort runs to its own deadline.
+TOMBSTONE_TTL_S = 60.0
+MAX_TOMBSTONES = 65_536
 
 
 class SchedulerStage:
@@ -49,7 +54,11 @@ class SchedulerStage:
         self.engine = engine
         # An abort that overtakes its request (for example after a restart upstream) is
         # remembered here, so the request is refused when it arrives.
-        self.tombstones = BoundedSet(65_536)
+        self.tombstones = ExpiringSet(MAX_TOMBSTONES, TOMBSTONE_TTL_S)
+        track_cache(self.stage, "tombstones", self.tombstones)
+        track_cache(self.stage, "prefix_blocks", lambda pool=engine.pool: pool.num_cached)
+        if engine.grammars is not None:
+            track_cache(self.stage, "grammars", engine.grammars.cache)
         self._late = LATE_REPLIES.labels(stage="scheduler")
         self._latency = STAGE_LATENCY.labels(stage="scheduler")
         self._queue_time = QUEUE_TIME.labels(model=model_name)
@@ -70,7 +79,10 @@ class SchedulerStage:
             return self._admit(message, arrived)
         if isinstance(message, protocol.Abort):
             if self.engine.abort(message.uid) is None:
-                self.tombstones.add(message.uid)
+                # The api sends a stop string's abort after the uid's first reply, so the
+                # request came through here already: most often it has ended since.
+                if message.reason != "stop_string":
+                    self.tombstones.add(message.uid)
                 return [message]
             return []  # the engine emits the terminal output behind everything sent so far
         if isinstance(message, protocol.Pause):

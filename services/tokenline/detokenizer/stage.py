@@ -3,7 +3,9 @@
 Per-uid state is created on `Begin` and freed on every terminal event: the scheduler's final
 output, a stop string, a `Failed`, or an `Abort` for a uid still held. A uid this stage ended
 early (a stop string, a failure) is remembered until the scheduler's own end for it arrives,
-so the tokens decoded meanwhile are dropped quietly: they are expected, not anomalies.
+so the tokens decoded meanwhile are dropped quietly: they are expected, not anomalies. That
+memory expires at the uid's deadline plus the leak grace, by when the scheduler has ended it
+too (or died), so nothing is kept per request for longer than its deadline.
 """
 
 from __future__ import annotations
@@ -15,17 +17,19 @@ from dataclasses import dataclass
 import msgspec
 
 from tokenline import protocol
+from tokenline.bounded import ExpiringSet
 from tokenline.detokenizer.incremental import IncrementalDecoder
 from tokenline.detokenizer.token_text import TokenTexts
-from tokenline.ledger import BoundedSet
+from tokenline.ledger import LEAK_GRACE_S
 from tokenline.lifecycle import Drain
-from tokenline.metrics import LATE_REPLIES, STAGE_LATENCY, serve_metrics
+from tokenline.metrics import LATE_REPLIES, STAGE_LATENCY, serve_metrics, track_cache
 from tokenline.model_source import resolve
 from tokenline.settings import Settings
 from tokenline.stage_runtime import StepFreeHandler, internal_error, serve_stage
 from tokenline.transport import SyncRing
 
 log = logging.getLogger(__name__)
+MAX_ENDED_EARLY = 65_536
 
 
 @dataclass
@@ -36,6 +40,7 @@ class _Live:
     queue_s: float = 0.0
     cached_tokens: int = 0
     echo_ids: list[int] | None = None  # the prompt to echo, until the first reply takes it
+    deadline: float = float("inf")  # monotonic; past it the scheduler ends the uid itself
 
 
 class Detokenizer(StepFreeHandler):
@@ -46,7 +51,9 @@ class Detokenizer(StepFreeHandler):
         self.token_texts = TokenTexts(tokenizer)
         self.live: dict[str, _Live] = {}
         # Ended here before the scheduler ended them; the scheduler's end is still to come.
-        self.ended_early = BoundedSet(65_536)
+        self.ended_early = ExpiringSet(MAX_ENDED_EARLY, LEAK_GRACE_S)
+        track_cache(self.stage, "ended_early", self.ended_early)
+        track_cache(self.stage, "token_texts", self.token_texts)
         self._late = LATE_REPLIES.labels(stage="detokenizer")
         self._latency = STAGE_LATENCY.labels(stage="detokenizer")
 
@@ -74,6 +81,7 @@ class Detokenizer(StepFreeHandler):
                 message.prompt_tokens,
                 message.tokenizer_s,
                 echo_ids=message.echo_ids or None,
+                deadline=arrived + message.timeout_s,
             )
             return []
         if isinstance(message, protocol.TokenizerAnswer):  # the tokenizer's, for the api
@@ -135,7 +143,7 @@ class Detokenizer(StepFreeHandler):
             self._latency.observe(reply.detokenizer_s)
             del self.live[out.uid]
             if reply.stop_string:
-                self.ended_early.add(out.uid)
+                self._ended_early(out.uid, live)
         return reply
 
     def _prompt_fields(self, reply: protocol.Reply, live: _Live, out: protocol.TokenOutput) -> None:
@@ -158,9 +166,14 @@ class Detokenizer(StepFreeHandler):
         return protocol.StageStatus(stage=self.stage, instance="", running=len(self.live))
 
     def fail(self, uid: str) -> list[msgspec.Struct]:
-        if self.live.pop(uid, None) is not None:
-            self.ended_early.add(uid)
+        live = self.live.pop(uid, None)
+        if live is not None:
+            self._ended_early(uid, live)
         return []
+
+    def _ended_early(self, uid: str, live: _Live) -> None:
+        remaining = live.deadline - time.monotonic()
+        self.ended_early.add(uid, ttl_s=max(0.0, remaining) + LEAK_GRACE_S)
 
 
 def run(settings: Settings) -> int:

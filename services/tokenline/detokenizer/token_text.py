@@ -41,6 +41,9 @@ class TokenTexts:
         self._cache: dict[int, tuple[str, list[int]]] = {}
         self._max_cached = max_cached
 
+    def __len__(self) -> int:
+        return len(self._cache)
+
     def get(self, token_id: int) -> tuple[str, list[int]]:
         hit = self._cache.get(token_id)
         if hit is None:

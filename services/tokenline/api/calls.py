@@ -2,7 +2,9 @@
 
 No stage holds state for a call, so a call the api stops waiting for (its client went away,
 its deadline passed) needs no abort: its uid is only remembered, in a bounded set, so that the
-answer arriving afterwards is recognised and dropped instead of counted as a late reply.
+answer arriving afterwards is recognised and dropped instead of counted as a late reply. An
+answer that has not come within ``horizon_s`` never will (the tokenizer answers in order, or
+died), so the uid is forgotten then.
 """
 
 from __future__ import annotations
@@ -12,13 +14,13 @@ from collections.abc import Iterator
 
 from tokenline import protocol
 from tokenline.api.errors import ApiError
-from tokenline.ledger import BoundedSet
+from tokenline.bounded import ExpiringSet
 
 
 class Calls:
-    def __init__(self, abandoned_capacity: int = 4096) -> None:
+    def __init__(self, abandoned_capacity: int = 4096, horizon_s: float = 630.0) -> None:
         self._pending: dict[str, asyncio.Future[protocol.TokenizerAnswer]] = {}
-        self._abandoned = BoundedSet(abandoned_capacity)
+        self.abandoned = ExpiringSet(abandoned_capacity, horizon_s)
 
     def open(self, uid: str) -> asyncio.Future[protocol.TokenizerAnswer]:
         future = asyncio.get_running_loop().create_future()
@@ -36,7 +38,7 @@ class Calls:
         elif not future.cancelled() and future.exception() is None:  # read: never logged
             return  # answered: nothing more will come for it
         # Unanswered or failed here (the ring went down): an answer may still be on its way.
-        self._abandoned.add(uid)
+        self.abandoned.add(uid)
 
     def answer(self, message: protocol.TokenizerAnswer) -> bool:
         """Hand the answer to its waiting call; False when no call ever had this uid."""
@@ -53,8 +55,8 @@ class Calls:
     def _settle(self, uid: str, settle) -> bool:
         future = self._pending.get(uid)
         if future is None:
-            if uid in self._abandoned:
-                self._abandoned.discard(uid)
+            if uid in self.abandoned:
+                self.abandoned.discard(uid)
                 return True
             return False
         if not future.done():

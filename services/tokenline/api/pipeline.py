@@ -31,7 +31,7 @@ from tokenline.api.request_metrics import RequestMetrics
 from tokenline.api.ring_health import RingHealth
 from tokenline.api.watchdog import overdue
 from tokenline.ledger import LEAK_GRACE_S, Ledger
-from tokenline.metrics import BUFFER_DEPTH, LATE_REPLIES
+from tokenline.metrics import BUFFER_DEPTH, LATE_REPLIES, track_cache
 from tokenline.settings import Settings
 from tokenline.transport import AsyncRing
 
@@ -47,11 +47,13 @@ class Pipeline:
         self.ring = ring
         self.model = settings.model_name
         self.exchanges: dict[str, Exchange] = {}  # uid → exchange
-        self.calls = Calls()  # /tokenize and /detokenize, answered by the tokenizer alone
+        horizon = settings.request_timeout + LEAK_GRACE_S
+        # /tokenize and /detokenize, answered by the tokenizer alone
+        self.calls = Calls(horizon_s=horizon)
         self.draining = False
         self.ledger = Ledger("api")
         self.health = RingHealth(heartbeat_timeout)
-        self.aborts = AbortLog(horizon_s=settings.request_timeout + LEAK_GRACE_S)
+        self.aborts = AbortLog(horizon_s=horizon)
         self.metrics = RequestMetrics(self.model)
         self.endpoint_metrics = EndpointMetrics(self.model)
         self._origin = f"{os.getpid()}-{os.urandom(4).hex()}"
@@ -61,6 +63,8 @@ class Pipeline:
         self._late = LATE_REPLIES.labels(stage="api")
         self._depth = BUFFER_DEPTH.labels(stage="api", buffer="replies")
         self._unsettled_depth = BUFFER_DEPTH.labels(stage="api", buffer="unsettled_aborts")
+        track_cache("api", "unsettled_aborts", self.aborts)
+        track_cache("api", "abandoned_calls", self.calls.abandoned)
 
     # ── lifecycle ──────────────────────────────────────────────────────────────────────────────
     async def start(self) -> None:
@@ -355,6 +359,7 @@ class Pipeline:
         for ex, reason in overdue(exchanges, now, self.settings.slow_client_timeout):
             self.abort(ex, reason)
         self._depth.set(sum(ex.depth for ex in exchanges))
+        self.aborts.expire(now)
         self._unsettled_depth.set(len(self.aborts))
         for uid in self.ledger.sweep([*self.exchanges, *self.calls]):
             ex = self.exchanges.pop(uid, None)

@@ -360,6 +360,7 @@ class Pipeline:
             self.abort(ex, reason)
         self._depth.set(sum(ex.depth for ex in exchanges))
         self.aborts.expire(now)
+        self.calls.abandoned.prune(now)
         self._unsettled_depth.set(len(self.aborts))
         for uid in self.ledger.sweep([*self.exchanges, *self.calls]):
             ex = self.exchanges.pop(uid, None)

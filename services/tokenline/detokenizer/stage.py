@@ -165,6 +165,10 @@ class Detokenizer(StepFreeHandler):
     def status(self) -> protocol.StageStatus:
         return protocol.StageStatus(stage=self.stage, instance="", running=len(self.live))
 
+    def housekeeping(self, now: float) -> list[msgspec.Struct]:
+        self.ended_early.prune(now)
+        return []
+
     def fail(self, uid: str) -> list[msgspec.Struct]:
         live = self.live.pop(uid, None)
         if live is not None:

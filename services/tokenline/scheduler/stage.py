@@ -178,6 +178,7 @@ class SchedulerStage:
 
     def housekeeping(self, now: float) -> list[msgspec.Struct]:
         self.engine.expire(now)  # their terminal outputs leave with the next step
+        self.tombstones.prune(now)
         counts = self.engine.counts()
         self._running.set(counts["running"])
         self._waiting.set(counts["waiting"])

@@ -205,3 +205,74 @@ def test_coalesced_replies_keep_every_token_logprob():
     ]
     assert [e.token for e in merged[0][1].logprobs] == ["a", "\ufffd", "c"]
     assert merged[1][1].logprobs is None
+
+
+# ── the chosen token among the alternatives ────────────────────────────────────────────────────
+def _sampled(client, stack, **kw):
+    """Sampled at a high temperature, so the chosen token is often not the likeliest."""
+    return client.completions.create(
+        model=stack.model, prompt="hello world", max_tokens=MAX_TOKENS, temperature=2.0, **kw
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_logprobs_0_names_the_chosen_token(client, stack, stream):
+    """OpenAI and vLLM list the sampled token in ``top_logprobs`` whatever ``logprobs`` is,
+    so 0 gives one entry per token: the chosen one, with its own logprob."""
+    if stream:
+        chunks = [c for c in _sampled(client, stack, logprobs=0, seed=5, stream=True) if c.choices]
+        parts = [c.choices[0].logprobs for c in chunks]
+        tokens = [t for p in parts for t in p.tokens]
+        values = [v for p in parts for v in p.token_logprobs]
+        tops = [t for p in parts for t in p.top_logprobs]
+    else:
+        lp = _sampled(client, stack, logprobs=0, seed=5).choices[0].logprobs
+        tokens, values, tops = lp.tokens, lp.token_logprobs, lp.top_logprobs
+    assert len(tops) == len(tokens) == MAX_TOKENS
+    for token, value, top in zip(tokens, values, tops, strict=True):
+        assert top == {token: pytest.approx(value)}
+
+
+def test_completions_alternatives_hold_the_chosen_token_even_when_unlikely(client, stack):
+    seen_outside_top = False
+    for seed in range(4):
+        lp = _sampled(client, stack, logprobs=1, seed=seed).choices[0].logprobs
+        for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert token in top and 1 <= len(top) <= 2  # the likeliest, and the chosen one
+            if "\ufffd" not in token and token:  # else two tokens may render alike
+                assert top[token] == pytest.approx(value)
+            seen_outside_top |= len(top) == 2
+    assert seen_outside_top, "at temperature 2 some token should not be the likeliest"
+
+
+def test_echoed_prompt_logprobs_0_name_each_prompt_token(client, stack):
+    reply = client.completions.create(
+        model=stack.model, prompt="the river and the mountain", max_tokens=0, echo=True, logprobs=0
+    )
+    lp = reply.choices[0].logprobs
+    assert lp.top_logprobs[0] is None  # the first prompt token has nothing before it
+    rest = zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True)
+    for token, value, top in rest:
+        assert top == {token: pytest.approx(value)}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_top_logprobs_0_gives_empty_alternatives_as_openai_does(client, stack, stream):
+    """Chat's shape lists alternatives apart from the chosen token, which has its own
+    fields: OpenAI answers ``top_logprobs: 0`` (or none) with ``[]`` for each token."""
+    for top_logprobs in (0, None):
+        kw = {} if top_logprobs is None else {"top_logprobs": top_logprobs}
+        reply = client.chat.completions.create(
+            model=stack.model, messages=CHAT, max_tokens=4, logprobs=True, stream=stream, **kw
+        )
+        if stream:
+            entries = [
+                e
+                for c in reply
+                if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content
+            ]
+        else:
+            entries = reply.choices[0].logprobs.content
+        assert len(entries) == 4
+        assert all(e.top_logprobs == [] and e.logprob <= 0 and e.token for e in entries)

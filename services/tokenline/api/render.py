@@ -68,6 +68,14 @@ def _chat_logprobs(entries: list[protocol.LogprobEntry]) -> dict:
     }
 
 
+def _top_with_chosen(entry: protocol.LogprobEntry) -> dict[str, float]:
+    """The legacy shape's alternatives: the top N, and the chosen token always, as OpenAI
+    ("up to logprobs+1 elements") and vLLM give them, so ``logprobs: 0`` still names it."""
+    top = {t.token: _logprob(t.logprob) for t in entry.top}
+    top.setdefault(entry.token, _logprob(entry.logprob))
+    return top
+
+
 def _completion_logprobs(entries: list[protocol.LogprobEntry], offset: int = 0) -> dict:
     """The legacy completions shape; ``offset``: where the first token's text starts."""
     offsets = []
@@ -77,7 +85,7 @@ def _completion_logprobs(entries: list[protocol.LogprobEntry], offset: int = 0) 
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [_logprob(e.logprob) for e in entries],
-        "top_logprobs": [{t.token: _logprob(t.logprob) for t in e.top} for e in entries],
+        "top_logprobs": [_top_with_chosen(e) for e in entries],
         "text_offset": offsets,
     }
 
@@ -91,7 +99,7 @@ def _echo_logprobs(prompt_text: str, entries: list[protocol.LogprobEntry | None]
     for e in known:
         tokens.append(e.token)
         values.append(_logprob(e.logprob))
-        tops.append({t.token: _logprob(t.logprob) for t in e.top})
+        tops.append(_top_with_chosen(e))
         offsets.append(offset)
         offset += len(e.token)
     return {

@@ -558,18 +558,29 @@ def test_tokenize_refuses_unknown_fields(http):
 # Fields the official client's chat.completions.create takes that this server does not serve:
 # each must be refused by name, never dropped (a value of the right shape for each).
 CLIENT_ONLY_CHAT = {
-    "audio": {"voice": "alloy", "format": "wav"},
-    "metadata": {"run": "1"},
-    "modalities": ["text"],
     "moderation": {"model": "omni-moderation-latest"},
-    "prediction": {"type": "content", "content": "x"},
-    "prompt_cache_key": "k",
     "prompt_cache_options": {"mode": "explicit"},
     "prompt_cache_retention": "24h",
-    "reasoning_effort": "low",
-    "safety_identifier": "u1",
     "verbosity": "low",
+}
+# Fields accepted with no effect on this model (README), refused when they ask for something
+NO_EFFECT_CHAT = {
+    "reasoning_effort": "low",
+    "metadata": {"run": "1"},
+    "prompt_cache_key": "k",
+    "safety_identifier": "u1",
+    "modalities": ["text"],
+    "prediction": None,
+    "audio": None,
+    "web_search_options": None,
+}
+ASKING_CHAT = {
+    "audio": {"voice": "alloy", "format": "wav"},
+    "prediction": {"type": "content", "content": "x"},
     "web_search_options": {},
+    "modalities": ["text", "audio"],
+    "reasoning_effort": "maximal",
+    "metadata": {str(i): "x" for i in range(17)},
 }
 
 
@@ -582,6 +593,7 @@ def test_every_field_the_client_sends_is_served_or_refused_by_name(client, stack
     from tokenline.api.schemas import ChatCompletionRequest, CompletionRequest
 
     chat = _client_parameters(type(client.chat.completions).create)
+    assert set(NO_EFFECT_CHAT) <= set(ChatCompletionRequest.model_fields)
     assert chat - set(ChatCompletionRequest.model_fields) == set(CLIENT_ONLY_CHAT), (
         "the client gained or lost a chat field: decide whether it is served, and update "
         "CLIENT_ONLY_CHAT"
@@ -597,6 +609,15 @@ def test_every_field_the_client_sends_is_served_or_refused_by_name(client, stack
         assert (error["code"], error["param"]) == ("unsupported_parameter", field), error
 
 
+def test_fields_with_no_effect_refuse_values_that_ask_for_something(client, stack):
+    for field, value in ASKING_CHAT.items():
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model=stack.model, messages=CHAT, max_tokens=1, **{field: value}
+            )
+        assert _refusal(caught)["param"].split(".")[0] == field, field
+
+
 def test_fields_that_ask_for_nothing_are_accepted(client, stack):
     base = _greedy_chat(client, stack).choices[0].message.content
     for kw in (
@@ -605,6 +626,8 @@ def test_fields_that_ask_for_nothing_are_accepted(client, stack):
         {"store": None},
         {"service_tier": "auto"},
         {"service_tier": "default"},
+        *({field: value} for field, value in NO_EFFECT_CHAT.items()),
+        NO_EFFECT_CHAT,
     ):
         assert _greedy_chat(client, stack, **kw).choices[0].message.content == base, kw
     text = _greedy(client, stack).choices[0].text
@@ -920,7 +943,7 @@ def test_responses_fields_that_ask_for_nothing_are_accepted(client, stack):
         prompt_cache_key="key-1",
         service_tier="auto",
         truncation="disabled",
-        reasoning={"effort": None},
+        reasoning={"effort": "high"},
         include=[],
         background=False,
         store=False,

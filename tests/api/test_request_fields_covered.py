@@ -33,6 +33,7 @@ LOGPROBS = "test_logprobs.py"
 LIMITS = "test_limits.py"
 RESPONSES = "test_responses.py"
 TOKENIZE = "test_tokenize.py"
+AGENTS = "test_agent_requests.py"
 
 
 def t(file: str, *names: str) -> tuple[str, ...]:
@@ -124,10 +125,9 @@ EXERCISED: dict[str, tuple[str, ...]] = {
     "ToolCallIn.function": _TOOL_TURN,
     "ToolCallFunctionIn.name": _TOOL_TURN,
     "ToolCallFunctionIn.arguments": t(
-        STRUCTURED,
-        "test_tool_turns_render_through_the_chat_template",
-        "test_bad_structured_input_is_refused_naming_the_param",
-    ),
+        STRUCTURED, "test_tool_turns_render_through_the_chat_template"
+    )
+    + t(AGENTS, "test_non_json_arguments_in_history_are_accepted_and_rendered_as_text"),
     "ChatMessageIn.tool_call_id": _TOOL_TURN,
     "ChatCompletionRequest.max_completion_tokens": t(
         SURFACE, "test_max_completion_tokens_bounds_a_chat_reply_over_max_tokens"
@@ -330,6 +330,7 @@ EXERCISED: dict[str, tuple[str, ...]] = {
 # ── fields that are refused, or accepted only where they ask for nothing ─────────────────────
 _NOTHING = t(SURFACE, "test_fields_that_ask_for_nothing_are_accepted")
 _NOT_STORED = t(SURFACE, "test_store_true_and_other_service_tiers_are_refused")
+_NO_EFFECT_REFUSALS = t(SURFACE, "test_fields_with_no_effect_refuse_values_that_ask_for_something")
 _ASSISTANT_ECHO = t(
     SURFACE,
     "test_an_assistant_message_goes_back_as_the_client_returned_it",
@@ -342,6 +343,19 @@ REFUSED_OR_NO_OP: dict[str, tuple[str, ...]] = {
     "ChatCompletionRequest.user": _NOTHING,
     "ChatCompletionRequest.store": _NOTHING + _NOT_STORED,
     "ChatCompletionRequest.service_tier": _NOTHING + _NOT_STORED,
+    **{
+        f"ChatCompletionRequest.{field}": _NOTHING + _NO_EFFECT_REFUSALS
+        for field in (
+            "reasoning_effort",
+            "metadata",
+            "modalities",
+            "prediction",
+            "audio",
+            "web_search_options",
+        )
+    },
+    "ChatCompletionRequest.prompt_cache_key": _NOTHING,
+    "ChatCompletionRequest.safety_identifier": _NOTHING,
     "CompletionRequest.user": _NOTHING,
     "CompletionRequest.store": _NOTHING + _NOT_STORED,
     "CompletionRequest.service_tier": _NOTHING + _NOT_STORED,

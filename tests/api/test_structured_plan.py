@@ -9,7 +9,7 @@ import pytest
 from tokenline.api import structured
 from tokenline.api.errors import ApiError
 from tokenline.api.structured import ResponseFormat, Tool
-from tokenline.api.tool_parsers import HERMES
+from tokenline.api.tool_parsers import HERMES, LLAMA3_JSON
 
 TOOL = Tool.model_validate(
     {
@@ -48,9 +48,33 @@ def _accepts(grammar: str, text: str, tiny_tokenizer) -> bool:
     return matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
 
 
-def test_auto_without_a_format_is_free_text_parsed_afterwards():
-    plan = structured.plan_tools([TOOL], None, True, None, HERMES)
-    assert plan.grammar is None and plan.parser is HERMES and plan.tools
+OTHER_CALL = '<tool_call>\n{"name": "other", "arguments": {"n": 3}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON])
+def test_auto_is_free_text_whose_calls_are_declared_and_valid(tiny_tokenizer, fmt):
+    plan = structured.plan_tools([TOOL], None, True, None, fmt)
+    assert plan.parser is fmt and plan.tools
+    call = fmt.call_head + "pick" + fmt.call_middle + '{"n": 3}' + fmt.call_tail
+    for text in ("", "hello there", "Let me look. " * 3, "a <tool_ half tag", call):
+        assert _accepts(plan.grammar, text, tiny_tokenizer), text
+    undeclared = call.replace("pick", "other")
+    bad_arguments = call.replace("3", "12")
+    extra_key = call.replace('{"n": 3}', '{"n": 3, "m": 1}')
+    for text in (undeclared, bad_arguments, extra_key):
+        assert not _accepts(plan.grammar, text, tiny_tokenizer), text
+        if fmt.trigger is not None:  # Llama 3's calls are whole replies: after text, text
+            assert not _accepts(plan.grammar, "Sure. " + text, tiny_tokenizer), text
+
+
+def test_auto_hermes_calls_follow_text_and_parallel_ones_follow_each_other(tiny_tokenizer):
+    parallel = structured.plan_tools([TOOL], "auto", True, None, HERMES)
+    single = structured.plan_tools([TOOL], "auto", False, None, HERMES)
+    for plan in (parallel, single):
+        assert _accepts(plan.grammar, "Let me look.\n" + CALL, tiny_tokenizer)
+        assert not _accepts(plan.grammar, "Let me look.\n" + OTHER_CALL, tiny_tokenizer)
+    assert _accepts(parallel.grammar, CALL + "\n" + CALL, tiny_tokenizer)
+    assert not _accepts(single.grammar, CALL + "\n" + CALL, tiny_tokenizer)
 
 
 def test_auto_with_a_format_allows_a_call_or_the_answer(tiny_tokenizer):
@@ -81,7 +105,72 @@ def test_none_hides_the_tools_and_keeps_the_format():
     assert plan.tools is None and plan.parser is None and plan.grammar is not None
 
 
-def test_a_required_call_and_a_json_answer_cannot_both_hold():
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "pick"}}])
+def test_a_forced_call_beside_a_json_answer_is_the_call(tiny_tokenizer, choice):
+    tool_choice = (
+        structured.NamedToolChoice.model_validate(choice) if choice != "required" else choice
+    )
+    plan = structured.plan_tools([TOOL], tool_choice, True, ANSWER, HERMES)
+    assert _accepts(plan.grammar, CALL, tiny_tokenizer)
+    assert not _accepts(plan.grammar, '{"ok": true}', tiny_tokenizer)
+
+
+def test_a_format_beside_a_forced_call_is_still_checked():
+    broken = ResponseFormat.model_validate(
+        {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "strin"}}}
+    )
     with pytest.raises(ApiError) as caught:
-        structured.plan_tools([TOOL], "required", True, ANSWER, HERMES)
-    assert caught.value.param == "response_format"
+        structured.plan_tools([TOOL], "required", True, broken, HERMES)
+    assert caught.value.param == "response_format.json_schema.schema"
+
+
+# ── schemas silent on additionalProperties are closed ─────────────────────────────────────────
+OPEN = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 4},
+        "inner": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "items": {"type": "array", "items": {"properties": {"y": {"type": "integer"}}}},
+        "maybe": {"anyOf": [{"$ref": "#/$defs/Thing"}, {"type": "null"}]},
+    },
+    "$defs": {"Thing": {"type": "object", "properties": {"z": {"type": "integer"}}}},
+}
+
+
+def test_closed_adds_no_additional_properties_to_every_object_that_declares_properties():
+    closed = structured.closed(OPEN)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["inner"]["additionalProperties"] is False
+    assert closed["properties"]["items"]["items"]["additionalProperties"] is False
+    assert closed["$defs"]["Thing"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["name"]  # not an object
+    assert OPEN.get("additionalProperties") is None  # the client's schema is left as it came
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"properties": {"a": {}}, "additionalProperties": True},
+        {"properties": {"a": {}}, "additionalProperties": {"type": "integer"}},
+        {"properties": {"a": {}}, "patternProperties": {"^x": {}}},
+        {"properties": {"a": {}}, "unevaluatedProperties": {"type": "integer"}},
+        {"type": "object"},  # json_object: any object
+        {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]},
+        {"not": {"properties": {"a": {}}}},
+    ],
+)
+def test_closed_keeps_what_a_schema_says_of_other_keys(schema):
+    assert structured.closed(schema) == schema
+
+
+def test_a_silent_schema_refuses_undeclared_keys_and_an_open_one_takes_them(tiny_tokenizer):
+    def grammar(schema):
+        return structured.json_grammar(schema)
+
+    silent = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert _accepts(grammar(silent), '{"a": 1}', tiny_tokenizer)
+    assert not _accepts(grammar(silent), '{"a": 1, "b": 2}', tiny_tokenizer)
+    nested = {"type": "object", "properties": {"o": silent}, "required": ["o"]}
+    assert not _accepts(grammar(nested), '{"o": {"a": 1, "b": 2}}', tiny_tokenizer)
+    opened = {**silent, "additionalProperties": True}
+    assert _accepts(grammar(opened), '{"a": 1, "b": 2}', tiny_tokenizer)

@@ -49,9 +49,48 @@ def test_hermes_reply_of_only_calls_has_no_content():
 
 
 def test_hermes_leaves_text_without_calls_alone():
-    for text in ("plain words", " leading space", "a <tool_ half tag", "<tool_call>not json"):
+    for text in ("plain words", " leading space", "a <tool_ half tag"):
         parsed = HERMES.parse(text)
         assert (parsed.content, parsed.calls) == (text, [])
+
+
+CUT = '<tool_call>\n{"name": "get_weather", "arguments": '
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        (CUT, "", []),  # max_tokens cut the call before its arguments began
+        ("Let me check.\n" + CUT, "Let me check.", []),
+        (CALL_F + '\n<tool_call>\n{"nam', None, [ParsedCall("f", '{"x": 1}')]),
+        ("<tool_call>not json</tool_call>", "", []),  # markup holding no call
+        ("a <tool_call>[1, 2]</tool_call> b", "a b", []),
+        # cut inside the arguments: the call as far as it was written (finish_reason: length)
+        (CUT + '{"city": "Os', None, [ParsedCall("get_weather", '{"city": "Os')]),
+    ],
+)
+def test_hermes_never_shows_call_markup_as_content(text, content, calls):
+    parsed = HERMES.parse(text)
+    assert (parsed.content, parsed.calls) == (content, calls)
+    for size in (1, 3, 7):
+        streamed, streamed_calls, _ = _streamed(HERMES, text, size)
+        assert (streamed or None, streamed_calls) == (content or None, calls), size
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        ('{"name": "f", "parameters": {"x"', ""),  # a call cut off
+        ('<|python_tag|>{"name": "f"', ""),
+        ('{"na', ""),
+        ('{"name": "f", "parameters": {}} trailing', ""),  # markup, though no call parses
+        ('{"colour": "re', '{"colour": "re'),  # a JSON answer cut off is still the answer
+        ('{"colour": "red"}', '{"colour": "red"}'),
+    ],
+)
+def test_llama3_json_never_shows_call_markup_as_content(text, content):
+    parsed = LLAMA3_JSON.parse(text)
+    assert (parsed.content, parsed.calls) == (content, [])
 
 
 def test_hermes_accepts_a_last_call_without_its_closing_tag_and_string_arguments():
@@ -120,7 +159,7 @@ def test_llama3_json_calls_with_and_without_the_python_tag():
 
 
 def test_llama3_json_text_that_is_not_a_call_stays_content():
-    for text in ("hi there", '{"answer": 1}', '{"name": "f", "parameters": {}} trailing'):
+    for text in ("hi there", '{"answer": 1}'):
         assert LLAMA3_JSON.parse(text).content == text
     content, calls, deltas = _streamed(LLAMA3_JSON, "hi there", 2)
     assert (content, calls) == ("hi there", [])

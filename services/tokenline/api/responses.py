@@ -25,15 +25,12 @@ from tokenline.api.responses_render import full_response, response_events
 from tokenline.api.responses_schemas import (
     ContentPart,
     FunctionToolIn,
-    InputItem,
     ResponsesRequest,
     TextConfig,
 )
-from tokenline.api.schemas import ChatCompletionRequest
+from tokenline.api.schemas import MAX_METADATA_KEYS, ChatCompletionRequest
 
 router = APIRouter()
-
-MAX_METADATA_KEYS = 16  # as OpenAI allows
 
 
 def unsupported(param: str, message: str) -> ApiError:
@@ -60,9 +57,12 @@ _NOTHING_ASKED = (
         "never cut; shorten the input",
     ),
     (
+        # effort is accepted with no effect, as chat's reasoning_effort; a summary is output
+        # this model cannot give
         "reasoning",
-        lambda v: not v or all(x is None for x in v.values()),
-        "is not supported: the served model has no reasoning settings; leave it out",
+        lambda v: not v or all(x is None for k, x in v.items() if k != "effort"),
+        "is not supported except effort (which has no effect): the served model does not "
+        "reason, so it has no summary to give; leave the rest out",
     ),
     (
         "include",
@@ -136,16 +136,6 @@ def _text_of(content: str | list[ContentPart] | None, param: str) -> str:
     return "".join(texts)
 
 
-def _arguments(item: InputItem, param: str) -> str:
-    try:
-        decoded = json.loads(item.arguments or "")
-    except ValueError:
-        decoded = None
-    if not isinstance(decoded, dict):
-        raise _invalid(f"{param}.arguments", f"{param}.arguments must be a JSON object, as text")
-    return item.arguments or ""
-
-
 def messages_of(body: ResponsesRequest) -> list[dict[str, Any]]:
     """The chat messages the input means, instructions first."""
     messages: list[dict[str, Any]] = []
@@ -171,7 +161,8 @@ def messages_of(body: ResponsesRequest) -> list[dict[str, Any]]:
             call = {
                 "id": item.call_id,
                 "type": "function",
-                "function": {"name": item.name, "arguments": _arguments(item, param)},
+                # any text, as in chat: an earlier call's broken arguments are history too
+                "function": {"name": item.name, "arguments": item.arguments or ""},
             }
             last = messages[-1] if messages else None
             # calls join the assistant turn they follow, as a chat reply holds text and calls
@@ -297,14 +288,9 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     chat = to_chat(body)
     fmt = await tool_format(request) if chat.tools else None
-    # A call is forced, so no text comes out for text.format to shape: it is moot this turn,
-    # not a conflict (agents send both: an output type, and tool_choice for the first turn).
-    # Chat refuses the pair, as there the format would be the message's and none comes.
-    forced = chat.tool_choice is not None and chat.tool_choice not in ("auto", "none")
-    response_format = None if forced and chat.tools else chat.response_format
     try:
         plan = structured.plan_tools(
-            chat.tools, chat.tool_choice, chat.parallel_tool_calls, response_format, fmt
+            chat.tools, chat.tool_choice, chat.parallel_tool_calls, chat.response_format, fmt
         )
     except ApiError as exc:
         raise renamed(exc) from exc

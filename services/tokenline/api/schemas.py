@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -54,6 +53,7 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 # range checks they should fail (NaN compares false both ways).
 _CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
 MAX_LOGIT_BIAS = 300  # tokens one request may bias, as OpenAI allows
+MAX_METADATA_KEYS = 16  # as OpenAI allows
 LOGIT_BIAS_RANGE = 100.0
 LOGIT_BIAS_SCHEMA = {
     "type": "object",
@@ -222,21 +222,13 @@ class ContentPart(BaseModel):
 PART_SEPARATOR = "\n"
 
 
-def _json_object_text(value: str) -> str:
-    try:
-        decoded = json.loads(value)
-    except ValueError as exc:
-        raise ValueError(f"the arguments are not JSON ({exc}); send a JSON object as text") from exc
-    if not isinstance(decoded, dict):
-        raise ValueError("the arguments must be a JSON object, as text")
-    return value
-
-
 class ToolCallFunctionIn(BaseModel):
     model_config = _CONFIG
 
     name: Text = Field(min_length=1)
-    arguments: Annotated[Text, AfterValidator(_json_object_text)]
+    # Any text, as OpenAI takes it: an earlier turn's call whose arguments were not valid JSON
+    # is ordinary history, and the template shows it as the text it was.
+    arguments: Text
 
 
 class ToolCallIn(BaseModel):
@@ -314,7 +306,30 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     functions: list[Any] | None = None  # deprecated by OpenAI: refused, naming tools instead
     function_call: Any = None
+    # Sent by current SDKs and agent frameworks, and accepted with no effect on this model, as
+    # vLLM accepts them: it does not reason, stores nothing, answers in text only and has no
+    # web search. A value that asks for something it cannot do is refused.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    metadata: Annotated[dict[Text, Text] | None, Field(max_length=MAX_METADATA_KEYS)] = None
+    prompt_cache_key: Text | None = None  # prefixes are cached by content, key or not
+    safety_identifier: Text | None = None
+    modalities: list[Literal["text"]] | None = None
+    prediction: _Empty = None
+    audio: _Empty = None
+    web_search_options: _Empty = None
     _tool_plan: ToolPlan | None = PrivateAttr(default=None)  # set by the route once checked
+
+    @field_validator("prediction", "audio", "web_search_options")
+    @classmethod
+    def _not_served(cls, value: Any, info: ValidationInfo) -> None:
+        if value is not None:
+            what = {
+                "prediction": "predicted outputs are not served",
+                "audio": "this model answers in text only",
+                "web_search_options": "this server has no web search",
+            }[info.field_name]
+            raise ValueError(f"{info.field_name} is not supported: {what}; send null")
+        return None
 
     @field_validator("top_logprobs")
     @classmethod

@@ -11,9 +11,18 @@ Which fields hold together:
 - ``response_format`` alone: the output is the JSON document (any object for ``json_object``).
 - ``tools`` with ``tool_choice`` ``auto`` (the default): free text, parsed for calls afterwards;
   with a JSON ``response_format`` too, the output is either calls or the JSON document.
-- ``tool_choice`` ``required`` or a named function: the output is calls in the model's format,
-  so a JSON ``response_format`` cannot hold as well and is refused.
+- ``tool_choice`` ``auto`` without a format: free text, and any call the model starts (its
+  format's trigger, ``<tool_call>`` for Hermes) is held to a declared function and its schema.
+- ``tool_choice`` ``required`` or a named function: the output is calls in the model's format.
+  A JSON ``response_format`` is accepted beside it (agents send both: an output type, and a
+  forced call for this turn) and shapes the turns that answer in text (``auto`` or ``none``).
 - ``tool_choice`` ``none``: the tools are not shown to the model; ``response_format`` holds.
+
+Schemas are closed where they are silent: an object schema that declares ``properties`` and
+says nothing of ``additionalProperties`` admits only the declared keys, as OpenAI's strict
+mode and vLLM's guided decoding do. Otherwise a model may add keys without bound until
+max_tokens cuts the document. A schema that allows more (``additionalProperties: true`` or a
+schema for them, ``patternProperties``, ``unevaluatedProperties``) keeps what it says.
 """
 
 from __future__ import annotations
@@ -96,9 +105,50 @@ def _refuse(param: str, message: str, code: str = "invalid_request_error") -> Ap
     return ApiError(400, message, code, param)
 
 
+# Keywords that hold subschemas, by how they hold them
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas", "patternProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+# not ``not`` or ``if``: closing what they hold would widen what the whole admits
+_SUBSCHEMA_ONE = ("items", "additionalItems", "then", "else", "contains")
+_OPENING_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed(schema: Any, *, in_all_of: bool = False) -> Any:
+    """The schema with every object that declares ``properties`` and no rule for other keys
+    closed to them (``additionalProperties: false``).
+
+    The branches of an ``allOf`` are left open: closing each would refuse the keys that the
+    others declare, and their intersection would admit nothing.
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    for key in _SUBSCHEMA_ONE:
+        if key in out:
+            out[key] = (
+                [closed(sub) for sub in out[key]]
+                if isinstance(out[key], list)
+                else closed(out[key])
+            )
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed(out["additionalProperties"])
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed(sub, in_all_of=True) for sub in out["allOf"]]
+    silent = not any(key in out for key in _OPENING_KEYWORDS)
+    if "properties" in out and silent and not in_all_of and "allOf" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _with_options(schema: dict[str, Any]) -> dict[str, Any]:
     # the client's own x-guidance, if any, is replaced: whitespace stays bounded
-    return {**schema, "x-guidance": JSON_OPTIONS}
+    return {**closed(schema), "x-guidance": JSON_OPTIONS}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -240,18 +290,12 @@ def plan_tools(
     if not tools or choice == "none":
         return ToolPlan(None, answer, None)
     shown = [_template_tool(t) for t in tools]
-    if not chosen:  # auto: free text, or the JSON answer or calls when a format is set too
-        if schema is None:
-            return ToolPlan(shown, None, fmt)
-        lark = _calls_lark(tools, fmt, parallel, answer=schema)
-        return ToolPlan(shown, _checked_lark(lark), fmt)
-    if schema is not None:
-        raise _refuse(
-            "response_format",
-            "response_format asks for a JSON answer, but tool_choice requires a tool call; "
-            "send one of them, or tool_choice auto to let the model choose",
-        )
-    return ToolPlan(shown, _checked_lark(_calls_lark(chosen, fmt, parallel)), fmt)
+    if chosen:  # a call is forced: no text comes out this turn for a format to shape
+        return ToolPlan(shown, _checked_lark(_calls_lark(chosen, fmt, parallel)), fmt)
+    if schema is None:  # auto: free text, in which any call is one of the declared
+        return ToolPlan(shown, _checked_lark(_text_or_calls_lark(tools, fmt, parallel)), fmt)
+    lark = _calls_lark(tools, fmt, parallel, answer=schema)  # auto: calls or the JSON answer
+    return ToolPlan(shown, _checked_lark(lark), fmt)
 
 
 def refuse_deprecated(functions: object, function_call: object) -> None:
@@ -270,14 +314,22 @@ def completion_grammar(response_format: ResponseFormat | None) -> str | None:
     return json_grammar(schema) if schema is not None else None
 
 
+def _arguments_rules(tools: list[Tool]) -> tuple[list[str], list[tuple[str, str]]]:
+    """One Lark rule per tool's arguments, and (name, rule) pairs for the call rules."""
+    rules = [f"arguments_{i}: {_json_rule(_parameters(tool))}" for i, tool in enumerate(tools)]
+    pairs = [(tool.function.name or "", f"arguments_{i}") for i, tool in enumerate(tools)]
+    return rules, pairs
+
+
+def _text_or_calls_lark(tools: list[Tool], fmt: ToolCallFormat, parallel: bool) -> str:
+    rules, pairs = _arguments_rules(tools)
+    return "\n".join([*fmt.text_or_calls_rules(pairs, parallel), *rules])
+
+
 def _calls_lark(
     tools: list[Tool], fmt: ToolCallFormat, parallel: bool, answer: dict | None = None
 ) -> str:
-    pairs = []
-    rules = []
-    for i, tool in enumerate(tools):
-        rules.append(f"arguments_{i}: {_json_rule(_parameters(tool))}")
-        pairs.append((tool.function.name or "", f"arguments_{i}"))
+    rules, pairs = _arguments_rules(tools)
     rules.append(fmt.call_rules(pairs, parallel))
     if answer is None:
         start = "start: calls"

@@ -10,9 +10,13 @@ whole one always split into the same content and the same calls.
 
 A Hermes call written as templates and the constrained grammar write it, name first, streams:
 its name as soon as it is known (`CallStart`), its arguments' JSON text as it is generated
-(`ArgumentsPiece`), then `CallEnd`. Once streamed, a call cannot be taken back, so one whose
-arguments turn out to be broken JSON stays a call (its arguments as written), where a whole
-block that never looked like a call is content.
+(`ArgumentsPiece`), then `CallEnd`.
+
+Markup is never content. A call cut off (max_tokens) once its arguments have begun stays a
+call, its arguments as far as they were written, as OpenAI returns one: the reply's
+``finish_reason`` is ``length``, which tells a client not to run it. A call cut off before
+its arguments begin, and a block in call markup that holds no call, are dropped: neither
+content nor a call. Streamed or whole, a reply splits the same way.
 """
 
 from __future__ import annotations
@@ -182,9 +186,9 @@ class _HermesStream(ToolCallStream):
             call = _as_call(json.loads(body), ("arguments", "parameters"))
         except ValueError:
             call = None
-        if call is None:  # not a call after all: the model's text, shown as it wrote it
-            return self._content(self.OPEN + body + self.CLOSE)
         self._held_space = ""
+        if call is None:  # markup that holds no call: dropped, never shown as content
+            return []
         self._after_call = True
         self._calls += 1
         return [Call(self._calls - 1, call)]
@@ -260,10 +264,10 @@ class _HermesStream(ToolCallStream):
                 call = _as_call(json.loads(pending), ("arguments", "parameters"))
             except ValueError:
                 call = None
-            if call is not None:
-                self._calls += 1
-                return [Call(self._calls - 1, call)]
-            pending = self.OPEN + pending
+            if call is None:  # cut before its arguments began: dropped
+                return []
+            self._calls += 1
+            return [Call(self._calls - 1, call)]
         if self._calls:
             return self._content(pending.rstrip(), final=True) if pending.strip() else []
         return self._content(pending, final=True)
@@ -301,7 +305,23 @@ class _Llama3JsonStream(ToolCallStream):
         calls = self._calls(pending.strip().removeprefix(self.TAG))
         if calls:
             return [Call(i, c) for i, c in enumerate(calls)]
+        if self._looks_like_a_call(pending):  # a call cut off, or markup holding none
+            return []
         return [Content(pending)] if pending else []
+
+    @classmethod
+    def _looks_like_a_call(cls, text: str) -> bool:
+        head = text.strip()
+        if head.startswith(cls.TAG):
+            return True
+        try:
+            json.loads(head)
+            return False  # a whole JSON document that is no call: an answer, content
+        except ValueError:
+            pass
+        compact = re.sub(r"\s+", "", head)
+        opening = '{"name"'
+        return compact.startswith(opening) or (bool(compact) and opening.startswith(compact))
 
     @staticmethod
     def _calls(text: str) -> list[ParsedCall] | None:
@@ -339,6 +359,10 @@ class ToolCallFormat:
     call_tail: str  # after the arguments
     separator: str  # between parallel calls
     template_markers: tuple[str, ...] = field(default=())
+    # What starts a call inside free text (a prefix of call_head); None: a reply is all calls
+    # or all text, told apart by how it starts (free text must not start like a call).
+    trigger: str | None = None
+    text_start: str = ""  # a regex class of what free text may start with, when trigger is None
 
     def stream(self) -> ToolCallStream:
         return self.stream_type()
@@ -362,6 +386,37 @@ class ToolCallFormat:
             rules.append("calls: call")
         return "\n".join(rules)
 
+    def text_or_calls_rules(
+        self, names_and_arguments: list[tuple[str, str]], parallel: bool
+    ) -> list[str]:
+        """Lark rules whose ``start`` is free text in which every call is one of the given
+        functions (several if ``parallel``), each checked as `call_rules` checks it.
+
+        With a trigger, free text runs until the trigger appears; from there the call must
+        follow (llguidance's lazy lexeme, as its structural tags do), so the model cannot call
+        a function the request did not declare, nor write arguments its schema refuses.
+        """
+        if self.trigger is None:
+            start = "start: FREE | calls | EMPTY"
+            text = [f"FREE: /{self.text_start}(.|\\n)*/", 'EMPTY: ""']
+            return ["%llguidance {}", start, *text, self.call_rules(names_and_arguments, parallel)]
+        rest = self.call_head.removeprefix(self.trigger)
+        rules = [
+            "%llguidance {}",
+            "start: (call)* TEXT" if parallel else "start: TEXT | call",
+            "TEXT: /(.|\\n)*/",
+            f"trigger[lazy]: TEXT {_lark_string(self.trigger)}",
+        ]
+        alternatives = []
+        for i, (name, arguments_rule) in enumerate(names_and_arguments):
+            head = _lark_string(rest + name + self.call_middle)
+            rules.append(
+                f"call_{i}: trigger {head} {arguments_rule} {_lark_string(self.call_tail)}"
+            )
+            alternatives.append(f"call_{i}")
+        rules.append("call: " + " | ".join(alternatives))
+        return rules
+
 
 HERMES = ToolCallFormat(
     name="hermes",
@@ -371,6 +426,7 @@ HERMES = ToolCallFormat(
     call_tail="}\n</tool_call>",
     separator="\n",
     template_markers=("<tool_call>",),
+    trigger="<tool_call>",
 )
 LLAMA3_JSON = ToolCallFormat(
     name="llama3_json",
@@ -380,6 +436,7 @@ LLAMA3_JSON = ToolCallFormat(
     call_tail="}",
     separator="; ",
     template_markers=("<|python_tag|>", '"parameters"'),
+    text_start="[^{\\s]",
 )
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON)}
 PARSER_CHOICES = ("auto", *FORMATS)

@@ -24,16 +24,26 @@ from tokenline.transport import SyncRing
 log = logging.getLogger(__name__)
 
 
+def _template_arguments(text: str) -> object:
+    """A call's arguments as templates read them: an object (Qwen's template writes them with
+    ``tojson``), not the JSON text OpenAI carries them as. Text that is no JSON object (an
+    earlier turn's broken call) stays text, so the history renders as it was written."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
 def _template_message(message: protocol.ChatMessage) -> dict:
-    """A message as chat templates read it. A call's arguments are an object there (Qwen's
-    template writes them with ``tojson``), not the JSON text OpenAI carries them as."""
+    """A message as chat templates read it."""
     out: dict = {"role": message.role, "content": message.content}
     if message.tool_calls:
         out["tool_calls"] = [
             {
                 "id": c.id,
                 "type": "function",
-                "function": {"name": c.name, "arguments": json.loads(c.arguments)},
+                "function": {"name": c.name, "arguments": _template_arguments(c.arguments)},
             }
             for c in message.tool_calls
         ]

@@ -65,8 +65,13 @@ class RequestMetrics:
             REQUESTS.labels(model=self.model, finish_reason=reason).inc()
         if ex.error is not None and ex.abort_reason is not None:
             self.error(ex.error.code)
-        if ex.prompt_tokens:
-            self._prompt.inc(ex.prompt_tokens)
+        # Every choice is its own sequence in the scheduler, which reads its prompt (or finds
+        # it in the prefix cache, counted apart): so each prompt of a list counts, and each of
+        # its n choices, as vLLM counts its per-choice requests and as the scheduler's
+        # prefix-cache queries count, so hits / queries and this counter agree.
+        prompt = sum(c.prompt_tokens for c in ex.choices)
+        if prompt:
+            self._prompt.inc(prompt)
         # The api's own time on the critical path, measured (not e2e minus the others): from
         # arrival until the request left for the tokenizer, and from the last reply until now.
         now = ex.created + e2e

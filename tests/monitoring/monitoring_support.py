@@ -44,6 +44,7 @@ CONTRACT_METRICS = {
     "tokenline_request_errors_total",
     "tokenline_aborts_total",
     "tokenline_malformed_frames_total",
+    "tokenline_cache_entries",
 }
 HISTOGRAM_SERIES = re.compile(r"_(bucket|sum|count)$")
 

@@ -333,6 +333,7 @@ def pipeline() -> dash.Dashboard:
             stacked=True,
         ),
     ]
+    stage_targets = f'{promql.CONTAINER}=~"{"|".join(STAGES)}"'
     held = [
         PanelSpec(
             "Buffer depth",
@@ -362,8 +363,33 @@ def pipeline() -> dash.Dashboard:
             width=8,
             red_above=1,
         ),
+        PanelSpec(
+            "Cache entries",
+            "Entries in each bounded cache and history (grammars, tombstones, prefix blocks, "
+            "...). Each has a limit: a line that climbs without levelling off is a leak.",
+            "short",
+            (
+                Query(
+                    f"sum by (stage, cache) (tokenline_cache_entries{selector()})",
+                    "{{stage}} {{cache}}",
+                ),
+            ),
+            width=12,
+        ),
+        PanelSpec(
+            "Resident memory",
+            "Each stage's resident set size. Flat under steady traffic once warm; growth "
+            "that follows request count rather than load is a leak.",
+            "bytes",
+            (
+                Query(
+                    f"sum by (container) (process_resident_memory_bytes{selector(stage_targets)})",
+                    "{{container}}",
+                ),
+            ),
+            width=12,
+        ),
     ]
-    stage_targets = f'{promql.CONTAINER}=~"{"|".join(STAGES)}"'
     failures = [
         PanelSpec(
             "Aborts by reason",

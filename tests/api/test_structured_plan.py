@@ -174,3 +174,19 @@ def test_a_silent_schema_refuses_undeclared_keys_and_an_open_one_takes_them(tiny
     assert not _accepts(grammar(nested), '{"o": {"a": 1, "b": 2}}', tiny_tokenizer)
     opened = {**silent, "additionalProperties": True}
     assert _accepts(grammar(opened), '{"a": 1, "b": 2}', tiny_tokenizer)
+
+
+def test_schema_checks_are_cached_within_a_byte_bound_and_counted():
+    from prometheus_client import REGISTRY, generate_latest
+
+    cache = structured._schema_problem.cache
+    small = {"type": "object", "properties": {"q": {"type": "integer"}}, "required": ["q"]}
+    structured.check_schema(small, "p")
+    held = len(cache)
+    structured.check_schema(small, "p")
+    assert len(cache) == held  # a hit
+    huge = {"type": "object", "description": "x" * (3 * 2**20)}  # over a quarter of 8 MiB
+    structured.check_schema(huge, "p")
+    assert len(cache) == held, "a schema that large is checked each time, never kept"
+    exposition = generate_latest(REGISTRY).decode()
+    assert f'tokenline_cache_entries{{cache="schema_checks",stage="api"}} {held}.0' in exposition

@@ -27,7 +27,6 @@ schema for them, ``patternProperties``, ``unevaluatedProperties``) keeps what it
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from dataclasses import dataclass
@@ -39,6 +38,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tokenline.api.errors import ApiError
 from tokenline.api.tool_parsers import ToolCallFormat
+from tokenline.bounded import cached_by_text
+from tokenline.metrics import track_cache
 
 _CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -151,14 +152,15 @@ def _with_options(schema: dict[str, Any]) -> dict[str, Any]:
     return {**closed(schema), "x-guidance": JSON_OPTIONS}
 
 
-@functools.lru_cache(maxsize=1024)
+# Keyed by text a client chose, so bounded in bytes as well as entries (a body may be 8 MiB)
+@cached_by_text(max_entries=1024, max_bytes=8 * 2**20)
 def _problem(grammar: str) -> str | None:
     """What llguidance finds wrong with a grammar, or None; cached by the grammar's text."""
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     return "; ".join(messages) or "invalid" if is_error else None
 
 
-@functools.lru_cache(maxsize=1024)
+@cached_by_text(max_entries=1024, max_bytes=8 * 2**20)
 def _schema_problem(schema_text: str) -> str | None:
     schema = json.loads(schema_text)
     try:
@@ -171,6 +173,10 @@ def _schema_problem(schema_text: str) -> str | None:
     if problem is not None:
         return f"constrained decoding cannot enforce it: {problem}"
     return None
+
+
+track_cache("api", "grammar_checks", _problem.cache)
+track_cache("api", "schema_checks", _schema_problem.cache)
 
 
 def check_schema(schema: dict[str, Any], param: str) -> str:

@@ -263,7 +263,13 @@ def test_chat_top_logprobs_0_gives_empty_alternatives_as_openai_does(client, sta
     for top_logprobs in (0, None):
         kw = {} if top_logprobs is None else {"top_logprobs": top_logprobs}
         reply = client.chat.completions.create(
-            model=stack.model, messages=CHAT, max_tokens=4, logprobs=True, stream=stream, **kw
+            model=stack.model,
+            messages=CHAT,
+            max_tokens=4,
+            logprobs=True,
+            stream=stream,
+            extra_body={"ignore_eos": True},  # four tokens, whatever the model prefers
+            **kw,
         )
         if stream:
             entries = [
@@ -276,3 +282,37 @@ def test_chat_top_logprobs_0_gives_empty_alternatives_as_openai_does(client, sta
             entries = reply.choices[0].logprobs.content
         assert len(entries) == 4
         assert all(e.top_logprobs == [] and e.logprob <= 0 and e.token for e in entries)
+
+
+def test_the_prompt_logprobs_of_n_choices_are_computed_once_and_shared():
+    from tokenline.api.schemas import CompletionRequest
+
+    body = CompletionRequest(model="m", prompt=["a", "b"], n=3, echo=True, logprobs=2)
+    asked = [body.sampling(i).prompt_logprobs for i in range(body.choices)]
+    assert asked == [2, None, None, 2, None, None]  # the first choice of each prompt asks
+    assert all(body.sampling(i).echo for i in range(body.choices))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_choice_of_an_echoed_prompt_shows_its_logprobs(client, stack, stream):
+    prompts = ["the river and the mountain", "a quiet morning"]
+    kw = dict(model=stack.model, prompt=prompts, echo=True, logprobs=1, max_tokens=3, seed=5)
+    alone = [client.completions.create(**{**kw, "prompt": p}).choices[0].logprobs for p in prompts]
+    if stream:
+        tokens: dict[int, list[str]] = {}
+        values: dict[int, list] = {}
+        for chunk in client.completions.create(**kw, n=3, stream=True):
+            for choice in chunk.choices:
+                if choice.logprobs is not None:
+                    tokens.setdefault(choice.index, []).extend(choice.logprobs.tokens)
+                    values.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs)
+    else:
+        choices = client.completions.create(**kw, n=3).choices
+        tokens = {c.index: c.logprobs.tokens for c in choices}
+        values = {c.index: c.logprobs.token_logprobs for c in choices}
+    assert sorted(tokens) == list(range(6))
+    for index in range(6):
+        reference = alone[index // 3]
+        size = len(reference.tokens) - 3  # the prompt's part, borrowed by choices 1 and 2
+        assert tokens[index][:size] == reference.tokens[:size], index
+        assert values[index][:size] == pytest.approx(reference.token_logprobs[:size]), index

@@ -114,14 +114,20 @@ def _joined_logprobs(first: dict, second: dict) -> dict:
     return {key: first[key] + second[key] for key in first}
 
 
-def _echoed(choice, text: str, logprobs: dict | None) -> tuple[str, dict | None]:
+def _prompt_logprobs(ex: Exchange, index: int, per_prompt: int):
+    """A choice's prompt logprobs. They are the same for the ``n`` choices of a prompt, so only
+    the first asks the scheduler for them (`CompletionRequest.sampling`); the others borrow."""
+    return ex.choices[index - index % per_prompt].prompt_logprobs
+
+
+def _echoed(choice, prompt_logprobs, text: str, logprobs: dict | None) -> tuple[str, dict | None]:
     """``text`` and ``logprobs`` with the prompt's in front, for a completion with echo."""
     prompt = choice.prompt_text or ""
     if logprobs is None:
         return prompt + text, None
-    if choice.prompt_logprobs is None:
+    if prompt_logprobs is None:
         return prompt + text, logprobs
-    echo = _echo_logprobs(prompt, choice.prompt_logprobs)
+    echo = _echo_logprobs(prompt, prompt_logprobs)
     shifted = {**logprobs, "text_offset": [o + len(prompt) for o in logprobs["text_offset"]]}
     return prompt + text, _joined_logprobs(echo, shifted)
 
@@ -163,7 +169,8 @@ def full_response(ex: Exchange, body, meta: dict, chat: bool) -> dict:
         else:
             logprobs = _completion_logprobs(entries) if wanted else None
             if body.echo:
-                text, logprobs = _echoed(choice, text, logprobs)
+                borrowed = _prompt_logprobs(ex, choice.index, body.n)
+                text, logprobs = _echoed(choice, borrowed, text, logprobs)
             choices.append(
                 {
                     "index": choice.index,
@@ -314,7 +321,8 @@ async def completion_events(
             offsets[index] += sum(len(e.token) for e in entries)
         if echo_pending[index]:
             echo_pending[index] = False
-            text, logprobs = _echoed(ex.choices[index], text, logprobs)
+            borrowed = _prompt_logprobs(ex, index, body.n)
+            text, logprobs = _echoed(ex.choices[index], borrowed, text, logprobs)
             offsets[index] += len(ex.choices[index].prompt_text or "")
         return event(
             {
@@ -331,16 +339,58 @@ async def completion_events(
             }
         )
 
-    async for index, reply in _replies(ex, first):
+    # A choice that borrows its prompt's logprobs waits, before its first chunk, for the
+    # prompt's first choice to bring them (or to end without them).
+    waiting: dict[int, list[protocol.Reply]] = {}
+    borrows = body.echo and wanted and body.n > 1
+
+    def must_wait(index: int) -> bool:
+        lender = ex.choices[index - index % body.n]
+        return (
+            borrows
+            and echo_pending[index]
+            and lender.index != index
+            and lender.prompt_logprobs is None
+            and not lender.finish_reason
+        )
+
+    def ready() -> list[tuple[int, protocol.Reply]]:
+        out = []
+        for index in [i for i in waiting if not must_wait(i)]:
+            out += [(index, reply) for reply in waiting.pop(index)]
+        return out
+
+    def chunks(index: int, reply: protocol.Reply) -> list[bytes] | None:
+        """The chunks a reply makes; None when it ended the stream with an error."""
         running.sent(index, reply)
         if reply.finish_reason in NORMAL_ENDS:
-            yield chunk(index, reply, reply.finish_reason)
-        elif reply.finish_reason:
-            yield _error_event(ex, reply)
+            return [chunk(index, reply, reply.finish_reason)]
+        if reply.finish_reason:
+            return None
+        if reply.text or (wanted and reply.logprobs) or echo_pending[index]:
+            return [chunk(index, reply)]
+        return []
+
+    async for index, reply in _replies(ex, first):
+        if index in waiting or must_wait(index):
+            waiting.setdefault(index, []).append(reply)
+            continue
+        for ready_index, ready_reply in [(index, reply), *ready()]:
+            out = chunks(ready_index, ready_reply)
+            if out is None:
+                yield _error_event(ex, ready_reply)
+                yield DONE
+                return
+            for piece in out:
+                yield piece
+    for ready_index, ready_reply in ready():  # lenders that ended: nothing left to wait for
+        out = chunks(ready_index, ready_reply)
+        if out is None:
+            yield _error_event(ex, ready_reply)
             yield DONE
             return
-        elif reply.text or (wanted and reply.logprobs) or echo_pending[index]:
-            yield chunk(index, reply)
+        for piece in out:
+            yield piece
     if ex.error is not None:
         yield _error_event(ex, None)
     elif body.include_usage:

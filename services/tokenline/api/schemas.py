@@ -412,4 +412,8 @@ class CompletionRequest(_SamplingFields):
         params = super().sampling(index)
         if not self.echo:
             return params
-        return msgspec.structs.replace(params, echo=True, prompt_logprobs=self.logprobs)
+        # The prompt's logprobs are the same for its n choices: the first computes them, the
+        # others borrow them (api/render.py) and may take the prompt from the prefix cache.
+        first_of_prompt = index % self.n == 0
+        prompt_logprobs = self.logprobs if first_of_prompt else None
+        return msgspec.structs.replace(params, echo=True, prompt_logprobs=prompt_logprobs)

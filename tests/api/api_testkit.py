@@ -20,8 +20,8 @@ import msgspec
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from tokenline.api.app import create_app
-from tokenline.api.errors import ApiError
+from tokenline.api.http.app import create_app
+from tokenline.api.http.errors import ApiError
 from tokenline.settings import Settings
 
 ADMITTED = 299  # the stand-in's answer once a request reaches admission: nothing refused it

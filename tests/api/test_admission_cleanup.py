@@ -8,7 +8,7 @@ import pytest
 from api_testkit import app_with, client_for
 
 from tokenline import protocol
-from tokenline.api.pipeline import Pipeline
+from tokenline.api.ring.pipeline import Pipeline
 from tokenline.settings import Settings
 
 

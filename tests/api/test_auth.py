@@ -9,7 +9,7 @@ import os
 import pytest
 from api_testkit import ADMITTED, app_with, client_for
 
-from tokenline.api.auth import OPEN_PATHS, ApiKeys, KeyFileError, parse_key_file
+from tokenline.api.http.auth import OPEN_PATHS, ApiKeys, KeyFileError, parse_key_file
 from tokenline.cli import build_parser, settings_from
 from tokenline.serve import SecretError, stage_argv, stage_env
 

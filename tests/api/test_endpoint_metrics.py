@@ -144,7 +144,7 @@ def test_a_restarted_scheduler_with_another_cache_leaves_one_info_series():
     from prometheus_client import REGISTRY
 
     from tokenline import protocol
-    from tokenline.api.endpoint_metrics import EndpointMetrics
+    from tokenline.api.http.endpoint_metrics import EndpointMetrics
 
     gauges = EndpointMetrics("unit-model")
     status = protocol.StageStatus(stage="scheduler", instance="a", block_size=16, num_blocks=99)

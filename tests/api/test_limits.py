@@ -9,7 +9,7 @@ import json
 import pytest
 from api_testkit import ADMITTED, BAD_BODIES, OUT_OF_RANGE, SURROGATES, app_with, client_for
 
-from tokenline.api.limits import BodySizeLimit
+from tokenline.api.http.limits import BodySizeLimit
 from tokenline.settings import Settings
 
 DEFAULTS = Settings()

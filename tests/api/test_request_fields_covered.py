@@ -3,7 +3,8 @@ nothing) and a test checks that: a field added to a request model without a test
 
 The walk starts at each route's request model and follows every pydantic model a field can
 hold. A field is named ``Model.field`` (its wire name: the alias where it has one); the models
-of api/responses.py carry a ``responses.`` prefix, since two of them share a name with chat's.
+of api/openai/responses.py carry a ``responses.`` prefix, since two of them share a name with
+chat's.
 Each name maps to the tests that exercise it, as ``file.py::test_function`` in tests/api/;
 those tests must exist, and must mention the field (in their body, or in a module-level table
 or helper they use), so a renamed, deleted or rewritten test fails here too.
@@ -18,9 +19,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from tokenline.api.responses_schemas import ResponsesRequest
-from tokenline.api.schemas import ChatCompletionRequest, CompletionRequest
-from tokenline.api.tokenize_schemas import DetokenizeRequest, TokenizeRequest
+from tokenline.api.openai.chat import ChatCompletionRequest, CompletionRequest
+from tokenline.api.openai.responses import ResponsesRequest
+from tokenline.api.openai.tokenize import DetokenizeRequest, TokenizeRequest
 
 TESTS = Path(__file__).parent
 ROOTS = (ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest)
@@ -421,7 +422,7 @@ OPEN_MODELS: dict[str, tuple[str, ...]] = {
 
 # ── the walk ──────────────────────────────────────────────────────────────────────────────────
 def _label(model: type[BaseModel]) -> str:
-    prefix = "responses." if model.__module__.startswith("tokenline.api.responses") else ""
+    prefix = "responses." if model.__module__.startswith("tokenline.api.openai.responses") else ""
     return prefix + model.__name__
 
 

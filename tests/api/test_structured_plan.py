@@ -6,10 +6,10 @@ import llguidance
 import llguidance.hf
 import pytest
 
-from tokenline.api import structured
-from tokenline.api.errors import ApiError
-from tokenline.api.structured import ResponseFormat, Tool
-from tokenline.api.tool_parsers import HERMES, LLAMA3_JSON
+from tokenline.api.http.errors import ApiError
+from tokenline.api.tools import grammars as structured
+from tokenline.api.tools.grammars import ResponseFormat, Tool
+from tokenline.api.tools.parsers import HERMES, LLAMA3_JSON
 
 TOOL = Tool.model_validate(
     {

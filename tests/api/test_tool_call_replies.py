@@ -10,11 +10,11 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from tokenline.api import structured
-from tokenline.api.exchange import Exchange
-from tokenline.api.render import chat_events, full_response
-from tokenline.api.schemas import ChatCompletionRequest
-from tokenline.api.tool_parsers import HERMES
+from tokenline.api.endpoints.completions import chat_events, full_response
+from tokenline.api.openai.chat import ChatCompletionRequest
+from tokenline.api.ring.exchange import Exchange
+from tokenline.api.tools import grammars as structured
+from tokenline.api.tools.parsers import HERMES
 from tokenline.protocol import Reply
 
 TOOL = {

@@ -9,7 +9,7 @@ import llguidance.hf
 import pytest
 
 from tokenline import tiny_model
-from tokenline.api.tool_parsers import (
+from tokenline.api.tools.parsers import (
     FORMATS,
     HERMES,
     LLAMA3_JSON,

@@ -24,8 +24,8 @@ import msgspec
 import torch
 
 from tokenline import protocol
-from tokenline.api.exchange import Exchange
-from tokenline.api.pipeline import Pipeline
+from tokenline.api.ring.exchange import Exchange
+from tokenline.api.ring.pipeline import Pipeline
 from tokenline.detokenizer.stage import Detokenizer
 from tokenline.scheduler.engine import Engine, EngineLimits
 from tokenline.scheduler.stage import SchedulerStage

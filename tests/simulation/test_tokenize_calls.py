@@ -10,7 +10,7 @@ import pytest
 from ring_sim import RingSim
 
 from tokenline import protocol
-from tokenline.api.errors import ApiError
+from tokenline.api.http.errors import ApiError
 from tokenline.metrics import LATE_REPLIES
 
 LATE = LATE_REPLIES.labels(stage="api")

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenline.api.schemas import INT32_MAX, Text
+from tokenline.api.openai.chat import INT32_MAX, Text
 
 _ITEM = ConfigDict(extra="ignore", allow_inf_nan=False)  # ids, status, phase: no bearing
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenline.api.errors import ApiError
-from tokenline.api.limits import check_messages
-from tokenline.api.schemas import ChatMessageIn, Text, TokenId
-from tokenline.api.structured import Tool
+from tokenline.api.http.errors import ApiError
+from tokenline.api.http.limits import check_messages
+from tokenline.api.openai.chat import ChatMessageIn, Text, TokenId
+from tokenline.api.tools.grammars import Tool
 from tokenline.protocol import ChatMessage
 from tokenline.settings import Settings
 

@@ -18,15 +18,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenline import protocol
-from tokenline.api.errors import ApiError, unencodable
-from tokenline.api.exchange import Exchange
-from tokenline.api.limits import check_request
-from tokenline.api.pipeline import Pipeline
-from tokenline.api.render import NORMAL_ENDS, timings_header
-from tokenline.api.schemas import ChatCompletionRequest
-from tokenline.api.sse import SSE_HEADERS
-from tokenline.api.structured import ToolPlan
-from tokenline.api.tool_parsers import ToolCallFormat, format_for
+from tokenline.api.endpoints.completions import NORMAL_ENDS, timings_header
+from tokenline.api.http.errors import ApiError, unencodable
+from tokenline.api.http.limits import check_request
+from tokenline.api.http.sse import SSE_HEADERS
+from tokenline.api.openai.chat import ChatCompletionRequest
+from tokenline.api.ring.exchange import Exchange
+from tokenline.api.ring.pipeline import Pipeline
+from tokenline.api.tools.grammars import ToolPlan
+from tokenline.api.tools.parsers import ToolCallFormat, format_for
 from tokenline.model_source import chat_template_text
 
 Build = Callable[[str, int], protocol.Generate]

@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from tokenline.api.head import HEAD_SCOPE_KEY
+from tokenline.api.http.head import HEAD_SCOPE_KEY
 
 log = logging.getLogger(__name__)
 

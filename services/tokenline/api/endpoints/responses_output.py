@@ -16,11 +16,12 @@ from typing import Any
 
 import msgspec
 
-from tokenline.api.errors import ApiError
-from tokenline.api.exchange import Exchange
-from tokenline.api.render import NORMAL_ENDS, coalesce
-from tokenline.api.responses_schemas import ResponsesRequest
-from tokenline.api.tool_parsers import (
+from tokenline.api.endpoints.completions import NORMAL_ENDS, coalesce
+from tokenline.api.http.errors import ApiError
+from tokenline.api.openai.responses import ResponsesRequest
+from tokenline.api.ring.exchange import Exchange
+from tokenline.api.tools.chat_calls import call_id
+from tokenline.api.tools.parsers import (
     ArgumentsPiece,
     Call,
     CallEnd,
@@ -28,7 +29,6 @@ from tokenline.api.tool_parsers import (
     Content,
     ToolCallFormat,
 )
-from tokenline.api.tool_render import call_id
 
 _encode = msgspec.json.Encoder().encode
 

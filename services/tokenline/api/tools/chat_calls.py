@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import secrets
 
-from tokenline.api.tool_parsers import (
+from tokenline.api.tools.parsers import (
     ArgumentsPiece,
     Call,
     CallEnd,

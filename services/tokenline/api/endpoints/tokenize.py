@@ -12,10 +12,10 @@ from collections.abc import Callable
 from fastapi import APIRouter, Request
 
 from tokenline import protocol
-from tokenline.api import structured
-from tokenline.api.errors import ApiError, unencodable
-from tokenline.api.pipeline import Pipeline
-from tokenline.api.tokenize_schemas import DetokenizeRequest, TokenizeRequest
+from tokenline.api.http.errors import ApiError, unencodable
+from tokenline.api.openai.tokenize import DetokenizeRequest, TokenizeRequest
+from tokenline.api.ring.pipeline import Pipeline
+from tokenline.api.tools import grammars as structured
 
 router = APIRouter()
 

@@ -8,8 +8,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenline import protocol
-from tokenline.api import structured
-from tokenline.api.flow import (
+from tokenline.api.endpoints.base import (
     Renderer,
     chat_builder,
     check_model,
@@ -17,8 +16,9 @@ from tokenline.api.flow import (
     serve,
     tool_format,
 )
-from tokenline.api.render import chat_events, completion_events, full_response
-from tokenline.api.schemas import ChatCompletionRequest, CompletionRequest
+from tokenline.api.endpoints.completions import chat_events, completion_events, full_response
+from tokenline.api.openai.chat import ChatCompletionRequest, CompletionRequest
+from tokenline.api.tools import grammars as structured
 
 router = APIRouter()
 

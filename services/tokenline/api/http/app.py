@@ -17,20 +17,20 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenline.api.auth import ApiKeyAuth, ApiKeys
-from tokenline.api.errors import (
+from tokenline.api.endpoints.responses import router as responses_router
+from tokenline.api.endpoints.tokenize import router as tokenize_router
+from tokenline.api.http.auth import ApiKeyAuth, ApiKeys
+from tokenline.api.http.errors import (
     ApiError,
     http_error,
     no_websocket,
     unexpected_error,
     validation_error,
 )
-from tokenline.api.head import HeadAsGet
-from tokenline.api.limits import BodySizeLimit
-from tokenline.api.pipeline import Pipeline
-from tokenline.api.responses import router as responses_router
-from tokenline.api.routes import router
-from tokenline.api.tokenize_routes import router as tokenize_router
+from tokenline.api.http.head import HeadAsGet
+from tokenline.api.http.limits import BodySizeLimit
+from tokenline.api.http.routes import router
+from tokenline.api.ring.pipeline import Pipeline
 from tokenline.lifecycle import freeze_startup_heap
 from tokenline.settings import Settings
 from tokenline.transport import AsyncRing

@@ -15,8 +15,8 @@ import json
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenline.api.errors import ApiError
-from tokenline.api.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest
+from tokenline.api.http.errors import ApiError
+from tokenline.api.openai.chat import ChatCompletionRequest, ChatMessageIn, CompletionRequest
 from tokenline.settings import Settings
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from tokenline.api.exchange import Exchange
+from tokenline.api.ring.exchange import Exchange
 from tokenline.metrics import (
     ABORTS,
     E2E_LATENCY,

@@ -18,17 +18,17 @@ import pydantic
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from tokenline.api import structured
-from tokenline.api.errors import ApiError
-from tokenline.api.flow import Renderer, chat_builder, serve, tool_format
-from tokenline.api.responses_render import full_response, response_events
-from tokenline.api.responses_schemas import (
+from tokenline.api.endpoints.base import Renderer, chat_builder, serve, tool_format
+from tokenline.api.endpoints.responses_output import full_response, response_events
+from tokenline.api.http.errors import ApiError
+from tokenline.api.openai.chat import MAX_METADATA_KEYS, ChatCompletionRequest
+from tokenline.api.openai.responses import (
     ContentPart,
     FunctionToolIn,
     ResponsesRequest,
     TextConfig,
 )
-from tokenline.api.schemas import MAX_METADATA_KEYS, ChatCompletionRequest
+from tokenline.api.tools import grammars as structured
 
 router = APIRouter()
 

@@ -22,14 +22,14 @@ from collections.abc import Callable, Iterator
 import msgspec
 
 from tokenline import protocol
-from tokenline.api.abort_log import AbortLog
-from tokenline.api.calls import Calls
-from tokenline.api.endpoint_metrics import EndpointMetrics
-from tokenline.api.errors import ApiError, abort_error
-from tokenline.api.exchange import Exchange
-from tokenline.api.request_metrics import RequestMetrics
-from tokenline.api.ring_health import RingHealth
-from tokenline.api.watchdog import overdue
+from tokenline.api.http.endpoint_metrics import EndpointMetrics
+from tokenline.api.http.errors import ApiError, abort_error
+from tokenline.api.ring.abort_log import AbortLog
+from tokenline.api.ring.calls import Calls
+from tokenline.api.ring.exchange import Exchange
+from tokenline.api.ring.health import RingHealth
+from tokenline.api.ring.request_metrics import RequestMetrics
+from tokenline.api.ring.watchdog import overdue
 from tokenline.ledger import LEAK_GRACE_S, Ledger
 from tokenline.metrics import BUFFER_DEPTH, LATE_REPLIES, track_cache
 from tokenline.settings import Settings

@@ -36,8 +36,8 @@ import jsonschema
 import llguidance
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenline.api.errors import ApiError
-from tokenline.api.tool_parsers import ToolCallFormat
+from tokenline.api.http.errors import ApiError
+from tokenline.api.tools.parsers import ToolCallFormat
 from tokenline.bounded import cached_by_text
 from tokenline.metrics import track_cache
 

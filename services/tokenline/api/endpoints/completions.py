@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from tokenline import protocol
-from tokenline.api import tool_render
-from tokenline.api.errors import ApiError
-from tokenline.api.exchange import Exchange
-from tokenline.api.schemas import ChatCompletionRequest, CompletionRequest
-from tokenline.api.sse import DONE, event
-from tokenline.api.tool_parsers import ToolCallFormat
+from tokenline.api.http.errors import ApiError
+from tokenline.api.http.sse import DONE, event
+from tokenline.api.openai.chat import ChatCompletionRequest, CompletionRequest
+from tokenline.api.ring.exchange import Exchange
+from tokenline.api.tools import chat_calls as tool_render
+from tokenline.api.tools.parsers import ToolCallFormat
 
 NORMAL_ENDS = ("stop", "length")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tokenline.api.exchange import Exchange
+from tokenline.api.ring.exchange import Exchange
 
 
 def overdue(

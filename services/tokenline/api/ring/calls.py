@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Iterator
 
 from tokenline import protocol
-from tokenline.api.errors import ApiError
+from tokenline.api.http.errors import ApiError
 from tokenline.bounded import ExpiringSet
 
 

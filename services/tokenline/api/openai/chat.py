@@ -20,7 +20,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from tokenline.api.structured import ResponseFormat, Tool, ToolChoice, ToolPlan
+from tokenline.api.tools.grammars import ResponseFormat, Tool, ToolChoice, ToolPlan
 from tokenline.protocol import ChatMessage, SamplingParams, ToolCall
 
 # Hard bounds: what the wire format and the stages can carry. The operator's tighter limits

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tokenline.api.errors import ApiError
+from tokenline.api.http.errors import ApiError
 from tokenline.protocol import LogprobEntry, Reply
 
 HIGH_WATER = 64

@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(settings, args.ipc_dir)
     runners = {
-        "api": "tokenline.api.http.app",
+        "api": "tokenline.api.app",
         "tokenizer": "tokenline.tokenizer.stage",
         "scheduler": "tokenline.scheduler.stage",
         "detokenizer": "tokenline.detokenizer.stage",

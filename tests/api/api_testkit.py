@@ -20,7 +20,7 @@ import msgspec
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from tokenline.api.http.app import create_app
+from tokenline.api.app import create_app
 from tokenline.api.http.errors import ApiError
 from tokenline.settings import Settings
 

@@ -185,7 +185,7 @@ def test_stop_string_keeps_logprobs_through_the_matching_token(client, stack):
 
 
 def test_coalesced_replies_keep_every_token_logprob():
-    from tokenline.api.endpoints.completions import coalesce as _coalesce
+    from tokenline.api.endpoints.base import coalesce as _coalesce
     from tokenline.protocol import LogprobEntry, Reply
 
     def entry(token: str) -> LogprobEntry:
@@ -285,7 +285,7 @@ def test_chat_top_logprobs_0_gives_empty_alternatives_as_openai_does(client, sta
 
 
 def test_the_prompt_logprobs_of_n_choices_are_computed_once_and_shared():
-    from tokenline.api.openai.chat import CompletionRequest
+    from tokenline.api.openai.completions import CompletionRequest
 
     body = CompletionRequest(model="m", prompt=["a", "b"], n=3, echo=True, logprobs=2)
     asked = [body.sampling(i).prompt_logprobs for i in range(body.choices)]

@@ -590,7 +590,8 @@ def _client_parameters(create) -> set[str]:
 
 
 def test_every_field_the_client_sends_is_served_or_refused_by_name(client, stack):
-    from tokenline.api.openai.chat import ChatCompletionRequest, CompletionRequest
+    from tokenline.api.openai.chat import ChatCompletionRequest
+    from tokenline.api.openai.completions import CompletionRequest
 
     chat = _client_parameters(type(client.chat.completions).create)
     assert set(NO_EFFECT_CHAT) <= set(ChatCompletionRequest.model_fields)

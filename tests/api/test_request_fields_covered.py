@@ -19,7 +19,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from tokenline.api.openai.chat import ChatCompletionRequest, CompletionRequest
+from tokenline.api.openai.chat import ChatCompletionRequest
+from tokenline.api.openai.completions import CompletionRequest
 from tokenline.api.openai.responses import ResponsesRequest
 from tokenline.api.openai.tokenize import DetokenizeRequest, TokenizeRequest
 

@@ -8,10 +8,10 @@ import json
 import pydantic
 from openai.types.responses import Response, ResponseStreamEvent
 
-from tokenline.api.endpoints.responses_output import OutputBuilder
+from tokenline.api.endpoints.responses import OutputBuilder
 from tokenline.api.http.errors import ApiError
 from tokenline.api.openai.responses import ResponsesRequest
-from tokenline.api.tools.parsers import HERMES
+from tokenline.api.tools.formats import HERMES
 
 EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
 META = {"id": "resp_t-1", "created": 1700000000, "model": "tiny"}

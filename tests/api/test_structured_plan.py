@@ -7,9 +7,9 @@ import llguidance.hf
 import pytest
 
 from tokenline.api.http.errors import ApiError
+from tokenline.api.openai.tools import NamedToolChoice, ResponseFormat, Tool
 from tokenline.api.tools import grammars as structured
-from tokenline.api.tools.grammars import ResponseFormat, Tool
-from tokenline.api.tools.parsers import HERMES, LLAMA3_JSON
+from tokenline.api.tools.formats import HERMES, LLAMA3_JSON
 
 TOOL = Tool.model_validate(
     {
@@ -107,9 +107,7 @@ def test_none_hides_the_tools_and_keeps_the_format():
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "pick"}}])
 def test_a_forced_call_beside_a_json_answer_is_the_call(tiny_tokenizer, choice):
-    tool_choice = (
-        structured.NamedToolChoice.model_validate(choice) if choice != "required" else choice
-    )
+    tool_choice = NamedToolChoice.model_validate(choice) if choice != "required" else choice
     plan = structured.plan_tools([TOOL], tool_choice, True, ANSWER, HERMES)
     assert _accepts(plan.grammar, CALL, tiny_tokenizer)
     assert not _accepts(plan.grammar, '{"ok": true}', tiny_tokenizer)

@@ -10,11 +10,11 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from tokenline.api.endpoints.completions import chat_events, full_response
+from tokenline.api.endpoints.chat import render_full, render_stream
 from tokenline.api.openai.chat import ChatCompletionRequest
 from tokenline.api.ring.exchange import Exchange
 from tokenline.api.tools import grammars as structured
-from tokenline.api.tools.parsers import HERMES
+from tokenline.api.tools.formats import HERMES
 from tokenline.protocol import Reply
 
 TOOL = {
@@ -42,8 +42,10 @@ def _body(stream: bool) -> ChatCompletionRequest:
         {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [TOOL]}
         | {"stream": stream}
     )
-    body._tool_plan = structured.plan_tools(body.tools, None, True, None, HERMES)
     return body
+
+
+PARSER = structured.plan_tools(_body(False).tools, None, True, None, HERMES).parser
 
 
 def _exchange(pieces: list[str]) -> Exchange:
@@ -64,7 +66,7 @@ def test_a_whole_reply_carries_its_calls():
     ex = _exchange([OUTPUT])
     ex.keep([(0, Reply(uid="u0", text=OUTPUT, num_tokens=1))])
     ex.choices[0].finish_reason = "stop"
-    choice = full_response(ex, _body(False), META, chat=True)["choices"][0]
+    choice = render_full(ex, _body(False), PARSER, META)["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] == "Let me check."
     calls = choice["message"]["tool_calls"]
@@ -82,7 +84,7 @@ async def test_streamed_deltas_assemble_in_the_official_client(size):
     first = await ex.next_batch()
     state = ChatCompletionStreamState(input_tools=[TOOL])
     content_chunks = []
-    async for raw in chat_events(ex, _body(True), first, META):
+    async for raw in render_stream(ex, _body(True), PARSER, first, META):
         data = raw.decode().removeprefix("data: ").strip()
         if data == "[DONE]":
             break

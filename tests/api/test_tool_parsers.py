@@ -9,18 +9,14 @@ import llguidance.hf
 import pytest
 
 from tokenline import tiny_model
+from tokenline.api.tools.formats import FORMATS, HERMES, LLAMA3_JSON, PARSER_CHOICES, format_for
 from tokenline.api.tools.parsers import (
-    FORMATS,
-    HERMES,
-    LLAMA3_JSON,
-    PARSER_CHOICES,
     ArgumentsPiece,
     Call,
     CallEnd,
     CallStart,
     Content,
     ParsedCall,
-    format_for,
 )
 from tokenline.settings import BY_FLAG
 

@@ -1,9 +1,9 @@
-"""One generation request's life in the api: admit, wait for the first reply, answer.
+"""What every endpoint shares, the way vLLM's ``OpenAIServing`` is shared by its endpoints.
 
-Every generating route (chat, completions, responses) goes through `serve`; the routes say
-what to send into the ring (``build``) and how the answer looks (a `Renderer`), this module
-owns the rest: the model check, the limits, the disconnect watcher, the early-error status
-code, and closing the exchange on every path.
+An endpoint is made per HTTP request. A generating one says what each choice sends into the
+ring (`build`) and how the ring's replies read as its answer, streamed or whole
+(`render_stream`, `render_full`); `generate` owns the rest: the model check, the limits, the
+disconnect watcher, the early-error status code, and closing the exchange on every path.
 """
 
 from __future__ import annotations
@@ -11,170 +11,191 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from tokenline import protocol
-from tokenline.api.endpoints.completions import NORMAL_ENDS, timings_header
-from tokenline.api.http.errors import ApiError, unencodable
-from tokenline.api.http.limits import check_request
-from tokenline.api.http.sse import SSE_HEADERS
-from tokenline.api.openai.chat import ChatCompletionRequest
+from tokenline.api.http.errors import ApiError, ended_with, model_not_found, unencodable
+from tokenline.api.http.sse import DONE, EventStream, event
+from tokenline.api.openai.limits import check_request
+from tokenline.api.openai.usage import Usage
 from tokenline.api.ring.exchange import Exchange
 from tokenline.api.ring.pipeline import Pipeline
-from tokenline.api.tools.grammars import ToolPlan
-from tokenline.api.tools.parsers import ToolCallFormat, format_for
-from tokenline.model_source import chat_template_text
 
-Build = Callable[[str, int], protocol.Generate]
+NORMAL_ENDS = ("stop", "length")
 
 
-@dataclass(frozen=True)
-class Renderer:
-    """How one kind of response looks: ``meta`` is id, created and model."""
+class Endpoint:
+    id_prefix = ""  # of the answer's id, before the request's first uid
 
-    id_prefix: str
-    # (exchange, first batch of replies, meta) -> SSE bytes
-    stream: Callable[[Exchange, list, dict], AsyncIterator[bytes]]
-    # (exchange, meta) -> the whole JSON body
-    full: Callable[[Exchange, dict], dict]
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.pipeline: Pipeline = request.app.state.pipeline
+        self.settings = request.app.state.settings
 
+    # ── what every endpoint checks ─────────────────────────────────────────────────────────────
+    def check_model(self, model: str | None) -> None:
+        """A request for another model is a 404 in OpenAI's shape; None means "the one served"."""
+        if model is not None and model != self.pipeline.model:
+            raise model_not_found(model, self.pipeline.model)
 
-def pipeline_of(request: Request) -> Pipeline:
-    return request.app.state.pipeline
+    async def call(self, build: Callable[[str], protocol.TokenizeCall]) -> protocol.TokenizerAnswer:
+        """A call the tokenizer answers alone (`Pipeline.call`)."""
+        try:
+            return await self.pipeline.call(build)
+        except (OverflowError, UnicodeError) as exc:  # a gap in the schemas, as in `generate`
+            raise unencodable(exc) from exc
 
+    # ── what a generating endpoint says ────────────────────────────────────────────────────────
+    def build(self, uid: str, index: int) -> protocol.Generate:
+        """What choice ``index`` sends into the ring as ``uid``."""
+        raise NotImplementedError
 
-def check_model(request: Request, model: str | None) -> None:
-    """A request for another model is a 404 in OpenAI's shape; None means "the one served"."""
-    served = pipeline_of(request).model
-    if model is not None and model != served:
-        raise ApiError(
-            404,
-            f"The model `{model}` does not exist; this server serves `{served}` (see /v1/models).",
-            "model_not_found",
-            "model",
-        )
+    def render_stream(self, ex: Exchange, first: list, meta: dict) -> AsyncIterator[bytes]:
+        """The SSE stream of the answer; ``meta`` is id, created and model."""
+        raise NotImplementedError
 
+    def render_full(self, ex: Exchange, meta: dict) -> dict:
+        """The whole answer's JSON body, once every choice has ended normally."""
+        raise NotImplementedError
 
-async def tool_format(request: Request) -> ToolCallFormat:
-    """The model's tool-call format: --tool-call-parser, or read once from its chat template."""
-    state = request.app.state
-    if getattr(state, "tool_format", None) is None:
-        settings = state.settings
-        template = None
-        if settings.tool_call_parser == "auto":
-            template = await asyncio.to_thread(
-                chat_template_text, settings.model, settings.model_cache_dir, settings.revision
-            )
-        state.tool_format = format_for(template, settings.tool_call_parser)
-    return state.tool_format
+    # ── the flow every generation takes ────────────────────────────────────────────────────────
+    async def generate(self, body, n: int) -> Response:
+        """Admit ``n`` choices of ``body`` and answer, streamed if it asks."""
+        pipeline = self.pipeline
+        self.check_model(body.model)
+        check_request(body, self.settings)
+        try:
+            ex = pipeline.open(n, self.build)
+        except (OverflowError, UnicodeError) as exc:
+            # The schemas bound every field, so this is a gap in them; open() has already let
+            # go of the request's uids.
+            raise unencodable(exc) from exc
+        # One watcher for the request's whole life; a stream takes it over with the exchange.
+        watcher = asyncio.create_task(self._watch_disconnect(ex))
+        handed_over = False  # once a stream owns the exchange, it closes it
 
-
-def chat_builder(request: Request, chat: ChatCompletionRequest, plan: ToolPlan) -> Build:
-    """What a chat request (or a Responses request turned into one) sends per choice."""
-    messages = chat.wire_messages()
-    timeout = pipeline_of(request).settings.request_timeout
-
-    def build(uid: str, index: int) -> protocol.Generate:
-        return protocol.Generate(
-            uid=uid,
-            sampling=msgspec.structs.replace(chat.sampling(index), grammar=plan.grammar),
-            messages=messages,
-            tools=plan.tools,
-            timeout_s=timeout,
-        )
-
-    return build
-
-
-async def _watch_disconnect(request: Request, pipeline: Pipeline, ex: Exchange) -> None:
-    """Turn a client disconnect into an abort the moment it happens, even mid-wait."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            pipeline.abort(ex, "client_disconnect")
-            return
-
-
-async def serve(request: Request, body, n: int, build: Build, render: Renderer) -> Response:
-    """Admit ``n`` choices built by ``build`` and answer as ``render`` says."""
-    pipeline = pipeline_of(request)
-    check_model(request, body.model)
-    check_request(body, request.app.state.settings)
-    try:
-        ex = pipeline.open(n, build)
-    except (OverflowError, UnicodeError) as exc:
-        # The schemas bound every field, so this is a gap in them; open() has already let go
-        # of the request's uids.
-        raise unencodable(exc) from exc
-    # One watcher for the request's whole life; a stream takes it over with the exchange.
-    watcher = asyncio.create_task(_watch_disconnect(request, pipeline, ex))
-    handed_over = False  # once an ExchangeStream owns the exchange, it closes it
-    try:
-        # Wait for the first reply before answering, so an early error (prompt too long,
-        # stage down) gets its own status code instead of a broken 200 stream.
-        first = await ex.next_batch()
-        if ex.error is not None and not first:
-            return ex.error.response()
-        meta = {
-            "id": render.id_prefix + ex.uids[0],
-            "created": int(time.time()),
-            "model": pipeline.model,
-        }
-        if body.stream:
-            handed_over = True
-            return ExchangeStream(render.stream(ex, first, meta), pipeline, ex, watcher)
-        ex.keep(first)
-        await ex.collect()
-        pipeline.close(ex)
-        if ex.error is not None:
-            return ex.error.response()
-        failed = [c for c in ex.choices if c.finish_reason not in NORMAL_ENDS]
-        if failed:
-            reason = failed[0].finish_reason
-            return ApiError(500, f"generation ended with {reason}", "engine_error").response()
-        headers = {"X-Tokenline-Timings": timings_header(ex)}
-        return JSONResponse(render.full(ex, meta), headers=headers)
-    finally:
-        if not handed_over:
+        def close() -> None:
             watcher.cancel()
             pipeline.close(ex)
 
-
-class ExchangeStream(StreamingResponse):
-    """An SSE response that always closes its exchange and its disconnect watcher.
-
-    It writes to the connection itself instead of through Starlette's ``StreamingResponse``,
-    whose task group (ASGI before 2.4, what uvicorn speaks) starts the writer one event-loop
-    turn later and adds a second disconnect listener: with 16 streams a turn took several
-    milliseconds, and the first token waited 4.8 ms (p50) between reaching the api and being
-    written, 1.5 ms here, where it is written in the turn it arrives. The exchange is closed in
-    ``__call__``'s ``finally``, not in the generator: a generator that never started (client
-    gone before the first byte) would never run its cleanup.
-    """
-
-    def __init__(
-        self,
-        events: AsyncIterator[bytes],
-        pipeline: Pipeline,
-        ex: Exchange,
-        watcher: asyncio.Task,
-    ) -> None:
-        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        self._pipeline, self._ex, self._watcher = pipeline, ex, watcher
-        self._events = events
-
-    async def __call__(self, scope, receive, send) -> None:
         try:
-            start = {"type": "http.response.start", "status": self.status_code}
-            await send({**start, "headers": self.raw_headers})
-            async for chunk in self._events:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            # Wait for the first reply before answering, so an early error (prompt too long,
+            # stage down) gets its own status code instead of a broken 200 stream.
+            first = await ex.next_batch()
+            if ex.error is not None and not first:
+                return ex.error.response()
+            meta = {
+                "id": self.id_prefix + ex.uids[0],
+                "created": int(time.time()),
+                "model": pipeline.model,
+            }
+            if body.stream:
+                handed_over = True
+                return EventStream(self.render_stream(ex, first, meta), close)
+            ex.keep(first)
+            await ex.collect()
+            pipeline.close(ex)
+            if ex.error is not None:
+                return ex.error.response()
+            failed = [c for c in ex.choices if c.finish_reason not in NORMAL_ENDS]
+            if failed:
+                return ended_with(failed[0].finish_reason).response()
+            headers = {"X-Tokenline-Timings": timings_header(ex)}
+            return JSONResponse(self.render_full(ex, meta), headers=headers)
         finally:
-            self._watcher.cancel()
-            self._pipeline.close(self._ex)
-            await self._events.aclose()
+            if not handed_over:
+                close()
+
+    async def _watch_disconnect(self, ex: Exchange) -> None:
+        """Turn a client disconnect into an abort the moment it happens, even mid-wait."""
+        while True:
+            message = await self.request.receive()
+            if message["type"] == "http.disconnect":
+                self.pipeline.abort(ex, "client_disconnect")
+                return
+
+
+# ── reading an exchange's replies, for every stream ────────────────────────────────────────────
+def timings_header(ex: Exchange) -> str:
+    return ", ".join(f"{k.removesuffix('_s')}={v * 1000:.3f}ms" for k, v in ex.timings.items())
+
+
+def coalesce(batch: list[tuple[int, protocol.Reply]]) -> list[tuple[int, protocol.Reply]]:
+    """Merge consecutive pieces of one choice, so a client that fell behind gets fewer,
+    larger events instead of one per token."""
+    merged: list[tuple[int, protocol.Reply]] = []
+    for index, reply in batch:
+        if merged and merged[-1][0] == index and merged[-1][1].finish_reason is None:
+            last = merged[-1][1]
+            merged[-1] = (
+                index,
+                msgspec.structs.replace(
+                    last,
+                    text=last.text + reply.text,
+                    num_tokens=last.num_tokens + reply.num_tokens,
+                    finish_reason=reply.finish_reason,
+                    logprobs=_merge_logprobs(last.logprobs, reply.logprobs),
+                ),
+            )
+        else:
+            merged.append((index, reply))
+    return merged
+
+
+def _merge_logprobs(
+    first: list[protocol.LogprobEntry] | None, second: list[protocol.LogprobEntry] | None
+) -> list[protocol.LogprobEntry] | None:
+    if first is None or second is None:
+        return first if second is None else second
+    return first + second
+
+
+async def replies(ex: Exchange, first: list) -> AsyncIterator[tuple[int, protocol.Reply]]:
+    """Every reply of the exchange from ``first`` on, coalesced, until the request is over."""
+    batch = first
+    while batch:
+        for item in coalesce(batch):
+            yield item
+        batch = await ex.next_batch()
+
+
+def error_of(ex: Exchange, reply: protocol.Reply | None) -> ApiError:
+    """Why a stream ends early: the exchange's error, or the reply's own end."""
+    if ex.error is not None:
+        return ex.error
+    return ended_with(reply.finish_reason if reply else None, reply.error_code if reply else None)
+
+
+class RunningUsage:
+    """Usage as a stream has sent it so far (vLLM's ``continuous_usage_stats``)."""
+
+    def __init__(self, ex: Exchange, per_prompt: int) -> None:
+        self._ex, self._per_prompt = ex, per_prompt
+        self._sent = [0] * len(ex.choices)
+
+    def sent(self, index: int, reply: protocol.Reply) -> None:
+        self._sent[index] += reply.num_tokens
+
+    def chunk_usage(self, body) -> dict:
+        """What a chunk before the last says of usage: nothing unless asked, then null
+        (OpenAI), or the usage so far with ``continuous_usage_stats`` (vLLM)."""
+        if not body.include_usage:
+            return {}
+        if not body.continuous_usage:
+            return {"usage": None}
+        ex = self._ex
+        usage = Usage.of(ex.choices, ex.cached_tokens, self._per_prompt, sum(self._sent))
+        return {"usage": usage.completions_shape()}
+
+
+def final_events(ex: Exchange, body, head: dict) -> list[bytes]:
+    """The end of a chat or completions stream: the error, or the usage if asked; [DONE]."""
+    if ex.error is not None:
+        return [event(ex.error.body()), DONE]
+    if body.include_usage:
+        usage = Usage.of(ex.choices, ex.cached_tokens, body.n).completions_shape()
+        return [event({**head, "choices": [], "usage": usage}), DONE]
+    return [DONE]

@@ -1,117 +1,54 @@
-"""OpenAI's response shapes: whole completions, SSE chunks, usage and logprobs.
-
-Everything here turns an `Exchange`'s replies into what OpenAI clients expect; the routes
-decide when, this module decides how it looks.
-"""
+"""``POST /v1/completions``: prompts (text or token ids) in, text out, whole or as
+``text_completion`` events; with echo, the prompt (and its logprobs) in front."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
 import msgspec
+from fastapi.responses import Response
 
 from tokenline import protocol
-from tokenline.api.http.errors import ApiError
+from tokenline.api.endpoints.base import (
+    NORMAL_ENDS,
+    Endpoint,
+    RunningUsage,
+    error_of,
+    final_events,
+    replies,
+)
 from tokenline.api.http.sse import DONE, event
-from tokenline.api.openai.chat import ChatCompletionRequest, CompletionRequest
+from tokenline.api.openai.completions import CompletionRequest
+from tokenline.api.openai.logprobs import completion_logprobs, echoed
+from tokenline.api.openai.usage import Usage
 from tokenline.api.ring.exchange import Exchange
-from tokenline.api.tools import chat_calls as tool_render
-from tokenline.api.tools.parsers import ToolCallFormat
-
-NORMAL_ENDS = ("stop", "length")
+from tokenline.api.tools.grammars import completion_grammar
 
 
-def _tool_parser(body) -> ToolCallFormat | None:
-    plan = getattr(body, "_tool_plan", None)
-    return plan.parser if plan is not None else None
+class Completions(Endpoint):
+    id_prefix = "cmpl-"
 
+    async def create(self, body: CompletionRequest) -> Response:
+        self.body = body
+        self.grammar = completion_grammar(body.response_format)
+        self.prompts = body.prompts()
+        return await self.generate(body, body.choices)
 
-def timings_header(ex: Exchange) -> str:
-    return ", ".join(f"{k.removesuffix('_s')}={v * 1000:.3f}ms" for k, v in ex.timings.items())
+    def build(self, uid: str, index: int) -> protocol.Generate:
+        prompt = self.prompts[index // self.body.n]  # choices go prompt by prompt, n each
+        return protocol.Generate(
+            uid=uid,
+            sampling=msgspec.structs.replace(self.body.sampling(index), grammar=self.grammar),
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_ids=None if isinstance(prompt, str) else prompt,
+            timeout_s=self.settings.request_timeout,
+        )
 
+    def render_stream(self, ex: Exchange, first: list, meta: dict) -> AsyncIterator[bytes]:
+        return render_stream(ex, self.body, first, meta)
 
-def _usage(ex: Exchange, per_prompt: int) -> dict:
-    """Usage of the whole request; choices go prompt by prompt, ``per_prompt`` (n) each, and
-    a prompt counts once however many choices it has."""
-    completion = sum(c.completion_tokens for c in ex.choices)
-    prompt = sum(c.prompt_tokens for c in ex.choices[::per_prompt])
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": ex.cached_tokens},
-    }
-
-
-# ── logprobs ───────────────────────────────────────────────────────────────────────────────────
-LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI and vLLM report this instead
-
-
-def _logprob(value: float) -> float:
-    return max(value, LOGPROB_FLOOR)
-
-
-def _chat_logprobs(entries: list[protocol.LogprobEntry]) -> dict:
-    return {
-        "content": [
-            {
-                "token": e.token,
-                "logprob": _logprob(e.logprob),
-                "bytes": e.bytes,
-                "top_logprobs": [
-                    {"token": t.token, "logprob": _logprob(t.logprob), "bytes": t.bytes}
-                    for t in e.top
-                ],
-            }
-            for e in entries
-        ]
-    }
-
-
-def _top_with_chosen(entry: protocol.LogprobEntry) -> dict[str, float]:
-    """The legacy shape's alternatives: the top N, and the chosen token always, as OpenAI
-    ("up to logprobs+1 elements") and vLLM give them, so ``logprobs: 0`` still names it."""
-    top = {t.token: _logprob(t.logprob) for t in entry.top}
-    top.setdefault(entry.token, _logprob(entry.logprob))
-    return top
-
-
-def _completion_logprobs(entries: list[protocol.LogprobEntry], offset: int = 0) -> dict:
-    """The legacy completions shape; ``offset``: where the first token's text starts."""
-    offsets = []
-    for e in entries:
-        offsets.append(offset)
-        offset += len(e.token)
-    return {
-        "tokens": [e.token for e in entries],
-        "token_logprobs": [_logprob(e.logprob) for e in entries],
-        "top_logprobs": [_top_with_chosen(e) for e in entries],
-        "text_offset": offsets,
-    }
-
-
-def _echo_logprobs(prompt_text: str, entries: list[protocol.LogprobEntry | None]) -> dict:
-    """The prompt's part of an echoed completion's logprobs: its first token has none."""
-    known = [e for e in entries[1:] if e is not None]
-    first_text = prompt_text[: max(len(prompt_text) - sum(len(e.token) for e in known), 0)]
-    tokens, values, tops, offsets = [first_text], [None], [None], [0]
-    offset = len(first_text)
-    for e in known:
-        tokens.append(e.token)
-        values.append(_logprob(e.logprob))
-        tops.append(_top_with_chosen(e))
-        offsets.append(offset)
-        offset += len(e.token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": values,
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
-
-
-def _joined_logprobs(first: dict, second: dict) -> dict:
-    return {key: first[key] + second[key] for key in first}
+    def render_full(self, ex: Exchange, meta: dict) -> dict:
+        return render_full(ex, self.body, meta)
 
 
 def _prompt_logprobs(ex: Exchange, index: int, per_prompt: int):
@@ -120,191 +57,28 @@ def _prompt_logprobs(ex: Exchange, index: int, per_prompt: int):
     return ex.choices[index - index % per_prompt].prompt_logprobs
 
 
-def _echoed(choice, prompt_logprobs, text: str, logprobs: dict | None) -> tuple[str, dict | None]:
-    """``text`` and ``logprobs`` with the prompt's in front, for a completion with echo."""
-    prompt = choice.prompt_text or ""
-    if logprobs is None:
-        return prompt + text, None
-    if prompt_logprobs is None:
-        return prompt + text, logprobs
-    echo = _echo_logprobs(prompt, prompt_logprobs)
-    shifted = {**logprobs, "text_offset": [o + len(prompt) for o in logprobs["text_offset"]]}
-    return prompt + text, _joined_logprobs(echo, shifted)
-
-
-class RunningUsage:
-    """Usage as a stream has sent it so far (vLLM's ``continuous_usage_stats``)."""
-
-    def __init__(self, ex: Exchange, per_prompt: int) -> None:
-        self._ex, self._per_prompt = ex, per_prompt
-        self._sent = [0] * len(ex.choices)
-
-    def sent(self, index: int, reply: protocol.Reply) -> None:
-        self._sent[index] += reply.num_tokens
-
-    def now(self) -> dict:
-        usage = _usage(self._ex, self._per_prompt)
-        completion = sum(self._sent)
-        usage["completion_tokens"] = completion
-        usage["total_tokens"] = usage["prompt_tokens"] + completion
-        return usage
-
-
-def full_response(ex: Exchange, body, meta: dict, chat: bool) -> dict:
-    choices = []
+def render_full(ex: Exchange, body: CompletionRequest, meta: dict) -> dict:
     wanted = body.wanted_logprobs() is not None
+    choices = []
     for choice in ex.choices:
         text = "".join(ex.texts[choice.index])
-        entries = ex.logprobs[choice.index]
-        if chat:
-            message, has_calls = tool_render.message(text, _tool_parser(body))
-            choices.append(
-                {
-                    "index": choice.index,
-                    "message": message,
-                    "finish_reason": tool_render.finish_reason(choice.finish_reason, has_calls),
-                    "logprobs": _chat_logprobs(entries) if wanted else None,
-                }
-            )
-        else:
-            logprobs = _completion_logprobs(entries) if wanted else None
-            if body.echo:
-                borrowed = _prompt_logprobs(ex, choice.index, body.n)
-                text, logprobs = _echoed(choice, borrowed, text, logprobs)
-            choices.append(
-                {
-                    "index": choice.index,
-                    "text": text,
-                    "finish_reason": choice.finish_reason,
-                    "logprobs": logprobs,
-                }
-            )
-    return {
-        **meta,
-        "object": "chat.completion" if chat else "text_completion",
-        "choices": choices,
-        "usage": _usage(ex, body.n),
-    }
-
-
-def coalesce(batch: list[tuple[int, protocol.Reply]]) -> list[tuple[int, protocol.Reply]]:
-    """Merge consecutive pieces of one choice, so a client that fell behind gets fewer,
-    larger events instead of one per token."""
-    merged: list[tuple[int, protocol.Reply]] = []
-    for index, reply in batch:
-        if merged and merged[-1][0] == index and merged[-1][1].finish_reason is None:
-            last = merged[-1][1]
-            merged[-1] = (
-                index,
-                msgspec.structs.replace(
-                    last,
-                    text=last.text + reply.text,
-                    num_tokens=last.num_tokens + reply.num_tokens,
-                    finish_reason=reply.finish_reason,
-                    logprobs=_merge_logprobs(last.logprobs, reply.logprobs),
-                ),
-            )
-        else:
-            merged.append((index, reply))
-    return merged
-
-
-def _merge_logprobs(
-    first: list[protocol.LogprobEntry] | None, second: list[protocol.LogprobEntry] | None
-) -> list[protocol.LogprobEntry] | None:
-    if first is None or second is None:
-        return first if second is None else second
-    return first + second
-
-
-async def _replies(ex: Exchange, first: list) -> AsyncIterator[tuple[int, protocol.Reply]]:
-    batch = first
-    while batch:
-        for item in coalesce(batch):
-            yield item
-        batch = await ex.next_batch()
-
-
-def _error_event(ex: Exchange, reply: protocol.Reply | None) -> bytes:
-    if ex.error is not None:
-        return event(ex.error.body())
-    reason = reply.finish_reason if reply else "error"
-    return event(
-        ApiError(
-            500,
-            f"generation ended with {reason}",
-            reply.error_code if reply and reply.error_code else "engine_error",
-        ).body()
-    )
-
-
-def _chunk_usage(body, running: RunningUsage) -> dict:
-    """What a chunk before the last says of usage: nothing unless asked, then null (OpenAI),
-    or the usage so far with ``continuous_usage_stats`` (vLLM)."""
-    if not body.include_usage:
-        return {}
-    return {"usage": running.now() if body.continuous_usage else None}
-
-
-async def chat_events(
-    ex: Exchange, body: ChatCompletionRequest, first: list, meta: dict
-) -> AsyncIterator[bytes]:
-    head = {**meta, "object": "chat.completion.chunk"}
-    wanted = body.wanted_logprobs() is not None
-    running = RunningUsage(ex, body.n)
-
-    def chunk(
-        index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None
-    ) -> bytes:
-        return event(
+        logprobs = completion_logprobs(ex.logprobs[choice.index]) if wanted else None
+        if body.echo:
+            borrowed = _prompt_logprobs(ex, choice.index, body.n)
+            text, logprobs = echoed(choice.prompt_text or "", borrowed, text, logprobs)
+        choices.append(
             {
-                **head,
-                "choices": [
-                    {
-                        "index": index,
-                        "delta": delta,
-                        "logprobs": logprobs,
-                        "finish_reason": finish,
-                    }
-                ],
-                **_chunk_usage(body, running),
+                "index": choice.index,
+                "text": text,
+                "finish_reason": choice.finish_reason,
+                "logprobs": logprobs,
             }
         )
-
-    parser = _tool_parser(body)
-    calls = {c.index: tool_render.DeltaStream(parser) for c in ex.choices} if parser else {}
-    for choice in ex.choices:
-        yield chunk(choice.index, {"role": "assistant", "content": ""})
-    async for index, reply in _replies(ex, first):
-        running.sent(index, reply)
-        if index in calls:  # tool calls are parsed out of the text before it is sent
-            deltas = calls[index].feed(reply.text)
-            if reply.finish_reason is not None:
-                deltas += calls[index].finish()
-            if wanted and reply.logprobs:
-                yield chunk(index, {"content": ""}, logprobs=_chat_logprobs(reply.logprobs))
-            for delta in deltas:
-                yield chunk(index, delta)
-        elif wanted and reply.logprobs:
-            # tokens whose text is still held back get their chunk now, with empty content
-            yield chunk(index, {"content": reply.text}, logprobs=_chat_logprobs(reply.logprobs))
-        elif reply.text:
-            yield chunk(index, {"content": reply.text})
-        if reply.finish_reason in NORMAL_ENDS:
-            has_calls = index in calls and calls[index].has_calls
-            yield chunk(index, {}, tool_render.finish_reason(reply.finish_reason, has_calls))
-        elif reply.finish_reason:
-            yield _error_event(ex, reply)
-            yield DONE
-            return
-    if ex.error is not None:
-        yield _error_event(ex, None)
-    elif body.include_usage:
-        yield event({**head, "choices": [], "usage": _usage(ex, body.n)})
-    yield DONE
+    usage = Usage.of(ex.choices, ex.cached_tokens, body.n).completions_shape()
+    return {**meta, "object": "text_completion", "choices": choices, "usage": usage}
 
 
-async def completion_events(
+async def render_stream(
     ex: Exchange, body: CompletionRequest, first: list, meta: dict
 ) -> AsyncIterator[bytes]:
     head = {**meta, "object": "text_completion"}
@@ -317,27 +91,16 @@ async def completion_events(
         text, logprobs = reply.text, None
         if wanted:
             entries = reply.logprobs or []
-            logprobs = _completion_logprobs(entries, offsets[index])
+            logprobs = completion_logprobs(entries, offsets[index])
             offsets[index] += sum(len(e.token) for e in entries)
         if echo_pending[index]:
             echo_pending[index] = False
             borrowed = _prompt_logprobs(ex, index, body.n)
-            text, logprobs = _echoed(ex.choices[index], borrowed, text, logprobs)
+            prompt = ex.choices[index].prompt_text or ""
+            text, logprobs = echoed(prompt, borrowed, text, logprobs)
             offsets[index] += len(ex.choices[index].prompt_text or "")
-        return event(
-            {
-                **head,
-                "choices": [
-                    {
-                        "index": index,
-                        "text": text,
-                        "logprobs": logprobs,
-                        "finish_reason": finish,
-                    }
-                ],
-                **_chunk_usage(body, running),
-            }
-        )
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return event({**head, "choices": [choice], **running.chunk_usage(body)})
 
     # A choice that borrows its prompt's logprobs waits, before its first chunk, for the
     # prompt's first choice to bring them (or to end without them).
@@ -371,28 +134,23 @@ async def completion_events(
             return [chunk(index, reply)]
         return []
 
-    async for index, reply in _replies(ex, first):
-        if index in waiting or must_wait(index):
-            waiting.setdefault(index, []).append(reply)
-            continue
-        for ready_index, ready_reply in [(index, reply), *ready()]:
-            out = chunks(ready_index, ready_reply)
-            if out is None:
-                yield _error_event(ex, ready_reply)
-                yield DONE
-                return
-            for piece in out:
-                yield piece
-    for ready_index, ready_reply in ready():  # lenders that ended: nothing left to wait for
-        out = chunks(ready_index, ready_reply)
+    async def in_order() -> AsyncIterator[tuple[int, protocol.Reply]]:
+        async for index, reply in replies(ex, first):
+            if index in waiting or must_wait(index):
+                waiting.setdefault(index, []).append(reply)
+                continue
+            for item in [(index, reply), *ready()]:
+                yield item
+        for item in ready():  # lenders that ended: nothing left to wait for
+            yield item
+
+    async for index, reply in in_order():
+        out = chunks(index, reply)
         if out is None:
-            yield _error_event(ex, ready_reply)
+            yield event(error_of(ex, reply).body())
             yield DONE
             return
         for piece in out:
             yield piece
-    if ex.error is not None:
-        yield _error_event(ex, None)
-    elif body.include_usage:
-        yield event({**head, "choices": [], "usage": _usage(ex, body.n)})
-    yield DONE
+    for piece in final_events(ex, body, head):
+        yield piece

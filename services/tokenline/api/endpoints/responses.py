@@ -1,314 +1,60 @@
-"""OpenAI's Responses API, stateless: ``POST /v1/responses`` as a chat completion in other clothes.
+"""``POST /v1/responses``, stateless: a chat completion in other clothes.
 
-A Responses request is translated into a `ChatCompletionRequest`, so limits, tool plans and
-grammars are the very code chat runs; only the shape of the answer differs
-(api/responses_render.py). Nothing is stored: ``previous_response_id`` and ``conversation``
-are refused, ``store`` is answered ``false``, and the retrieval routes say so.
+The request is translated into a chat completion request (api/openai/responses.py), so limits,
+tool plans and grammars are the very code chat runs; only the answer differs: a response
+object, whole or built up by a stream of events. One `OutputBuilder` turns a reply's text into
+output items (messages and function calls), whether the text arrives at once or piece by
+piece, so a streamed response always ends in the very object the non-streamed one is. Events
+are framed as the real API frames them (``event: <type>`` then ``data: {...}``, each with a
+``sequence_number``), with no ``data: [DONE]`` after the terminal event.
 
-Every field the official client can send is either honoured or refused with a 400
-``unsupported_parameter`` naming it; so is any field this module does not know.
+Nothing is stored: ``previous_response_id`` and ``conversation`` are refused, ``store`` is
+answered ``false``, and the retrieval routes say so (`not_stored`).
 """
 
 from __future__ import annotations
 
-import json
+import secrets
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
-import pydantic
-from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from tokenline.api.endpoints.base import Renderer, chat_builder, serve, tool_format
-from tokenline.api.endpoints.responses_output import full_response, response_events
+from tokenline.api.endpoints.base import NORMAL_ENDS, error_of, replies
+from tokenline.api.endpoints.chat import Chat
 from tokenline.api.http.errors import ApiError
-from tokenline.api.openai.chat import MAX_METADATA_KEYS, ChatCompletionRequest
-from tokenline.api.openai.responses import (
-    ContentPart,
-    FunctionToolIn,
-    ResponsesRequest,
-    TextConfig,
-)
-from tokenline.api.tools import grammars as structured
-
-router = APIRouter()
+from tokenline.api.http.sse import event
+from tokenline.api.openai.responses import ResponsesRequest, renamed, to_chat
+from tokenline.api.openai.usage import Usage
+from tokenline.api.ring.exchange import Exchange
+from tokenline.api.tools.chat_calls import call_id
+from tokenline.api.tools.formats import ToolCallFormat
+from tokenline.api.tools.parsers import ArgumentsPiece, Call, CallEnd, CallStart, Content
 
 
-def unsupported(param: str, message: str) -> ApiError:
-    return ApiError(400, message, "unsupported_parameter", param)
+class Responses(Chat):
+    """Chat's plan and ring messages, with the Responses API's request and answer."""
+
+    id_prefix = "resp_"
+
+    async def create(self, body: ResponsesRequest) -> Response:  # type: ignore[override]
+        self.responses_body = body
+        chat = to_chat(body)
+        try:
+            self.prepare(chat, await self.plan(chat))
+            return await self.generate(chat, 1)
+        except ApiError as exc:  # the tool plan and the limits name chat's fields
+            raise renamed(exc) from exc
+
+    def render_stream(self, ex: Exchange, first: list, meta: dict) -> AsyncIterator[bytes]:
+        return render_stream(ex, first, meta, self.responses_body, self.tool_plan.parser)
+
+    def render_full(self, ex: Exchange, meta: dict) -> dict:
+        return render_full(ex, meta, self.responses_body, self.tool_plan.parser)
 
 
-def _invalid(param: str, message: str) -> ApiError:
-    return ApiError(400, message, "invalid_request_error", param)
-
-
-_STORAGE = (
-    "is not supported: this server stores no responses or conversations; send the whole "
-    "conversation as input (earlier output items included)"
-)
-# Fields that are accepted only where they ask for nothing: (field, accepted?, why not)
-_NOTHING_ASKED = (
-    ("previous_response_id", lambda v: v is None, _STORAGE),
-    ("conversation", lambda v: v is None, _STORAGE),
-    ("background", lambda v: not v, "is not supported: responses run in the foreground only"),
-    (
-        "truncation",
-        lambda v: v in (None, "disabled"),
-        "is not supported except 'disabled': input longer than the context is refused, "
-        "never cut; shorten the input",
-    ),
-    (
-        # effort is accepted with no effect, as chat's reasoning_effort; a summary is output
-        # this model cannot give
-        "reasoning",
-        lambda v: not v or all(x is None for k, x in v.items() if k != "effort"),
-        "is not supported except effort (which has no effect): the served model does not "
-        "reason, so it has no summary to give; leave the rest out",
-    ),
-    (
-        "include",
-        lambda v: not v,
-        "is not supported: this server has no extra output to include; send it empty",
-    ),
-    (
-        "service_tier",
-        lambda v: v in (None, "auto", "default"),
-        "is not supported except 'auto' and 'default': this server has one tier",
-    ),
-)
-
-
-def refuse_unserved(body: ResponsesRequest) -> None:
-    """A 400 ``unsupported_parameter`` for the first field asked for that is not served."""
-    for field, accepted, why in _NOTHING_ASKED:
-        value = getattr(body, field)
-        if not accepted(value):
-            raise unsupported(field, f"{field} {why}")
-    for field, value in (body.model_extra or {}).items():
-        if value is not None:
-            raise unsupported(
-                field, f"{field} is not supported by this server's Responses API; leave it out"
-            )
-    if body.stream_options is not None:
-        if body.stream_options.include_obfuscation:
-            raise unsupported(
-                "stream_options.include_obfuscation",
-                "stream_options.include_obfuscation is not supported: events carry no "
-                "obfuscation padding; set it to false or leave it out",
-            )
-        for field, value in (body.stream_options.model_extra or {}).items():
-            if value is not None:
-                raise unsupported(
-                    f"stream_options.{field}", f"stream_options.{field} is not supported"
-                )
-    if body.text is not None:
-        if body.text.verbosity is not None:
-            raise unsupported(
-                "text.verbosity", "text.verbosity is not supported: the model has no such setting"
-            )
-        for field, value in (body.text.model_extra or {}).items():
-            if value is not None:
-                raise unsupported(f"text.{field}", f"text.{field} is not supported")
-    if body.metadata is not None and len(body.metadata) > MAX_METADATA_KEYS:
-        raise _invalid("metadata", f"metadata holds at most {MAX_METADATA_KEYS} keys")
-
-
-# ── translation to chat ────────────────────────────────────────────────────────────────────────
-_TEXT_PARTS = ("input_text", "output_text", "text")
-
-
-def _text_of(content: str | list[ContentPart] | None, param: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    texts = []
-    for j, part in enumerate(content):
-        if part.type in _TEXT_PARTS and part.text is not None:
-            texts.append(part.text)
-        elif part.type == "refusal" and part.refusal is not None:
-            texts.append(part.refusal)
-        elif part.type in (*_TEXT_PARTS, "refusal"):
-            raise _invalid(f"{param}[{j}]", f"{param}[{j}] of type {part.type} has no text")
-        else:
-            raise unsupported(
-                f"{param}[{j}].type",
-                f"{param}[{j}] is of type {part.type!r}, which this server does not take: "
-                "the model reads text only (input_text, output_text)",
-            )
-    return "".join(texts)
-
-
-def messages_of(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """The chat messages the input means, instructions first."""
-    messages: list[dict[str, Any]] = []
-    if body.instructions:
-        messages.append({"role": "system", "content": body.instructions})
-    if isinstance(body.input, str):
-        return [*messages, {"role": "user", "content": body.input}]
-    if not body.input:
-        raise _invalid("input", "input is empty; send a string or at least one item")
-    for i, item in enumerate(body.input):
-        param = f"input[{i}]"
-        if item.type == "message":
-            if item.role not in ("user", "system", "developer", "assistant"):
-                raise _invalid(
-                    f"{param}.role",
-                    f"{param}.role is {item.role!r}; use user, system, developer or assistant",
-                )
-            text = _text_of(item.content, f"{param}.content")
-            messages.append({"role": item.role, "content": text})
-        elif item.type == "function_call":
-            if not item.call_id or not item.name:
-                raise _invalid(param, f"{param} is a function_call without call_id or name")
-            call = {
-                "id": item.call_id,
-                "type": "function",
-                # any text, as in chat: an earlier call's broken arguments are history too
-                "function": {"name": item.name, "arguments": item.arguments or ""},
-            }
-            last = messages[-1] if messages else None
-            # calls join the assistant turn they follow, as a chat reply holds text and calls
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif item.type == "function_call_output":
-            if not item.call_id:
-                raise _invalid(f"{param}.call_id", f"{param} needs the call_id it answers")
-            output = _text_of(item.output, f"{param}.output")
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
-        else:
-            raise unsupported(
-                f"{param}.type",
-                f"{param} is of type {item.type!r}, which this server does not take: send "
-                "message, function_call and function_call_output items",
-            )
-    return messages
-
-
-def _tools_of(tools: list[FunctionToolIn]) -> list[dict[str, Any]]:
-    out = []
-    for i, tool in enumerate(tools):
-        if tool.type != "function":
-            raise unsupported(
-                f"tools[{i}].type",
-                f"tools[{i}] is a {tool.type!r} tool, which this server does not run: only "
-                "function tools are served",
-            )
-        refused = {
-            "defer_loading": bool(tool.defer_loading),
-            "allowed_callers": tool.allowed_callers not in (None, ["direct"]),
-            "output_schema": tool.output_schema is not None,
-            **{k: v is not None for k, v in (tool.model_extra or {}).items()},
-        }
-        for field, asked in refused.items():
-            if asked:
-                raise unsupported(
-                    f"tools[{i}].{field}", f"tools[{i}].{field} is not supported; leave it out"
-                )
-        function: dict[str, Any] = {"name": tool.name, "parameters": tool.parameters}
-        if tool.description is not None:
-            function["description"] = tool.description
-        if tool.strict is not None:
-            function["strict"] = tool.strict
-        out.append({"type": "function", "function": function})
-    return out
-
-
-def _tool_choice_of(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-    if choice is None or isinstance(choice, str):
-        return choice
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    raise unsupported(
-        "tool_choice",
-        f"tool_choice {json.dumps(choice)[:200]} is not supported: use none, auto, required "
-        'or {"type": "function", "name": ...}',
-    )
-
-
-def _response_format_of(text: TextConfig | None) -> dict[str, Any] | None:
-    fmt = text.format if text is not None else None
-    if fmt is None or fmt.type != "json_schema":
-        return None if fmt is None else {"type": fmt.type}
-    if not fmt.name:
-        raise _invalid("text.format.name", "text.format of type json_schema needs a name")
-    schema: dict[str, Any] = {"name": fmt.name, "schema": fmt.schema_ or {}}
-    if fmt.description is not None:
-        schema["description"] = fmt.description
-    if fmt.strict is not None:
-        schema["strict"] = fmt.strict
-    return {"type": "json_schema", "json_schema": schema}
-
-
-# chat's parameter names, as the Responses API calls them (in params and in messages)
-_RENAMES = (
-    ("response_format.json_schema.schema", "text.format.schema"),
-    ("response_format", "text.format"),
-    ("max_completion_tokens", "max_output_tokens"),
-    ("].function.", "]."),
-    ("messages", "input"),
-)
-
-
-def renamed(exc: ApiError) -> ApiError:
-    """A chat error as the Responses request's own fields name it."""
-    message, param = exc.message, exc.param
-    for chat, ours in _RENAMES:
-        message = message.replace(chat, ours)
-        param = param.replace(chat, ours) if param else param
-    return ApiError(exc.status, message, exc.code, param, exc.retry_after, exc.headers)
-
-
-def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion request that means the same; a 400 naming the field if none does."""
-    refuse_unserved(body)
-    chat: dict[str, Any] = {
-        "model": body.model,
-        "messages": messages_of(body),
-        "max_completion_tokens": body.max_output_tokens,
-        "stream": bool(body.stream),
-        "response_format": _response_format_of(body.text),
-        "tools": _tools_of(body.tools) if body.tools else None,
-        "tool_choice": _tool_choice_of(body.tool_choice),
-        "parallel_tool_calls": body.parallel_tool_calls is not False,
-    }
-    for field in ("temperature", "top_p"):
-        if getattr(body, field) is not None:
-            chat[field] = getattr(body, field)
-    try:
-        return ChatCompletionRequest.model_validate(chat)
-    except pydantic.ValidationError as exc:  # what the input items hold, checked by chat's rules
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        reason = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-        raise _invalid("input", f"the input is not valid ({where}: {reason})") from exc
-
-
-# ── routes ─────────────────────────────────────────────────────────────────────────────────────
-@router.post("/v1/responses")
-async def create_response(body: ResponsesRequest, request: Request) -> Response:
-    chat = to_chat(body)
-    fmt = await tool_format(request) if chat.tools else None
-    try:
-        plan = structured.plan_tools(
-            chat.tools, chat.tool_choice, chat.parallel_tool_calls, chat.response_format, fmt
-        )
-    except ApiError as exc:
-        raise renamed(exc) from exc
-    chat._tool_plan = plan
-    build = chat_builder(request, chat, plan)
-
-    render = Renderer(
-        "resp_",
-        lambda ex, first, meta: response_events(ex, first, meta, body, plan.parser),
-        lambda ex, meta: full_response(ex, meta, body, plan.parser),
-    )
-    try:
-        return await serve(request, chat, 1, build, render)
-    except ApiError as exc:  # the limits name chat's fields
-        raise renamed(exc) from exc
-
-
-def _not_stored(response_id: str) -> ApiError:
+def not_stored(response_id: str) -> ApiError:
     return ApiError(
         404,
         f"no response {response_id!r}: this server stores no responses (its Responses API is "
@@ -317,21 +63,263 @@ def _not_stored(response_id: str) -> ApiError:
     )
 
 
-@router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str) -> Response:
-    raise _not_stored(response_id)
+def _usage(ex: Exchange) -> dict:
+    return Usage.of(ex.choices, ex.cached_tokens).responses_shape()
 
 
-@router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str) -> Response:
-    raise _not_stored(response_id)
+def echo(body: ResponsesRequest) -> dict:
+    """The request's settings as the response object repeats them."""
+    tools = [
+        {
+            "type": "function",
+            "name": t.name,
+            "description": t.description,
+            "parameters": t.parameters,
+            "strict": t.strict,
+        }
+        for t in body.tools or []
+    ]
+    fmt: dict[str, Any] = {"type": "text"}
+    if body.text is not None and body.text.format is not None:
+        fmt = body.text.format.model_dump(by_alias=True, exclude_none=True)
+    return {
+        "background": False,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "max_tool_calls": None,
+        "metadata": body.metadata or {},
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": None,
+        "prompt_cache_key": body.prompt_cache_key,
+        "reasoning": None,
+        "safety_identifier": body.safety_identifier,
+        "service_tier": "default",
+        "store": False,  # whatever was asked: nothing is kept
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "text": {"format": fmt},
+        "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+        "tools": tools,
+        "top_logprobs": None,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "truncation": "disabled",
+        "user": body.user,
+    }
 
 
-@router.get("/v1/responses/{response_id}/input_items")
-async def list_input_items(response_id: str) -> Response:
-    raise _not_stored(response_id)
+class OutputBuilder:
+    """One response's output items and, when ``emit``, the events that build them."""
+
+    def __init__(
+        self, meta: dict, body: ResponsesRequest, parser: ToolCallFormat | None, emit: bool
+    ):
+        self.response: dict[str, Any] = {
+            "id": meta["id"],
+            "object": "response",
+            "created_at": meta["created"],
+            "status": "in_progress",
+            "error": None,
+            "incomplete_details": None,
+            "model": meta["model"],
+            "output": [],
+            "usage": None,
+            **echo(body),
+        }
+        self._calls = parser.stream() if parser is not None else None
+        self._emit = emit
+        self._sequence = 0
+        self._message: dict | None = None  # the message item text is streaming into
+        self._open_call: dict | None = None  # the function_call item arguments stream into
+        self._pieces: list[str] = []
+
+    # ── events ─────────────────────────────────────────────────────────────────────────────────
+    def _event(self, out: list[bytes], kind: str, **fields: Any) -> None:
+        if self._emit:
+            out.append(event({"type": kind, "sequence_number": self._sequence, **fields}, kind))
+        self._sequence += 1
+
+    def _lifecycle(self, out: list[bytes], kind: str) -> None:
+        self._event(out, kind, response=self.response)
+
+    def start(self) -> list[bytes]:
+        out: list[bytes] = []
+        self._lifecycle(out, "response.created")
+        self._lifecycle(out, "response.in_progress")
+        return out
+
+    # ── items ──────────────────────────────────────────────────────────────────────────────────
+    def _add(self, out: list[bytes], item: dict) -> int:
+        index = len(self.response["output"])
+        self.response["output"].append(item)
+        self._event(out, "response.output_item.added", output_index=index, item=item)
+        return index
+
+    def _text(self, out: list[bytes], text: str) -> None:
+        if self._message is None:
+            item = {
+                "type": "message",
+                "id": "msg_" + secrets.token_hex(12),
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
+            index = self._add(out, item)
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item["content"].append(part)
+            self._event(
+                out,
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=part,
+            )
+            self._message, self._pieces = item, []
+        if text:
+            self._pieces.append(text)
+            self._event(
+                out,
+                "response.output_text.delta",
+                item_id=self._message["id"],
+                output_index=len(self.response["output"]) - 1,
+                content_index=0,
+                delta=text,
+                logprobs=[],
+            )
+
+    def _close_message(self, out: list[bytes], status: str = "completed") -> None:
+        item, self._message = self._message, None
+        if item is None:
+            return
+        index = self.response["output"].index(item)
+        text = "".join(self._pieces)
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        item["content"][0] = part
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        self._event(out, "response.output_text.done", **where, text=text, logprobs=[])
+        self._event(out, "response.content_part.done", **where, part=part)
+        item["status"] = status
+        self._event(out, "response.output_item.done", output_index=index, item=item)
+
+    def _call_start(self, out: list[bytes], name: str) -> None:
+        self._close_message(out)
+        item = {
+            "type": "function_call",
+            "id": "fc_" + secrets.token_hex(12),
+            "call_id": call_id(),
+            "name": name,
+            "arguments": "",
+            "status": "in_progress",
+        }
+        self._add(out, item)
+        self._open_call = item
+
+    def _call_arguments(self, out: list[bytes], text: str) -> None:
+        item = self._open_call
+        item["arguments"] += text
+        where = {"item_id": item["id"], "output_index": self.response["output"].index(item)}
+        self._event(out, "response.function_call_arguments.delta", **where, delta=text)
+
+    def _call_end(self, out: list[bytes]) -> None:
+        item, self._open_call = self._open_call, None
+        index = self.response["output"].index(item)
+        where = {"item_id": item["id"], "output_index": index}
+        self._event(
+            out,
+            "response.function_call_arguments.done",
+            **where,
+            name=item["name"],
+            arguments=item["arguments"],
+        )
+        item["status"] = "completed"
+        self._event(out, "response.output_item.done", output_index=index, item=item)
+
+    def _deltas(self, out: list[bytes], deltas: list) -> None:
+        for delta in deltas:
+            if isinstance(delta, Content):
+                self._text(out, delta.text)
+            elif isinstance(delta, Call):  # known whole: started, given and ended at once
+                self._call_start(out, delta.call.name)
+                self._call_arguments(out, delta.call.arguments)
+                self._call_end(out)
+            elif isinstance(delta, CallStart):
+                self._call_start(out, delta.name)
+            elif isinstance(delta, ArgumentsPiece):
+                self._call_arguments(out, delta.text)
+            elif isinstance(delta, CallEnd):
+                self._call_end(out)
+
+    # ── the reply ──────────────────────────────────────────────────────────────────────────────
+    def feed(self, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self._calls is None:
+            if text:
+                self._text(out, text)
+        elif text:
+            self._deltas(out, self._calls.feed(text))
+        return out
+
+    def finish(self, finish_reason: str, used: dict) -> list[bytes]:
+        """End on ``stop`` or ``length``: close the open items, then the response."""
+        out: list[bytes] = []
+        if self._calls is not None:
+            self._deltas(out, self._calls.finish())
+        cut = finish_reason == "length"
+        if not self.response["output"]:
+            self._text(out, "")  # a reply with nothing in it is still an (empty) message
+        self._close_message(out, "incomplete" if cut else "completed")
+        self.response["usage"] = used
+        if cut:
+            self.response["status"] = "incomplete"
+            self.response["incomplete_details"] = {"reason": "max_output_tokens"}
+            self._lifecycle(out, "response.incomplete")
+        else:
+            self.response["status"] = "completed"
+            self.response["completed_at"] = int(time.time())
+            self._lifecycle(out, "response.completed")
+        return out
+
+    def fail(self, error: ApiError, used: dict) -> list[bytes]:
+        """End mid-stream on an error: an ``error`` event, then ``response.failed``."""
+        out: list[bytes] = []
+        self._event(out, "error", code=error.code, message=error.message, param=error.param)
+        self.response["status"] = "failed"
+        self.response["usage"] = used
+        # the response object's error codes are OpenAI's; ours rides in the message
+        self.response["error"] = {
+            "code": "server_error",
+            "message": f"{error.message} ({error.code})",
+        }
+        self._lifecycle(out, "response.failed")
+        return out
 
 
-@router.post("/v1/responses/{response_id}/cancel")
-async def cancel_response(response_id: str) -> Response:
-    raise _not_stored(response_id)
+def render_full(
+    ex: Exchange, meta: dict, body: ResponsesRequest, parser: ToolCallFormat | None
+) -> dict:
+    builder = OutputBuilder(meta, body, parser, emit=False)
+    builder.start()
+    builder.feed("".join(ex.texts[0]))
+    builder.finish(ex.choices[0].finish_reason or "stop", _usage(ex))
+    return builder.response
+
+
+async def render_stream(
+    ex: Exchange, first: list, meta: dict, body: ResponsesRequest, parser: ToolCallFormat | None
+) -> AsyncIterator[bytes]:
+    builder = OutputBuilder(meta, body, parser, emit=True)
+    for chunk in builder.start():
+        yield chunk
+    async for _, reply in replies(ex, first):
+        for chunk in builder.feed(reply.text):
+            yield chunk
+        if reply.finish_reason in NORMAL_ENDS:
+            for chunk in builder.finish(reply.finish_reason, _usage(ex)):
+                yield chunk
+            return
+        if reply.finish_reason:
+            for chunk in builder.fail(error_of(ex, reply), _usage(ex)):
+                yield chunk
+            return
+    # over without a terminal reply: aborted (deadline, shutdown, a stage failing)
+    for chunk in builder.fail(error_of(ex, None), _usage(ex)):
+        yield chunk

@@ -1,7 +1,7 @@
-"""The engine's load on the api port, for endpoint pickers (Gateway API Inference Extension).
+"""The scheduler's load on the api port, for endpoint pickers (Gateway API Inference Extension).
 
 An endpoint picker scrapes one port per pod, the pool's target port, which is the api's; the
-engine's own gauges live on the scheduler's metrics port. The api copies them here from the
+scheduler's own gauges live on its metrics port. The api copies them here from the
 scheduler's heartbeat status, so a pod's whole load shows where the picker looks, at most a
 heartbeat old.
 

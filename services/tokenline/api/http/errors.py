@@ -92,13 +92,33 @@ ABORT_ERRORS = {
 }
 
 
+# ── the refusals every endpoint shares ─────────────────────────────────────────────────────────
+def invalid(param: str | None, message: str, code: str = "invalid_request_error") -> ApiError:
+    """A 400 naming the field at fault: every refusal of what a request asks goes through here
+    (``unsupported_parameter`` for what is not served, ``limit_exceeded`` past a flag)."""
+    return ApiError(400, message, code, param)
+
+
+def model_not_found(model: str, served: str) -> ApiError:
+    return ApiError(
+        404,
+        f"The model `{model}` does not exist; this server serves `{served}` (see /v1/models).",
+        "model_not_found",
+        "model",
+    )
+
+
+def ended_with(reason: str | None, code: str | None = None) -> ApiError:
+    """A generation that ended neither ``stop`` nor ``length`` (its code, when a stage gave one)."""
+    return ApiError(500, f"generation ended with {reason or 'error'}", code or "engine_error")
+
+
 def unencodable(exc: Exception) -> ApiError:
     """A value the schemas let through but the ring's encoder cannot carry: a gap in them."""
-    return ApiError(
-        400,
+    return invalid(
+        None,
         f"the request holds a value the server cannot carry ({exc}); keep integers "
         "within their documented ranges and strings valid Unicode",
-        "invalid_request_error",
     )
 
 

@@ -9,20 +9,17 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenline.api.http.errors import ApiError
-from tokenline.api.http.limits import check_messages
-from tokenline.api.openai.chat import ChatMessageIn, Text, TokenId
-from tokenline.api.tools.grammars import Tool
+from tokenline.api.http.errors import invalid
+from tokenline.api.openai.chat import ChatMessageIn
+from tokenline.api.openai.limits import check_messages
+from tokenline.api.openai.sampling import Text, TokenId
+from tokenline.api.openai.tools import Tool
 from tokenline.protocol import ChatMessage
 from tokenline.settings import Settings
 
 # Unknown fields are refused (400 unsupported_parameter), as in the completion bodies; NaN
 # and infinities too.
 _CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-def _refuse(param: str, message: str, code: str = "invalid_request_error") -> ApiError:
-    return ApiError(400, message, code, param)
 
 
 class TokenizeRequest(BaseModel):
@@ -51,7 +48,7 @@ class TokenizeRequest(BaseModel):
         """Raise a 400 naming the param for what the fields cannot mean together, or for a
         limit the server's flags set (the same ones a completion is held to)."""
         if (self.prompt is None) == (self.messages is None):
-            raise _refuse(
+            raise invalid(
                 "prompt",
                 "send either prompt (text to tokenize) or messages (a chat to render with the "
                 "model's chat template), exactly one of them",
@@ -59,9 +56,9 @@ class TokenizeRequest(BaseModel):
         if self.prompt is not None:
             for param in ("tools", "continue_final_message"):
                 if getattr(self, param):
-                    raise _refuse(param, f"{param} applies to messages only, not to a prompt")
+                    raise invalid(param, f"{param} applies to messages only, not to a prompt")
             if len(self.prompt) > limits.max_prompt_chars:
-                raise _refuse(
+                raise invalid(
                     "prompt",
                     f"the prompt is {len(self.prompt)} characters; this server allows at most "
                     f"{limits.max_prompt_chars} (--max-prompt-chars)",
@@ -69,7 +66,7 @@ class TokenizeRequest(BaseModel):
                 )
             return
         if self.continue_final_message and self.add_generation_prompt:
-            raise _refuse(
+            raise invalid(
                 "continue_final_message",
                 "continue_final_message and add_generation_prompt cannot both be true: set "
                 "add_generation_prompt to false to continue the last message",

@@ -42,7 +42,6 @@ class Exchange:
     flow: FlowControl
     created: float = field(default_factory=time.monotonic)
     choices: list[Choice] = field(default_factory=list)
-    prompt_tokens: int = 0
     # Prompt tokens served from the prefix cache: the fewest any choice found, since choices
     # admitted together share one prompt but cannot share what none has computed yet.
     cached_tokens: int = 0
@@ -91,7 +90,6 @@ class Exchange:
             choice.prompt_logprobs = reply.prompt_logprobs
         if reply.finish_reason:
             choice.finish_reason = reply.finish_reason
-            self.prompt_tokens = max(self.prompt_tokens, reply.prompt_tokens)
             ended = [c for c in self.choices if c.finish_reason]
             self.cached_tokens = (
                 reply.cached_tokens

@@ -1,4 +1,4 @@
-"""Whether the ring can serve a request right now: the one answer `/ready` and admission share.
+"""Whether the ring can take a request right now: the one answer `/ready` and admission share.
 
 Two sources, no I/O (the pipeline feeds them):
 

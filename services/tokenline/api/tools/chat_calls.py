@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 
+from tokenline.api.tools.formats import ToolCallFormat
 from tokenline.api.tools.parsers import (
     ArgumentsPiece,
     Call,
@@ -18,7 +19,6 @@ from tokenline.api.tools.parsers import (
     Content,
     Delta,
     ParsedCall,
-    ToolCallFormat,
 )
 
 

@@ -30,18 +30,16 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import jsonschema
 import llguidance
-from pydantic import BaseModel, ConfigDict, Field
 
-from tokenline.api.http.errors import ApiError
-from tokenline.api.tools.parsers import ToolCallFormat
+from tokenline.api.http.errors import invalid
+from tokenline.api.openai.tools import NamedToolChoice, ResponseFormat, Tool, ToolChoice
+from tokenline.api.tools.formats import ToolCallFormat
 from tokenline.bounded import cached_by_text
 from tokenline.metrics import track_cache
-
-_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 # Whitespace is fixed, not free: with flexible whitespace a model can emit spaces and newlines
 # between tokens forever without breaking the grammar. These are json.dumps' separators, and
@@ -51,61 +49,7 @@ FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what OpenAI allows
 EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-# ── request fields ─────────────────────────────────────────────────────────────────────────────
-class JsonSchemaFormat(BaseModel):
-    model_config = _CONFIG
-
-    name: str = Field(min_length=1, max_length=64)
-    description: str | None = None
-    # "schema" shadows a BaseModel attribute, hence the alias
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    model_config = _CONFIG
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class FunctionDefinition(BaseModel):
-    model_config = _CONFIG
-
-    name: str | None = None  # checked in `check_tools`, so the 400 names the tool
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(BaseModel):
-    model_config = _CONFIG
-
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(BaseModel):
-    model_config = _CONFIG
-
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    model_config = _CONFIG
-
-    type: Literal["function"]
-    function: NamedFunction
-
-
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
-
-
 # ── grammars ───────────────────────────────────────────────────────────────────────────────────
-def _refuse(param: str, message: str, code: str = "invalid_request_error") -> ApiError:
-    return ApiError(400, message, code, param)
-
-
 # Keywords that hold subschemas, by how they hold them
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas", "patternProperties")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
@@ -189,7 +133,7 @@ def check_schema(schema: dict[str, Any], param: str) -> str:
     except ValueError as exc:  # llguidance's refusal of a value it cannot read
         problem = f"constrained decoding cannot read it: {exc}"
     if problem is not None:
-        raise _refuse(param, f"{param} is refused: {problem}; fix or simplify the schema")
+        raise invalid(param, f"{param} is refused: {problem}; fix or simplify the schema")
     return text
 
 
@@ -208,7 +152,7 @@ def response_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
     if fmt.type == "json_object":
         return {"type": "object"}
     if fmt.json_schema is None:
-        raise _refuse(
+        raise invalid(
             "response_format.json_schema",
             'response_format of type json_schema needs a json_schema: {"name": ..., "schema": ...}',
         )
@@ -236,22 +180,22 @@ def check_tools(tools: list[Tool]) -> None:
     for i, tool in enumerate(tools):
         name = tool.function.name
         if not name:
-            raise _refuse(f"tools[{i}].function.name", f"tools[{i}] has no function name")
+            raise invalid(f"tools[{i}].function.name", f"tools[{i}] has no function name")
         if not FUNCTION_NAME.fullmatch(name):
-            raise _refuse(
+            raise invalid(
                 f"tools[{i}].function.name",
                 f"tools[{i}]'s name {name!r} is not allowed: use letters, digits, _ and -, "
                 "at most 64",
             )
         if name in seen:
-            raise _refuse(
+            raise invalid(
                 f"tools[{i}].function.name",
                 f"two tools are named {name!r}; give each function its own name",
             )
         seen.add(name)
         parameters = _parameters(tool)
         if parameters.get("type", "object") != "object":
-            raise _refuse(
+            raise invalid(
                 f"tools[{i}].function.parameters",
                 f"tools[{i}]'s parameters must be a JSON Schema of type object",
             )
@@ -282,14 +226,14 @@ def plan_tools(
         chosen = [t for t in tools if t.function.name == choice.function.name]
         if not chosen:
             known = ", ".join(t.function.name or "" for t in tools) or "none"
-            raise _refuse(
+            raise invalid(
                 "tool_choice",
                 f"tool_choice names the function {choice.function.name!r}, which is not among "
                 f"the tools (defined: {known})",
             )
     elif choice == "required":
         if not tools:
-            raise _refuse("tool_choice", "tool_choice is required, but no tools are defined")
+            raise invalid("tool_choice", "tool_choice is required, but no tools are defined")
         chosen = tools
     else:
         chosen = []
@@ -308,7 +252,7 @@ def refuse_deprecated(functions: object, function_call: object) -> None:
     """OpenAI's ``functions`` and ``function_call`` were replaced by ``tools``/``tool_choice``."""
     for param, value in (("functions", functions), ("function_call", function_call)):
         if value is not None:
-            raise _refuse(
+            raise invalid(
                 param,
                 f"{param} is deprecated and not supported; send tools (and tool_choice) instead",
                 "unsupported_parameter",
@@ -349,10 +293,5 @@ def _checked_lark(lark: str) -> str:
     grammar = llguidance.LLMatcher.grammar_from_lark(lark)
     problem = _problem(grammar)
     if problem is not None:  # each schema passed alone, so this is ours, not the client's
-        raise ApiError(
-            400,
-            f"the tools could not be combined into one grammar: {problem}",
-            "invalid_request_error",
-            "tools",
-        )
+        raise invalid("tools", f"the tools could not be combined into one grammar: {problem}")
     return grammar

@@ -1,9 +1,7 @@
-"""Tool calls in a model's own output format: finding them in text, and the grammar of one.
+"""Tool calls in a model's own output format: finding them in text, whole or as a stream.
 
-Each format knows three things: how its calls look in generated text (so `auto` replies can be
-parsed, whole or as a stream), how to recognise a chat template that uses it, and the Lark
-grammar of a call (so `required` and named tool choices can be constrained to it). No I/O:
-tests drive the parsers directly.
+Each format (api/tools/formats.py) has a stream parser here that splits generated text into
+content and calls, so `auto` replies can be parsed. No I/O: tests drive the parsers directly.
 
 A reply is parsed by feeding it to a stream parser in one piece, so a streamed reply and a
 whole one always split into the same content and the same calls.
@@ -23,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -150,7 +148,7 @@ class _ObjectScanner:
 
 
 @dataclass
-class _HermesStream(ToolCallStream):
+class HermesStream(ToolCallStream):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks among plain text.
 
     Content streams as it arrives, except an end that may be the start of ``<tool_call>``
@@ -274,7 +272,7 @@ class _HermesStream(ToolCallStream):
 
 
 @dataclass
-class _Llama3JsonStream(ToolCallStream):
+class Llama3JsonStream(ToolCallStream):
     """Llama 3's JSON calls: the whole reply is ``{"name": ..., "parameters": {...}}`` (several
     joined by ``;``), optionally after ``<|python_tag|>``.
 
@@ -342,116 +340,3 @@ class _Llama3JsonStream(ToolCallStream):
                 return None
             position = len(text) - len(rest.removeprefix(";").lstrip())
         return calls
-
-
-def _lark_string(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
-
-
-@dataclass(frozen=True)
-class ToolCallFormat:
-    """One model family's tool-call format."""
-
-    name: str
-    stream_type: type[ToolCallStream]
-    call_head: str  # before the name: ``<tool_call>\\n{"name": "``
-    call_middle: str  # between the name and the arguments
-    call_tail: str  # after the arguments
-    separator: str  # between parallel calls
-    template_markers: tuple[str, ...] = field(default=())
-    # What starts a call inside free text (a prefix of call_head); None: a reply is all calls
-    # or all text, told apart by how it starts (free text must not start like a call).
-    trigger: str | None = None
-    text_start: str = ""  # a regex class of what free text may start with, when trigger is None
-
-    def stream(self) -> ToolCallStream:
-        return self.stream_type()
-
-    def parse(self, text: str) -> Parsed:
-        return self.stream().parse(text)
-
-    def call_rules(self, names_and_arguments: list[tuple[str, str]], parallel: bool) -> str:
-        """Lark rules whose ``calls`` rule is one call (several if ``parallel``) of the given
-        functions; each function's arguments are the Lark rule its name is paired with."""
-        rules = []
-        alternatives = []
-        for i, (name, arguments_rule) in enumerate(names_and_arguments):
-            text = _lark_string(self.call_head + name + self.call_middle)
-            rules.append(f"call_{i}: {text} {arguments_rule} {_lark_string(self.call_tail)}")
-            alternatives.append(f"call_{i}")
-        rules.append("call: " + " | ".join(alternatives))
-        if parallel:
-            rules.append(f"calls: call ({_lark_string(self.separator)} call)*")
-        else:
-            rules.append("calls: call")
-        return "\n".join(rules)
-
-    def text_or_calls_rules(
-        self, names_and_arguments: list[tuple[str, str]], parallel: bool
-    ) -> list[str]:
-        """Lark rules whose ``start`` is free text in which every call is one of the given
-        functions (several if ``parallel``), each checked as `call_rules` checks it.
-
-        With a trigger, free text runs until the trigger appears; from there the call must
-        follow (llguidance's lazy lexeme, as its structural tags do), so the model cannot call
-        a function the request did not declare, nor write arguments its schema refuses.
-        """
-        if self.trigger is None:
-            start = "start: FREE | calls | EMPTY"
-            text = [f"FREE: /{self.text_start}(.|\\n)*/", 'EMPTY: ""']
-            return ["%llguidance {}", start, *text, self.call_rules(names_and_arguments, parallel)]
-        rest = self.call_head.removeprefix(self.trigger)
-        rules = [
-            "%llguidance {}",
-            "start: (call)* TEXT" if parallel else "start: TEXT | call",
-            "TEXT: /(.|\\n)*/",
-            f"trigger[lazy]: TEXT {_lark_string(self.trigger)}",
-        ]
-        alternatives = []
-        for i, (name, arguments_rule) in enumerate(names_and_arguments):
-            head = _lark_string(rest + name + self.call_middle)
-            rules.append(
-                f"call_{i}: trigger {head} {arguments_rule} {_lark_string(self.call_tail)}"
-            )
-            alternatives.append(f"call_{i}")
-        rules.append("call: " + " | ".join(alternatives))
-        return rules
-
-
-HERMES = ToolCallFormat(
-    name="hermes",
-    stream_type=_HermesStream,
-    call_head='<tool_call>\n{"name": "',
-    call_middle='", "arguments": ',
-    call_tail="}\n</tool_call>",
-    separator="\n",
-    template_markers=("<tool_call>",),
-    trigger="<tool_call>",
-)
-LLAMA3_JSON = ToolCallFormat(
-    name="llama3_json",
-    stream_type=_Llama3JsonStream,
-    call_head='{"name": "',
-    call_middle='", "parameters": ',
-    call_tail="}",
-    separator="; ",
-    template_markers=("<|python_tag|>", '"parameters"'),
-    text_start="[^{\\s]",
-)
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON)}
-PARSER_CHOICES = ("auto", *FORMATS)
-
-
-def format_for(template: str | None, choice: str = "auto") -> ToolCallFormat:
-    """The format named by ``choice`` (--tool-call-parser), or the one ``template`` uses.
-
-    A template that shows no known format gets Hermes, the format of the tiny model and of
-    Qwen, which most templates that learned tools copy.
-    """
-    if choice != "auto":
-        return FORMATS[choice]
-    text = template or ""
-    for candidate in (HERMES, LLAMA3_JSON):
-        if any(marker in text for marker in candidate.template_markers):
-            return candidate
-    return HERMES

@@ -11,26 +11,20 @@ import time
 import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.middleware.cors import CORSMiddleware
-from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenline.api.endpoints.responses import router as responses_router
-from tokenline.api.endpoints.tokenize import router as tokenize_router
 from tokenline.api.http.auth import ApiKeyAuth, ApiKeys
+from tokenline.api.http.cors import OpenAIShapedCORS, RefuseWebSockets
 from tokenline.api.http.errors import (
     ApiError,
     http_error,
-    no_websocket,
     unexpected_error,
     validation_error,
 )
 from tokenline.api.http.head import HeadAsGet
 from tokenline.api.http.limits import BodySizeLimit
-from tokenline.api.http.routes import router
 from tokenline.api.ring.pipeline import Pipeline
+from tokenline.api.routes import router
 from tokenline.lifecycle import freeze_startup_heap
 from tokenline.settings import Settings
 from tokenline.transport import AsyncRing
@@ -55,8 +49,6 @@ def create_app(settings: Settings, heartbeat_timeout: float = 5.0) -> FastAPI:
     app.state.started = int(time.time())
     app.state.settings = settings
     app.include_router(router)
-    app.include_router(responses_router)
-    app.include_router(tokenize_router)
     app.add_exception_handler(ApiError, lambda request, exc: exc.response())
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
@@ -78,51 +70,6 @@ def create_app(settings: Settings, heartbeat_timeout: float = 5.0) -> FastAPI:
             max_age=600,
         )
     return app
-
-
-class OpenAIShapedCORS(CORSMiddleware):
-    """Starlette refuses a preflight with a plain-text 400 ("Disallowed CORS origin"); every
-    error this server answers has OpenAI's body, so this one does too."""
-
-    def preflight_response(self, request_headers: Headers) -> Response:
-        response = super().preflight_response(request_headers)
-        if response.status_code < 400:
-            return response
-        refused = bytes(response.body).decode().removeprefix("Disallowed CORS ")
-        message = (
-            f"this server does not allow the preflight's {refused} (--allowed-origin names "
-            "the origins; methods GET, HEAD, POST and OPTIONS are served)"
-        )
-        headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
-        headers.pop("content-type", None)
-        return ApiError(response.status_code, message, "cors_refused", headers=headers).response()
-
-
-class RefuseWebSockets:
-    """No route takes a WebSocket. Starlette would close the handshake and uvicorn answer
-    an empty 403; where the server lets the app answer the handshake with HTTP (ASGI's
-    ``websocket.http.response`` extension), the answer is an OpenAI-shaped 404."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "websocket":
-            await self.app(scope, receive, send)
-            return
-        await receive()  # websocket.connect
-        if "websocket.http.response" not in scope.get("extensions", {}):
-            await send({"type": "websocket.close", "code": 1008})
-            return
-        response = no_websocket(scope["path"]).response()
-        await send(
-            {
-                "type": "websocket.http.response.start",
-                "status": response.status_code,
-                "headers": response.raw_headers,
-            }
-        )
-        await send({"type": "websocket.http.response.body", "body": response.body})
 
 
 class DrainingServer(uvicorn.Server):

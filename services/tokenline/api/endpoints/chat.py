@@ -1,0 +1,145 @@
+"""``POST /v1/chat/completions``: messages and tools in, an assistant message out, whole or
+as ``chat.completion.chunk`` events."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import msgspec
+from fastapi.responses import Response
+
+from tokenline import protocol
+from tokenline.api.endpoints.base import (
+    NORMAL_ENDS,
+    Endpoint,
+    RunningUsage,
+    error_of,
+    final_events,
+    replies,
+)
+from tokenline.api.http.sse import DONE, event
+from tokenline.api.openai.chat import ChatCompletionRequest
+from tokenline.api.openai.logprobs import chat_logprobs
+from tokenline.api.openai.usage import Usage
+from tokenline.api.ring.exchange import Exchange
+from tokenline.api.tools import chat_calls
+from tokenline.api.tools.formats import ToolCallFormat, format_for
+from tokenline.api.tools.grammars import ToolPlan, plan_tools, refuse_deprecated
+from tokenline.model_source import chat_template_text
+
+
+class Chat(Endpoint):
+    id_prefix = "chatcmpl-"
+
+    async def create(self, body: ChatCompletionRequest) -> Response:
+        refuse_deprecated(body.functions, body.function_call)
+        self.prepare(body, await self.plan(body))
+        return await self.generate(body, body.n)
+
+    async def plan(self, chat: ChatCompletionRequest) -> ToolPlan:
+        """What the request's tools and response_format mean for its sampling and its reply."""
+        fmt = await self.tool_format() if chat.tools else None
+        return plan_tools(
+            chat.tools, chat.tool_choice, chat.parallel_tool_calls, chat.response_format, fmt
+        )
+
+    def prepare(self, chat: ChatCompletionRequest, plan: ToolPlan) -> None:
+        self.body, self.tool_plan = chat, plan
+        self.messages = chat.wire_messages()
+
+    async def tool_format(self) -> ToolCallFormat:
+        """The model's tool-call format: --tool-call-parser, or read once from its template."""
+        state = self.request.app.state
+        if getattr(state, "tool_format", None) is None:
+            settings = self.settings
+            template = None
+            if settings.tool_call_parser == "auto":
+                template = await asyncio.to_thread(
+                    chat_template_text, settings.model, settings.model_cache_dir, settings.revision
+                )
+            state.tool_format = format_for(template, settings.tool_call_parser)
+        return state.tool_format
+
+    def build(self, uid: str, index: int) -> protocol.Generate:
+        return protocol.Generate(
+            uid=uid,
+            sampling=msgspec.structs.replace(
+                self.body.sampling(index), grammar=self.tool_plan.grammar
+            ),
+            messages=self.messages,
+            tools=self.tool_plan.tools,
+            timeout_s=self.settings.request_timeout,
+        )
+
+    def render_stream(self, ex: Exchange, first: list, meta: dict) -> AsyncIterator[bytes]:
+        return render_stream(ex, self.body, self.tool_plan.parser, first, meta)
+
+    def render_full(self, ex: Exchange, meta: dict) -> dict:
+        return render_full(ex, self.body, self.tool_plan.parser, meta)
+
+
+def render_full(
+    ex: Exchange, body: ChatCompletionRequest, parser: ToolCallFormat | None, meta: dict
+) -> dict:
+    wanted = body.wanted_logprobs() is not None
+    choices = []
+    for choice in ex.choices:
+        text = "".join(ex.texts[choice.index])
+        message, has_calls = chat_calls.message(text, parser)
+        choices.append(
+            {
+                "index": choice.index,
+                "message": message,
+                "finish_reason": chat_calls.finish_reason(choice.finish_reason, has_calls),
+                "logprobs": chat_logprobs(ex.logprobs[choice.index]) if wanted else None,
+            }
+        )
+    usage = Usage.of(ex.choices, ex.cached_tokens, body.n).completions_shape()
+    return {**meta, "object": "chat.completion", "choices": choices, "usage": usage}
+
+
+async def render_stream(
+    ex: Exchange,
+    body: ChatCompletionRequest,
+    parser: ToolCallFormat | None,
+    first: list,
+    meta: dict,
+) -> AsyncIterator[bytes]:
+    head = {**meta, "object": "chat.completion.chunk"}
+    wanted = body.wanted_logprobs() is not None
+    running = RunningUsage(ex, body.n)
+
+    def chunk(
+        index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None
+    ) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return event({**head, "choices": [choice], **running.chunk_usage(body)})
+
+    calls = {c.index: chat_calls.DeltaStream(parser) for c in ex.choices} if parser else {}
+    for choice in ex.choices:
+        yield chunk(choice.index, {"role": "assistant", "content": ""})
+    async for index, reply in replies(ex, first):
+        running.sent(index, reply)
+        if index in calls:  # tool calls are parsed out of the text before it is sent
+            deltas = calls[index].feed(reply.text)
+            if reply.finish_reason is not None:
+                deltas += calls[index].finish()
+            if wanted and reply.logprobs:
+                yield chunk(index, {"content": ""}, logprobs=chat_logprobs(reply.logprobs))
+            for delta in deltas:
+                yield chunk(index, delta)
+        elif wanted and reply.logprobs:
+            # tokens whose text is still held back get their chunk now, with empty content
+            yield chunk(index, {"content": reply.text}, logprobs=chat_logprobs(reply.logprobs))
+        elif reply.text:
+            yield chunk(index, {"content": reply.text})
+        if reply.finish_reason in NORMAL_ENDS:
+            has_calls = index in calls and calls[index].has_calls
+            yield chunk(index, {}, chat_calls.finish_reason(reply.finish_reason, has_calls))
+        elif reply.finish_reason:
+            yield event(error_of(ex, reply).body())
+            yield DONE
+            return
+    for piece in final_events(ex, body, head):
+        yield piece

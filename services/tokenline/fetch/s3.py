@@ -79,6 +79,7 @@ def _transient_types() -> tuple[type[BaseException], ...]:
         be.HTTPClientError,
         be.ResponseStreamingError,
         be.ReadTimeoutError,
+        be.IncompleteReadError,  # the body ended before Content-Length: a cut connection
         ue.HTTPError,
         ConnectionError,
         TimeoutError,

@@ -6,6 +6,9 @@ PodMonitor relabelling all depend on these strings.
 
 from __future__ import annotations
 
+from tokenline.protocol import STAGES as RING_STAGES
+from tokenline.settings import BY_FLAG, DEFAULT_METRICS_PORTS
+
 GROUP = "tokenline.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -32,9 +35,9 @@ ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
 KOPF_ANNOTATIONS_PREFIX = GROUP
 
 # The four stages of one pod, in ring order; their metrics ports and port names.
-STAGES = ("api", "tokenizer", "scheduler", "detokenizer")
-API_PORT = 8000
-METRICS_PORTS = {"tokenizer": 8001, "scheduler": 8002, "detokenizer": 8003}
+STAGES: tuple[str, ...] = RING_STAGES
+API_PORT: int = BY_FLAG["port"].default
+METRICS_PORTS: dict[str, int] = dict(DEFAULT_METRICS_PORTS)
 PORT_NAMES = {
     "api": "http",
     "tokenizer": "tok-metrics",

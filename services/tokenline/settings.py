@@ -1,10 +1,12 @@
-"""Settings shared by the stage commands, each declared once in `SETTINGS`.
+"""Every setting of the stage commands, declared once in `SETTINGS`.
 
-A declaration names the flag, its parser, default and help, the stages that take it and the
-field of the operator's CRD that sets it. `cli.py` builds every stage's flags from it (each with
-its TOKENLINE_* environment mirror), `serve.py` builds each stage child's command line from it,
-and tests/test_settings_declared_once.py fails when `Settings`, a parser, `serve` or the
-operator drifts from it.
+A declaration names the flag, its parser, default and help, the stages that take it, and the
+field of the operator's CRD that sets it. Everything else is derived from it: the `Settings`
+dataclass the stages read (its fields, types and defaults), every stage's flags and their
+TOKENLINE_* mirrors (`cli.py`), each child's command line under `tokenline serve`
+(`serve.py`), the CRD's schema of each setting's field and the pod's ConfigMap (the operator's
+`crd_schema.py` and `config.py`) and so the chart's CRD and values schema. Tests under
+tests/test_settings_declared_once.py and tests/operator fail when a surface drifts from it.
 """
 
 from __future__ import annotations
@@ -12,71 +14,12 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
 from tokenline.protocol import STAGES
 from tokenline.ring_security import RingSecurity
 from tokenline.transport import DEFAULT_ENDPOINTS, RingEndpoints
-
-
-@dataclass
-class Settings:
-    model: str = "tiny"
-    served_model_name: str | None = None
-    revision: str | None = None
-    model_cache_dir: str | None = None
-    endpoints: RingEndpoints = field(default_factory=RingEndpoints)
-    metrics_port: int = 0  # 0: no separate metrics server (the api serves /metrics itself)
-    log_level: str = "info"
-    max_model_len: int | None = None
-    # api
-    host: str = "0.0.0.0"
-    port: int = 8000
-    request_timeout: float = 600.0
-    slow_client_timeout: float = 30.0
-    drain_timeout: float = 30.0
-    max_waiting: int = 256
-    # api security: keys, TLS, and limits checked before anything is queued (api/limits.py)
-    api_keys: list[str] = field(default_factory=list, repr=False)  # never in a log line
-    api_key_file: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    max_body_size: int = 8 * 2**20  # bytes
-    max_n: int = 16
-    max_tokens_limit: int = 131_072
-    max_stop_strings: int = 16
-    max_stop_string_length: int = 1024  # characters
-    max_stop_token_ids: int = 256
-    max_messages: int = 2048
-    max_prompt_chars: int = 2**20  # a completions prompt, or all of a chat's message contents
-    max_logprobs: int = 20
-    tool_call_parser: str = "auto"  # the model's tool-call format; auto: from its chat template
-    allowed_origins: list[str] = field(default_factory=list)  # CORS; empty: no CORS headers
-    # scheduler
-    device: str = "auto"
-    dtype: str = "auto"
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 2048 on CUDA, 128 on CPU
-    block_size: int = 16
-    torch_threads: int | None = None  # CPU only; None: every core but one
-    compile: bool = False  # torch.compile the layers' dense tail (for GPUs)
-    no_prefix_caching: bool = False  # prefix caching is on unless this is set
-    # the ring beyond loopback and IPC (ring_security.py)
-    ring_curve_keys: str | None = None
-    allow_insecure_ring: bool = False
-
-    @property
-    def ring_security(self) -> RingSecurity:
-        return RingSecurity(self.ring_curve_keys, self.allow_insecure_ring)
-
-    @property
-    def model_name(self) -> str:
-        """The name clients use and /v1/models lists."""
-        return self.served_model_name or self.model
-
 
 _UNITS = {
     "": 1,
@@ -114,7 +57,35 @@ def parse_bool(value: str | bool) -> bool:
 ALL_STAGES = frozenset(STAGES)
 API = frozenset({"api"})
 SCHEDULER = frozenset({"scheduler"})
-ENGINE_STAGES = frozenset(STAGES) - API  # the stages `serve` runs beside the api
+BEHIND_API = frozenset(STAGES) - API  # the stages behind the api, each with its metrics port
+
+
+@dataclass(frozen=True)
+class CrdField:
+    """Where an InferenceService sets a setting: ``spec.<path>``, through the pod's ConfigMap.
+
+    The field's schema takes its type, enum and default from the setting; this adds the
+    description and the bounds the API server checks.
+    """
+
+    path: str
+    help: str
+    #: OpenAPI keywords beyond type, enum and default (bounds, patterns), or a type of its own
+    schema: Mapping[str, Any] = field(default_factory=dict)
+    #: the field says what the switch turns off (``prefixCaching`` for ``--no-prefix-caching``)
+    inverted: bool = False
+    #: required, without the flag's default (``model.name``)
+    required: bool = False
+    #: a switch's ConfigMap value when on; kept as first written, as a changed value rolls pods
+    on: str = "true"
+
+    @property
+    def section(self) -> str:
+        return self.path.split(".")[0]
+
+    @property
+    def name(self) -> str:
+        return self.path.split(".")[1]
 
 
 @dataclass(frozen=True)
@@ -132,7 +103,7 @@ class Setting:
     #: the `Settings` attribute; ``endpoints.api`` is a field of ``Settings.endpoints``
     attr: str = ""
     #: the operator CRD's ``spec`` field that sets it (through the pod's ConfigMap), if any
-    crd: str | None = None
+    crd: CrdField | None = None
     choices: tuple[str, ...] | None = None
     #: ``--compile`` alone means true; `serve` passes it only when true
     switch: bool = False
@@ -159,12 +130,32 @@ class Setting:
         """The argparse attribute the flag is parsed into."""
         return self.attr if self.attr and "." not in self.attr else self.flag.replace("-", "_")
 
+    @property
+    def annotation(self) -> Any:
+        """The type of its `Settings` field."""
+        if self.repeatable:
+            return list[str]
+        kind = _TYPES.get(self.kind, self.kind)
+        return kind if self.default is not None else kind | None
+
     def value(self, settings: Settings) -> Any:
         value: Any = settings
         for part in (self.attr or self.flag.replace("-", "_")).split("."):
             value = getattr(value, part)
         return value
 
+
+_TYPES: dict[Callable[[str], Any], type] = {parse_bool: bool, parse_bytes: int}
+
+#: A browser origin as the Origin header spells it (`scheme://host[:port]`: lower case, no
+#: path, no trailing slash), or `*`; anything else never equals a request's Origin.
+ORIGIN_PATTERN = (
+    r"^(\*|[a-z][a-z0-9+.-]*://"
+    r"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*|\[[0-9a-f:.]+\])"
+    r"(:[0-9]{1,5})?)$"
+)
+#: Most origins the CRD allows (the list is compared per request).
+MAX_ALLOWED_ORIGINS = 64
 
 DEFAULT_METRICS_PORTS = {"tokenizer": 8001, "scheduler": 8002, "detokenizer": 8003}
 
@@ -174,30 +165,61 @@ SETTINGS: tuple[Setting, ...] = (
         "model",
         default="tiny",
         help="`tiny` (offline tiny model), a local model directory, or a Hugging Face id",
-        crd="model.name",
+        crd=CrdField(
+            "model.name",
+            "`tiny` (the offline tiny model), a directory inside the pod, or a Hugging Face id.",
+            {"minLength": 1},
+            required=True,
+        ),
     ),
     Setting(
         "served-model-name",
         help="the name clients use (default: the --model value)",
-        crd="model.servedName",
+        crd=CrdField(
+            "model.servedName",
+            "The name /v1/models lists and requests use; defaults to `name`.",
+            {"minLength": 1},
+        ),
     ),
-    Setting("revision", help="Hugging Face revision of --model", crd="model.revision"),
-    Setting("model-cache-dir", help="where `tiny` is built (default ~/.cache/tokenline)"),
     Setting(
-        "max-model-len", int, help="context limit (default: the model's)", crd="engine.maxModelLen"
+        "revision",
+        help="Hugging Face revision of --model",
+        crd=CrdField(
+            "model.revision", "A Hugging Face revision: branch, tag or commit.", {"minLength": 1}
+        ),
     ),
+    Setting("model-cache-dir", help="where `tiny` is built (default ~/.cache/tokenline)"),
     Setting(
         "log-level",
         default="info",
         help="debug, info, warning or error",
-        crd="server.logLevel",
+        crd=CrdField(
+            "server.logLevel",
+            "Log level of every stage.",
+            # the flag takes any of Python's level names; the CRD the four documented
+            {"enum": ["debug", "info", "warning", "error"]},
+        ),
+    ),
+    Setting(
+        "max-model-len",
+        int,
+        help="context limit (default: the model's)",
+        crd=CrdField(
+            "engine.maxModelLen",
+            "Longest prompt plus completion, in tokens; defaults to the model's own limit.",
+            {"minimum": 1},
+        ),
     ),
     Setting(
         "drain-timeout",
         float,
         30.0,
         help="seconds in-flight requests get after SIGTERM before they are aborted",
-        crd="server.drainTimeoutSeconds",
+        crd=CrdField(
+            "server.drainTimeoutSeconds",
+            "How long in-flight requests get after SIGTERM.",
+            {"type": "integer", "minimum": 0},
+        ),
     ),
     *(
         Setting(
@@ -231,7 +253,11 @@ SETTINGS: tuple[Setting, ...] = (
         600.0,
         help="per-request deadline, seconds",
         stages=API,
-        crd="server.requestTimeoutSeconds",
+        crd=CrdField(
+            "server.requestTimeoutSeconds",
+            "Per-request deadline.",
+            {"type": "integer", "minimum": 1},
+        ),
     ),
     Setting(
         "slow-client-timeout",
@@ -239,7 +265,11 @@ SETTINGS: tuple[Setting, ...] = (
         30.0,
         help="seconds a paused stream may stay unread before it is aborted",
         stages=API,
-        crd="server.slowClientTimeoutSeconds",
+        crd=CrdField(
+            "server.slowClientTimeoutSeconds",
+            "How long a paused stream may stay unread before it is aborted.",
+            {"type": "integer", "minimum": 1},
+        ),
     ),
     Setting(
         "max-waiting",
@@ -247,7 +277,9 @@ SETTINGS: tuple[Setting, ...] = (
         256,
         help="waiting requests before new ones get 429",
         stages=API,
-        crd="server.maxWaiting",
+        crd=CrdField(
+            "server.maxWaiting", "Waiting requests before the API answers 429/503.", {"minimum": 0}
+        ),
     ),
     Setting(
         "api-key",
@@ -269,7 +301,21 @@ SETTINGS: tuple[Setting, ...] = (
         attr="allowed_origins",
         repeatable=True,
         metavar="ORIGIN",
-        crd="server.allowedOrigins",
+        crd=CrdField(
+            "server.allowedOrigins",
+            "Browser origins whose pages may call the API (CORS), e.g. "
+            "https://app.example.com, or * for any; unset or empty: no CORS headers. "
+            "Write each as the browser sends it: lower case, no path or trailing slash, "
+            "no default port.",
+            {
+                "maxItems": MAX_ALLOWED_ORIGINS,
+                "items": {
+                    "type": "string",
+                    "description": "An origin, scheme://host[:port], or *.",
+                    "pattern": ORIGIN_PATTERN,
+                },
+            },
+        ),
     ),
     Setting(
         "api-key-file",
@@ -334,12 +380,13 @@ SETTINGS: tuple[Setting, ...] = (
         stages=API,
         serve=False,
     ),
-    # --- the engine stages -----------------------------------------------------------------
+    # --- the stages behind the api ---------------------------------------------------------
     Setting(
         "metrics-port",
         int,
+        0,  # the api's: no separate metrics server (it serves /metrics itself)
         help="Prometheus port",
-        stages=ENGINE_STAGES,
+        stages=BEHIND_API,
         serve=False,  # serve gives the stages port+1..3
         stage_defaults=DEFAULT_METRICS_PORTS,
     ),
@@ -349,7 +396,7 @@ SETTINGS: tuple[Setting, ...] = (
         default="auto",
         help="compute device",
         stages=SCHEDULER,
-        crd="engine.device",
+        crd=CrdField("engine.device", "Where the model runs."),
         choices=("auto", "cpu", "cuda"),
     ),
     Setting(
@@ -357,7 +404,7 @@ SETTINGS: tuple[Setting, ...] = (
         default="auto",
         help="weights and KV dtype (auto: bf16 on CUDA, fp32 on CPU)",
         stages=SCHEDULER,
-        crd="engine.dtype",
+        crd=CrdField("engine.dtype", "Weights' data type."),
         choices=("auto", "float32", "bfloat16", "float16"),
     ),
     Setting(
@@ -366,7 +413,10 @@ SETTINGS: tuple[Setting, ...] = (
         help="KV cache size, e.g. 8GiB (default: --gpu-memory-utilization of the GPU, "
         "512MiB on CPU)",
         stages=SCHEDULER,
-        crd="engine.kvCacheMemory",
+        crd=CrdField(
+            "engine.kvCacheMemory",
+            "KV cache budget in bytes, e.g. 8GiB; defaults to what gpuMemoryUtilization leaves.",
+        ),
     ),
     Setting(
         "gpu-memory-utilization",
@@ -374,7 +424,11 @@ SETTINGS: tuple[Setting, ...] = (
         0.9,
         help="fraction of GPU memory to use",
         stages=SCHEDULER,
-        crd="engine.gpuMemoryUtilization",
+        crd=CrdField(
+            "engine.gpuMemoryUtilization",
+            "Fraction of GPU memory the runner may use.",
+            {"minimum": 0.05, "maximum": 1},
+        ),
     ),
     Setting(
         "max-num-seqs",
@@ -382,7 +436,7 @@ SETTINGS: tuple[Setting, ...] = (
         256,
         help="most sequences decoded together",
         stages=SCHEDULER,
-        crd="engine.maxNumSeqs",
+        crd=CrdField("engine.maxNumSeqs", "Sequences decoded together at most.", {"minimum": 1}),
     ),
     Setting(
         "max-num-batched-tokens",
@@ -390,7 +444,12 @@ SETTINGS: tuple[Setting, ...] = (
         help="token budget of one step; long prompts are prefilled in chunks of it "
         "(default: 2048 on CUDA, 128 on CPU, where small steps measured faster)",
         stages=SCHEDULER,
-        crd="engine.maxNumBatchedTokens",
+        crd=CrdField(
+            "engine.maxNumBatchedTokens",
+            "Tokens one forward step may hold at most; defaults to the scheduler's own for its "
+            "device: 2048 on a GPU, 128 on CPU.",
+            {"minimum": 1},
+        ),
     ),
     Setting("block-size", int, 16, help="tokens per KV cache block", stages=SCHEDULER),
     Setting(
@@ -406,7 +465,11 @@ SETTINGS: tuple[Setting, ...] = (
         help="compile each layer's projections, norm and MLP with torch.compile: fewer kernel "
         "launches on a GPU; the first steps wait for compilation (measured no faster on CPU)",
         stages=SCHEDULER,
-        crd="engine.compile",
+        crd=CrdField(
+            "engine.compile",
+            "torch.compile each layer's projections, norm and MLP (fewer kernel launches on a "
+            "GPU); the first steps wait for compilation.",
+        ),
         switch=True,
     ),
     Setting(
@@ -416,7 +479,13 @@ SETTINGS: tuple[Setting, ...] = (
         help="compute every prompt in full instead of reusing the KV blocks of prefixes "
         "computed before (prefix caching is on by default)",
         stages=SCHEDULER,
-        crd="engine.prefixCaching",  # inverted: the CRD says what is on
+        crd=CrdField(
+            "engine.prefixCaching",
+            "Keep the KV of computed prompt prefixes and reuse it for prompts that start the "
+            "same way (system prompts, conversations, tool definitions).",
+            inverted=True,
+            on="1",
+        ),
         switch=True,
     ),
 )
@@ -429,3 +498,44 @@ def settings_of(stage: str) -> tuple[Setting, ...]:
     if stage == "serve":
         return tuple(s for s in SETTINGS if s.serve)
     return tuple(s for s in SETTINGS if stage in s.stages)
+
+
+def _field(setting: Setting) -> tuple[str, Any, Any]:
+    if setting.repeatable:
+        default = field(default_factory=list, repr=not setting.secret)  # never in a log line
+    else:
+        default = field(default=setting.default, repr=not setting.secret)
+    return setting.field_name, setting.annotation, default
+
+
+def _ring_security(self: Settings) -> RingSecurity:
+    return RingSecurity(self.ring_curve_keys, self.allow_insecure_ring)
+
+
+def _model_name(self: Settings) -> str:
+    """The name clients use and /v1/models lists."""
+    return self.served_model_name or self.model
+
+
+def _settings_fields() -> list[tuple[str, Any, Any]]:
+    fields = []
+    for setting in SETTINGS:
+        if setting.field_name != "endpoints":
+            fields.append(_field(setting))
+        elif not any(name == "endpoints" for name, _, _ in fields):
+            fields.append(("endpoints", RingEndpoints, field(default_factory=RingEndpoints)))
+    return fields
+
+
+#: What every stage reads: one field per declaration (the four endpoints in one
+#: `RingEndpoints`), with its type and default, in the order of `SETTINGS`.
+Settings = make_dataclass(
+    "Settings",
+    _settings_fields(),
+    namespace={
+        "__module__": __name__,
+        "__doc__": "The settings of one process, one field per declaration in `SETTINGS`.",
+        "ring_security": property(_ring_security),
+        "model_name": property(_model_name),
+    },
+)

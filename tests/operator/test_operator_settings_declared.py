@@ -1,6 +1,7 @@
 """The operator's settings are the declared ones (`tokenline.settings.SETTINGS`): every
-TOKENLINE_* variable a container gets is a setting its stage takes, and every CRD field that
-sets one is named by that setting's declaration."""
+TOKENLINE_* variable a container gets is a setting its stage takes, every CRD field that
+sets one is named by that setting's declaration and defaults to the flag's default, and the
+chart's CRD and values schema are the ones built from them."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from tokenline.settings import SETTINGS, settings_of
-from tokenline_operator import crd, manifests, spec
+from tokenline.settings import BY_FLAG, DEFAULT_METRICS_PORTS, SETTINGS, settings_of
+from tokenline_operator import chartgen, crd, manifests, names, spec
 from tokenline_operator.manifests import Owner
 
 OWNER = Owner(name="chat", namespace="serving", uid="0b9c5a3e-2222-4c1b-9f44-2a4c1d6e7f80")
@@ -42,12 +43,38 @@ EVERYTHING: dict[str, Any] = {
 
 
 def test_every_crd_field_of_a_setting_is_declared():
-    declared = {s.crd for s in SETTINGS if s.crd}
+    declared = {s.crd.path for s in SETTINGS if s.crd}
     for section, schema in SECTIONS.items():
         fields = {f"{section}.{name}" for name in schema["properties"]}
         others = {f"{section}.{name}" for name in NOT_SETTINGS[section]}
         assert fields - others == {c for c in declared if c.startswith(f"{section}.")}
         assert others <= fields, "a field named as not a setting has gone"
+
+
+def test_each_crd_field_takes_its_flags_default_and_choices():
+    sections = crd.spec_schema()["properties"]
+    for setting in SETTINGS:
+        if setting.crd is None:
+            continue
+        field = sections[setting.crd.section]["properties"][setting.crd.name]
+        default = (not setting.default) if setting.crd.inverted else setting.default
+        if setting.crd.required or default is None or setting.repeatable:
+            assert "default" not in field, setting.flag
+        else:
+            assert field["default"] == default, setting.flag
+        if setting.choices:
+            assert field["enum"] == list(setting.choices), setting.flag
+        required = sections[setting.crd.section].get("required", [])
+        assert (setting.crd.name in required) is setting.crd.required, setting.flag
+
+
+def test_the_chart_ships_the_crd_built_from_the_declarations():
+    assert chartgen.stale_files(chartgen.DEFAULT_CHART) == []
+
+
+def test_the_pods_ports_are_the_flags_defaults():
+    assert names.API_PORT == BY_FLAG["port"].default
+    assert names.METRICS_PORTS == DEFAULT_METRICS_PORTS
 
 
 def test_the_config_map_holds_the_crd_settings_of_each_stage():
@@ -62,8 +89,8 @@ def test_the_config_map_holds_the_crd_settings_of_each_stage():
 @pytest.mark.parametrize("body", [{"model": {"name": "tiny"}}, EVERYTHING])
 def test_each_container_gets_only_settings_its_stage_takes(body):
     parsed = spec.parse(OWNER.name, body, default_image="tokenline:test")
-    pod = manifests.deployment(OWNER, parsed)["spec"]["template"]["spec"]
-    for container in pod["containers"]:
+    pod_spec = manifests.deployment(OWNER, parsed)["spec"]["template"]["spec"]
+    for container in pod_spec["containers"]:
         stage = container["args"][0]
         for item in container["env"]:
             name = item["name"]

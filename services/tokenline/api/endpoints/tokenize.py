@@ -10,18 +10,16 @@ from __future__ import annotations
 from tokenline import protocol
 from tokenline.api.endpoints.base import Endpoint
 from tokenline.api.openai.tokenize import DetokenizeRequest, TokenizeRequest
-from tokenline.api.tools.grammars import plan_tools
+from tokenline.api.tools.grammars import shown_tools
 
 
 class Tokenize(Endpoint):
     async def tokenize(self, body: TokenizeRequest) -> dict:
         self.check_model(body.model)
         body.check(self.settings)
-        tools = None
-        if body.tools:
-            # As a chat completion with the default tool_choice (auto) shows them to the model;
-            # the format of calls is only needed to parse a reply, and there is none here.
-            tools = plan_tools(body.tools, None, True, None, None).tools
+        # As a chat completion with the default tool_choice (auto) shows them to the model; the
+        # format of calls is only needed to parse a reply or constrain one, and none is here.
+        tools = shown_tools(body.tools) if body.tools else None
         messages = body.wire_messages()
 
         def build(uid: str) -> protocol.TokenizeCall:

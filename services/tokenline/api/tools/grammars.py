@@ -202,6 +202,12 @@ def check_tools(tools: list[Tool]) -> None:
         check_schema(parameters, f"tools[{i}].function.parameters")
 
 
+def shown_tools(tools: list[Tool]) -> list[dict[str, Any]]:
+    """The tools, checked, as the chat template shows them to the model."""
+    check_tools(tools)
+    return [_template_tool(t) for t in tools]
+
+
 def _template_tool(tool: Tool) -> dict[str, Any]:
     function: dict[str, Any] = {"name": tool.function.name, "parameters": _parameters(tool)}
     if tool.function.description is not None:

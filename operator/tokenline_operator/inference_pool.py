@@ -16,30 +16,33 @@ from typing import Any
 
 import yaml
 
+from tokenline.settings import BY_FLAG
+
 from . import names
-from .manifests import (
-    PICKER_METRICS_STALENESS_S,
-    PICKER_REFRESH_METRICS_INTERVAL_S,
+from .network import network_peer
+from .objects import (
+    Capabilities,
     Manifest,
     Owner,
-    network_peer,
+    manifest,
     owner_reference,
     picker_name,
     picker_selector,
-    tls_enabled,
 )
-from .spec import Spec, selector_labels
+from .pods import PICKER_METRICS_STALENESS_S, PICKER_REFRESH_METRICS_INTERVAL_S
+from .spec import Spec, selector_labels, tls_enabled
 
 #: The picker's ports (its defaults in the pinned release, passed explicitly).
 PICKER_HEALTH_PORT = 9003
 PICKER_METRICS_PORT = 9090
 PICKER_CONFIG_DIR = "/config"
 PICKER_CONFIG_FILE = "config.yaml"
-#: The engine name our metric mapping is registered under (and the default for every pod).
-ENGINE_NAME = "tokenline"
+#: The name our metric mapping is registered under in the picker's ``engineConfigs`` (and
+#: the default for every pod).
+METRICS_MAPPING_NAME = "tokenline"
 #: The scheduler's default block size: the prefix scorer's fallback until it reads the
 #: cache configuration (``autoTune``) from the pods' metrics.
-DEFAULT_BLOCK_SIZE_TOKENS = 16
+DEFAULT_BLOCK_SIZE_TOKENS: int = BY_FLAG["block-size"].default
 #: Kinds of the routing children, in the order they are applied (the picker's identity and
 #: configuration before the picker, the picker before the pool that points at it).
 KINDS = (
@@ -52,6 +55,12 @@ KINDS = (
     "NetworkPolicy",
     "InferencePool",
 )
+
+
+def routing_enabled(spec: Spec, caps: Capabilities) -> bool:
+    """Whether an InferencePool and its picker route to the pods (unset: if the CRD is served)."""
+    enabled = spec["routing"]["inferencePool"].get("enabled")
+    return caps.inference_pool if enabled is None else bool(enabled)
 
 
 def _picker_settings(spec: Spec) -> dict[str, Any]:
@@ -76,6 +85,11 @@ def _metadata(owner: Owner, name: str, component_labels: dict[str, str]) -> dict
     }
 
 
+def _picker_object(owner: Owner, api_version: str, kind: str, **body: Any) -> Manifest:
+    """One of the picker's objects, all named ``-epp`` and labelled as the picker."""
+    return manifest(api_version, kind, _metadata(owner, picker_name(owner), labels(owner)), **body)
+
+
 def child_name(owner: Owner, kind: str) -> str:
     """The pool is named like the InferenceService (HTTPRoutes name it); the rest ``-epp``."""
     return owner.name if kind == "InferencePool" else picker_name(owner)
@@ -89,8 +103,8 @@ def endpoint_picker_config(spec: Spec) -> dict[str, Any]:
 
     The weights are the upstream chart's defaults for the same three scorers.
     """
-    engine = {"name": ENGINE_NAME, **names.ENDPOINT_METRICS, **names.CACHE_INFO_LABELS}
-    engine["loraSpec"] = ""  # tokenline serves no LoRA adapters: nothing to scrape
+    mapping = {"name": METRICS_MAPPING_NAME, **names.ENDPOINT_METRICS, **names.CACHE_INFO_LABELS}
+    mapping["loraSpec"] = ""  # tokenline serves no LoRA adapters: nothing to scrape
     return {
         "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
         "kind": "EndpointPickerConfig",
@@ -115,7 +129,7 @@ def endpoint_picker_config(spec: Spec) -> dict[str, Any]:
             },
             {
                 "type": "core-metrics-extractor",
-                "parameters": {"defaultEngine": ENGINE_NAME, "engineConfigs": [engine]},
+                "parameters": {"defaultEngine": METRICS_MAPPING_NAME, "engineConfigs": [mapping]},
             },
         ],
         "schedulingProfiles": [
@@ -133,23 +147,14 @@ def endpoint_picker_config(spec: Spec) -> dict[str, Any]:
 
 def picker_config_map(owner: Owner, spec: Spec) -> Manifest:
     text = yaml.safe_dump(endpoint_picker_config(spec), sort_keys=False)
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": _metadata(owner, picker_name(owner), labels(owner)),
-        "data": {PICKER_CONFIG_FILE: text},
-    }
+    return _picker_object(owner, "v1", "ConfigMap", data={PICKER_CONFIG_FILE: text})
 
 
 # --- the picker's identity and permissions ------------------------------------------------
 
 
 def picker_service_account(owner: Owner) -> Manifest:
-    return {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": _metadata(owner, picker_name(owner), labels(owner)),
-    }
+    return _picker_object(owner, "v1", "ServiceAccount")
 
 
 #: What the picker reads (the upstream chart's Role): the pods it routes to, its pool, and
@@ -170,28 +175,28 @@ PICKER_RULES: list[dict[str, Any]] = [
 
 
 def picker_role(owner: Owner) -> Manifest:
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": _metadata(owner, picker_name(owner), labels(owner)),
-        "rules": [{key: list(value) for key, value in rule.items()} for rule in PICKER_RULES],
-    }
+    return _picker_object(
+        owner,
+        "rbac.authorization.k8s.io/v1",
+        "Role",
+        rules=[{key: list(value) for key, value in rule.items()} for rule in PICKER_RULES],
+    )
 
 
 def picker_role_binding(owner: Owner) -> Manifest:
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": _metadata(owner, picker_name(owner), labels(owner)),
-        "roleRef": {
+    return _picker_object(
+        owner,
+        "rbac.authorization.k8s.io/v1",
+        "RoleBinding",
+        roleRef={
             "apiGroup": "rbac.authorization.k8s.io",
             "kind": "Role",
             "name": picker_name(owner),
         },
-        "subjects": [
+        subjects=[
             {"kind": "ServiceAccount", "name": picker_name(owner), "namespace": owner.namespace}
         ],
-    }
+    )
 
 
 # --- the picker ---------------------------------------------------------------------------
@@ -265,11 +270,11 @@ def picker_deployment(owner: Owner, spec: Spec) -> Manifest:
     }
     if spec.get("imagePullPolicy"):
         container["imagePullPolicy"] = spec["imagePullPolicy"]
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": _metadata(owner, picker_name(owner), labels(owner)),
-        "spec": {
+    return _picker_object(
+        owner,
+        "apps/v1",
+        "Deployment",
+        spec={
             # One picker: the prefix scorer's index lives in its memory, and several would
             # need the picker's leader election (the upstream chart's choice as well).
             "replicas": 1,
@@ -294,16 +299,16 @@ def picker_deployment(owner: Owner, spec: Spec) -> Manifest:
                 },
             },
         },
-    }
+    )
 
 
 def picker_service(owner: Owner, spec: Spec) -> Manifest:
     port = _picker_settings(spec)["extProcPort"]
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _metadata(owner, picker_name(owner), labels(owner)),
-        "spec": {
+    return _picker_object(
+        owner,
+        "v1",
+        "Service",
+        spec={
             "type": "ClusterIP",
             "selector": picker_selector(owner),
             "ports": [
@@ -321,7 +326,7 @@ def picker_service(owner: Owner, spec: Spec) -> Manifest:
                 },
             ],
         },
-    }
+    )
 
 
 def picker_network_policy(owner: Owner, spec: Spec) -> Manifest:
@@ -335,16 +340,16 @@ def picker_network_policy(owner: Owner, spec: Spec) -> Manifest:
         ingress.append(
             {"from": scrapers, "ports": [{"protocol": "TCP", "port": PICKER_METRICS_PORT}]}
         )
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _metadata(owner, picker_name(owner), labels(owner)),
-        "spec": {
+    return _picker_object(
+        owner,
+        "networking.k8s.io/v1",
+        "NetworkPolicy",
+        spec={
             "podSelector": {"matchLabels": picker_selector(owner)},
             "policyTypes": ["Ingress"],
             "ingress": ingress,
         },
-    }
+    )
 
 
 # --- the pool -----------------------------------------------------------------------------

@@ -18,8 +18,9 @@ from typing import Any
 
 from . import inference_pool, manifests, names, spec, status
 from .kube import Kube, KubeError
-from .manifests import Capabilities, Owner
 from .metrics import OperatorMetrics
+from .network import service_url
+from .objects import Capabilities, Owner, picker_name
 
 log = logging.getLogger(__name__)
 
@@ -163,14 +164,14 @@ async def _apply_routing(
     ctx: Context, owner: Owner, parsed: spec.Spec, caps: Capabilities
 ) -> status.Routing:
     """The InferencePool and its picker when routing is on; none of them when it is off."""
-    wanted = manifests.routing_enabled(parsed, caps)
+    wanted = inference_pool.routing_enabled(parsed, caps)
     if wanted and caps.inference_pool:
         ctx.first_time_without_pool(owner.namespace, owner.name, False)
         live = {}
         for desired in inference_pool.children(owner, parsed):
             live[desired["kind"]] = await _ensure(ctx, owner, desired)
         if "NetworkPolicy" not in live:
-            await _remove(ctx, owner, "NetworkPolicy", manifests.picker_name(owner))
+            await _remove(ctx, owner, "NetworkPolicy", picker_name(owner))
         return status.Routing(wanted=True, served=True, pool=owner.name, picker=live["Deployment"])
     for kind in reversed(inference_pool.KINDS):
         await _remove(ctx, owner, kind, inference_pool.child_name(owner, kind))
@@ -245,7 +246,7 @@ async def _reconcile_locked(ctx: Context, body: dict[str, Any], *, trigger: str)
     if parsed is not None:
         obs_extra = {
             "desired_replicas": spec.desired_replicas(parsed),
-            "url": manifests.service_url(owner, parsed),
+            "url": service_url(owner, parsed),
             "selector": ",".join(f"{k}={v}" for k, v in spec.selector_labels(owner.name).items()),
             "model": spec.served_model_name(parsed),
         }
@@ -258,7 +259,7 @@ async def _reconcile_locked(ctx: Context, body: dict[str, Any], *, trigger: str)
             if caps is None:  # discovery itself failed
                 caps = await _capabilities_or_none(ctx)
             routing = status.Routing(
-                wanted=manifests.routing_enabled(parsed, caps), served=caps.inference_pool
+                wanted=inference_pool.routing_enabled(parsed, caps), served=caps.inference_pool
             )
 
     observation = status.Observation(

@@ -87,7 +87,7 @@ def parse(name: str, raw_spec: Any, *, default_image: str | None) -> Spec:
     """Default and validate a spec; raise ``SpecError`` naming every problem found.
 
     ``default_image`` fills ``spec.image`` when the object names none (the operator passes
-    its own image, so a stage runs the same build as the operator that rendered it).
+    its own image, so a stage runs the same build as the operator that built it).
     """
     problems: list[str] = []
     if len(name) > MAX_NAME_LENGTH or not _DNS_1035.match(name):
@@ -130,3 +130,8 @@ def desired_replicas(spec: Spec) -> int:
 def selector_labels(name: str) -> dict[str, str]:
     """The pods' identity: immutable in the Deployment's selector, used by Service and PDB."""
     return {names.LABEL_NAME: "tokenline", names.LABEL_OWNER: name}
+
+
+def tls_enabled(spec: Spec) -> bool:
+    """Whether the api serves HTTPS itself (``spec.server.tlsSecret``)."""
+    return bool(spec["server"].get("tlsSecret"))

@@ -17,7 +17,9 @@ import pytest
 import yaml
 from pod_security import hardening_violations, restricted_violations
 
-from tokenline_operator import chartgen, crd, manifests, names, rbac, spec
+from tokenline_operator import chartgen, crd, names, rbac, spec
+from tokenline_operator.objects import Owner
+from tokenline_operator.pods import deployment
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "tokenline"
@@ -303,8 +305,8 @@ def test_every_pod_passes_the_restricted_pod_security_standard(values):
     # The sample's stage pods are the operator's to render: the same checks.
     for sample in by_kind(objects).get(names.KIND, []):
         parsed = spec.parse(sample["metadata"]["name"], sample["spec"], default_image=None)
-        owner = manifests.Owner(sample["metadata"]["name"], NAMESPACE, "uid")
-        template = manifests.deployment(owner, parsed)["spec"]["template"]
+        owner = Owner(sample["metadata"]["name"], NAMESPACE, "uid")
+        template = deployment(owner, parsed)["spec"]["template"]
         assert restricted_violations(template["spec"], template["metadata"]) == []
 
 

@@ -14,8 +14,8 @@ from unittest import mock
 import pytest
 
 from tokenline.cli import build_parser, settings_from
-from tokenline_operator import manifests, names, spec
-from tokenline_operator.manifests import Owner
+from tokenline_operator import config, names, pods, spec
+from tokenline_operator.objects import Owner
 
 OWNER = Owner(name="chat", namespace="serving", uid="0b9c5a3e-2222-4c1b-9f44-2a4c1d6e7f80")
 SPECS: dict[str, dict[str, Any]] = {
@@ -54,12 +54,12 @@ def _resolved_env(container: dict[str, Any], config: dict[str, str]) -> dict[str
 @pytest.mark.parametrize("name", list(SPECS))
 def test_every_stage_container_parses_with_the_real_cli(name):
     parsed = spec.parse(OWNER.name, SPECS[name], default_image="tokenline:test")
-    config = manifests.config_map(OWNER, parsed)["data"]
-    pod = manifests.deployment(OWNER, parsed)["spec"]["template"]["spec"]
+    data = config.config_map(OWNER, parsed)["data"]
+    pod_spec = pods.deployment(OWNER, parsed)["spec"]["template"]["spec"]
     seen = set()
     rings = set()
-    for container in pod["containers"]:
-        env = _resolved_env(container, config)
+    for container in pod_spec["containers"]:
+        env = _resolved_env(container, data)
         clean = {k: v for k, v in os.environ.items() if not k.startswith("TOKENLINE_")}
         with mock.patch.dict(os.environ, {**clean, **env}, clear=True):
             args = build_parser().parse_args(container["args"])
@@ -78,7 +78,7 @@ def test_every_stage_container_parses_with_the_real_cli(name):
         if stage == "scheduler":
             assert settings.no_prefix_caching is (name == "secured")
         if stage == "api":
-            assert settings.model_name == manifests.served_model_name(parsed)
+            assert settings.model_name == spec.served_model_name(parsed)
             secured = name == "secured"
             assert (settings.api_key_file == names.API_KEY_FILE) is secured
             assert (settings.ssl_certfile == names.TLS_CERT_FILE) is secured

@@ -14,7 +14,7 @@ import kubernetes_validate.utils as kv
 import yaml
 
 from tokenline_operator import inference_pool, manifests, names, spec
-from tokenline_operator.manifests import Capabilities, Owner
+from tokenline_operator.objects import Capabilities, Owner
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "inference-gateway.yaml"
 
@@ -30,7 +30,7 @@ def operator_children(service: dict) -> tuple[Owner, dict[str, dict]]:
     meta = service["metadata"]
     owner = Owner(name=meta["name"], namespace=meta["namespace"], uid="uid-example")
     parsed = spec.parse(owner.name, service["spec"], default_image="tokenline:example")
-    assert manifests.routing_enabled(parsed, Capabilities(inference_pool=True))
+    assert inference_pool.routing_enabled(parsed, Capabilities(inference_pool=True))
     routing = {obj["kind"]: obj for obj in inference_pool.children(owner, parsed)}
     stages = manifests.children(owner, parsed, Capabilities(inference_pool=True))
     return owner, {"routing": routing, "stages": stages}

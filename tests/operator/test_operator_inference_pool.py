@@ -15,8 +15,8 @@ import pytest
 import yaml
 from pod_security import hardening_violations, restricted_violations
 
-from tokenline_operator import inference_pool, manifests, names, rbac, spec
-from tokenline_operator.manifests import Capabilities, Owner
+from tokenline_operator import inference_pool, manifests, names, network, pods, rbac, spec
+from tokenline_operator.objects import Capabilities, Owner
 
 OWNER = Owner(name="chat", namespace="serving", uid="0b9c5a3e-1111-4c1b-9f44-2a4c1d6e7f80")
 ROUTED = Capabilities(inference_pool=True)
@@ -39,12 +39,12 @@ def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 
 def test_routing_defaults_to_what_the_cluster_serves():
-    assert manifests.routing_enabled(parse(BASE), ROUTED)
-    assert not manifests.routing_enabled(parse(BASE), Capabilities())
+    assert inference_pool.routing_enabled(parse(BASE), ROUTED)
+    assert not inference_pool.routing_enabled(parse(BASE), Capabilities())
     off = {**BASE, "routing": {"inferencePool": {"enabled": False}}}
-    assert not manifests.routing_enabled(parse(off), ROUTED)
+    assert not inference_pool.routing_enabled(parse(off), ROUTED)
     on = {**BASE, "routing": {"inferencePool": {"enabled": True}}}
-    assert manifests.routing_enabled(parse(on), Capabilities())
+    assert inference_pool.routing_enabled(parse(on), Capabilities())
 
 
 @pytest.mark.parametrize("raw", [BASE, {**BASE, **GATEWAY}], ids=["default", "gateway"])
@@ -64,12 +64,12 @@ def test_the_pool_is_valid_against_the_extensions_crd(raw):
 def test_the_pool_selects_the_stage_pods_on_the_api_port_and_points_at_the_picker():
     children = by_kind(BASE)
     pool, picker, svc = children["InferencePool"], children["Deployment"], children["Service"]
-    stage_pods = manifests.deployment(OWNER, parse(BASE))["spec"]["template"]
+    stage_pods = pods.deployment(OWNER, parse(BASE))["spec"]["template"]
     selector = pool["spec"]["selector"]["matchLabels"]
     assert matches(selector, stage_pods["metadata"]["labels"])
     assert not matches(selector, picker["spec"]["template"]["metadata"]["labels"])
     # ... nor does the plain Service select the picker's pods.
-    plain = manifests.service(OWNER, parse(BASE))["spec"]["selector"]
+    plain = network.service(OWNER, parse(BASE))["spec"]["selector"]
     assert not matches(plain, picker["spec"]["template"]["metadata"]["labels"])
     api = next(c for c in stage_pods["spec"]["containers"] if c["name"] == "api")
     assert pool["spec"]["targetPorts"] == [{"number": api["ports"][0]["containerPort"]}]
@@ -214,13 +214,13 @@ def test_network_policies_let_the_gateway_reach_the_picker_and_the_picker_the_ap
 def test_the_prestop_hook_outlasts_the_pickers_view_and_the_grace_period_covers_the_drain():
     parsed = parse({**BASE, "server": {"drainTimeoutSeconds": 60}})
     routed = manifests.children(OWNER, parsed, ROUTED)["Deployment"]["spec"]["template"]["spec"]
-    sleep = manifests.prestop_sleep_seconds(True)
+    sleep = pods.prestop_sleep_seconds(True)
     picker_view = (
-        manifests.PICKER_WATCH_DELAY_S
-        + manifests.PICKER_REFRESH_METRICS_INTERVAL_S
-        + manifests.PICKER_METRICS_STALENESS_S
+        pods.PICKER_WATCH_DELAY_S
+        + pods.PICKER_REFRESH_METRICS_INTERVAL_S
+        + pods.PICKER_METRICS_STALENESS_S
     )
-    assert sleep >= picker_view and sleep >= manifests.PRESTOP_SLEEP_SECONDS
+    assert sleep >= picker_view and sleep >= pods.PRESTOP_SLEEP_SECONDS
     for container in routed["containers"]:
         assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(sleep)]
     assert routed["terminationGracePeriodSeconds"] > sleep + 60
@@ -228,7 +228,7 @@ def test_the_prestop_hook_outlasts_the_pickers_view_and_the_grace_period_covers_
     args = by_kind(BASE)["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
     flags = dict(zip(args[::2], args[1::2], strict=False))
     assert flags["--refresh-metrics-interval"] == "50ms"
-    assert flags["--metrics-staleness-threshold"] == f"{manifests.PICKER_METRICS_STALENESS_S}s"
+    assert flags["--metrics-staleness-threshold"] == f"{pods.PICKER_METRICS_STALENESS_S}s"
 
 
 def test_the_operator_holds_what_it_grants_the_picker_and_may_write_every_routing_child():

@@ -9,8 +9,18 @@ import pytest
 from pod_security import hardening_violations, restricted_violations
 
 from tokenline.cli import build_parser, settings_from
-from tokenline_operator import manifests, names, rbac, spec
-from tokenline_operator.manifests import Capabilities, Owner
+from tokenline_operator import (
+    config,
+    manifests,
+    monitoring,
+    names,
+    network,
+    pods,
+    rbac,
+    scaling,
+    spec,
+)
+from tokenline_operator.objects import Capabilities, Owner
 
 OWNER = Owner(name="chat", namespace="serving", uid="0b9c5a3e-1111-4c1b-9f44-2a4c1d6e7f80")
 ALL_CAPS = Capabilities(keda=True, prometheus_operator=True)
@@ -61,7 +71,7 @@ def parse(raw: dict[str, Any]) -> spec.Spec:
 
 
 def pod_of(raw: dict[str, Any]) -> dict[str, Any]:
-    return manifests.deployment(OWNER, parse(raw))["spec"]["template"]["spec"]
+    return pods.deployment(OWNER, parse(raw))["spec"]["template"]["spec"]
 
 
 def containers_of(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -141,7 +151,7 @@ def test_api_probes_allow_model_loading_and_drain():
     assert api["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
 
     pod = pod_of({"model": {"name": "tiny"}, "server": {"drainTimeoutSeconds": 45}})
-    assert pod["terminationGracePeriodSeconds"] > 45 + manifests.PRESTOP_SLEEP_SECONDS
+    assert pod["terminationGracePeriodSeconds"] > 45 + pods.PRESTOP_SLEEP_SECONDS
     assert pod["enableServiceLinks"] is False
 
 
@@ -154,22 +164,22 @@ def test_gpu_goes_to_the_scheduler_only():
         assert "nvidia.com/gpu" not in str(containers[stage]["resources"])
 
     cpu_only = parse({"model": {"name": "tiny"}, "engine": {"gpus": 0}})
-    assert "nvidia.com/gpu" not in str(manifests.deployment(OWNER, cpu_only))
-    assert manifests.engine_settings(cpu_only)["TOKENLINE_DEVICE"] == "cpu"
+    assert "nvidia.com/gpu" not in str(pods.deployment(OWNER, cpu_only))
+    assert config.config_map_data(cpu_only)["TOKENLINE_DEVICE"] == "cpu"
 
 
 def test_step_budget_is_the_schedulers_own_unless_the_spec_sets_one():
     """The scheduler picks its step budget by device (2048 on a GPU, 128 on CPU); a default
     in the CRD would give CPU pods GPU-sized steps."""
     unset = parse({"model": {"name": "tiny"}, "engine": {"gpus": 0}})
-    assert "TOKENLINE_MAX_NUM_BATCHED_TOKENS" not in manifests.engine_settings(unset)
+    assert "TOKENLINE_MAX_NUM_BATCHED_TOKENS" not in config.config_map_data(unset)
     chosen = parse({"model": {"name": "tiny"}, "engine": {"maxNumBatchedTokens": 512}})
-    assert manifests.engine_settings(chosen)["TOKENLINE_MAX_NUM_BATCHED_TOKENS"] == "512"
+    assert config.config_map_data(chosen)["TOKENLINE_MAX_NUM_BATCHED_TOKENS"] == "512"
 
 
 def test_each_stage_gets_only_its_own_settings_from_the_configmap():
     containers = containers_of(FULL)
-    settings = manifests.engine_settings(parse(FULL))
+    settings = config.config_map_data(parse(FULL))
     assert settings["TOKENLINE_MAX_MODEL_LEN"] == "8192"
     for stage, container in containers.items():
         from_configmap = {
@@ -177,7 +187,7 @@ def test_each_stage_gets_only_its_own_settings_from_the_configmap():
             for e in container["env"]
             if e.get("valueFrom", {}).get("configMapKeyRef", {}).get("name") == "chat-config"
         }
-        allowed = {*manifests.STAGE_SETTINGS["common"], *manifests.STAGE_SETTINGS[stage]}
+        allowed = {*config.STAGE_SETTINGS["common"], *config.STAGE_SETTINGS[stage]}
         assert from_configmap == allowed & set(settings), stage
         env = {e["name"]: e for e in container["env"]}
         assert env["HF_HOME"]["value"].startswith(names.MODEL_CACHE_DIR)
@@ -198,7 +208,7 @@ def test_model_cache_is_an_emptydir_or_a_claim():
 
 def test_settings_change_rolls_the_pods_and_replicas_do_not():
     def pod_hash(raw: dict[str, Any]) -> str:
-        template = manifests.deployment(OWNER, parse(raw))["spec"]["template"]
+        template = pods.deployment(OWNER, parse(raw))["spec"]["template"]
         return template["metadata"]["annotations"][names.ANNOTATION_CONFIG_HASH]
 
     base = {"model": {"name": "a"}}
@@ -227,19 +237,19 @@ def test_optional_children_follow_the_spec_and_the_cluster():
 
 def test_autoscalers_target_the_waiting_gauge():
     parsed = parse(FULL)
-    scaled = manifests.scaled_object(OWNER, parsed)
+    scaled = scaling.scaled_object(OWNER, parsed)
     (trigger,) = scaled["spec"]["triggers"]
     assert trigger["metadata"]["query"] == (
         'sum(tokenline_num_requests_waiting{namespace="serving",inferenceservice="chat"})'
     )
     assert scaled["spec"]["scaleTargetRef"]["name"] == OWNER.name
-    hpa = manifests.horizontal_pod_autoscaler(OWNER, parsed)
+    hpa = scaling.horizontal_pod_autoscaler(OWNER, parsed)
     assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == names.WAITING_METRIC
     assert "replicas" not in manifests.children(OWNER, parsed, ALL_CAPS)["Deployment"]["spec"]
 
 
 def test_pod_monitor_scrapes_every_stage_with_its_owner_label():
-    monitor = manifests.pod_monitor(OWNER, parse(FULL))
+    monitor = monitoring.pod_monitor(OWNER, parse(FULL))
     assert monitor["metadata"]["labels"]["release"] == "prom"
     endpoints = monitor["spec"]["podMetricsEndpoints"]
     assert [e["port"] for e in endpoints] == [names.PORT_NAMES[s] for s in names.STAGES]
@@ -379,14 +389,14 @@ def test_api_keys_come_from_a_whole_secret_directory():
 
 def test_tls_secret_serves_https_and_probes_follow():
     parsed = parse(SECURED)
-    pod = manifests.deployment(OWNER, parsed)["spec"]["template"]["spec"]
-    containers = {c["name"]: c for c in pod["containers"]}
+    pod_spec = pods.deployment(OWNER, parsed)["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod_spec["containers"]}
     api = containers["api"]
     env = {e["name"]: e.get("value") for e in api["env"]}
     (mount,) = [m for m in api["volumeMounts"] if m["name"] == "tls"]
     assert env["TOKENLINE_SSL_CERTFILE"] == f"{mount['mountPath']}/tls.crt"
     assert env["TOKENLINE_SSL_KEYFILE"] == f"{mount['mountPath']}/tls.key"
-    volumes = {v["name"]: v for v in pod["volumes"]}
+    volumes = {v["name"]: v for v in pod_spec["volumes"]}
     assert volumes["tls"]["secret"]["secretName"] == "llm-tls"
     assert {i["key"] for i in volumes["tls"]["secret"]["items"]} == {"tls.crt", "tls.key"}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -394,8 +404,8 @@ def test_tls_secret_serves_https_and_probes_follow():
     for stage in ("tokenizer", "scheduler", "detokenizer"):
         assert "scheme" not in containers[stage]["livenessProbe"]["httpGet"]
         assert "SSL" not in str(containers[stage]["env"])
-    assert manifests.service(OWNER, parsed)["spec"]["ports"][0]["appProtocol"] == "https"
-    endpoints = manifests.pod_monitor(OWNER, parsed)["spec"]["podMetricsEndpoints"]
+    assert network.service(OWNER, parsed)["spec"]["ports"][0]["appProtocol"] == "https"
+    endpoints = monitoring.pod_monitor(OWNER, parsed)["spec"]["podMetricsEndpoints"]
     assert [e.get("scheme", "http") for e in endpoints] == ["https", "http", "http", "http"]
 
     plain = containers_of({"model": {"name": "m"}})["api"]
@@ -405,17 +415,17 @@ def test_tls_secret_serves_https_and_probes_follow():
 
 def test_prefix_caching_off_reaches_the_scheduler_alone_and_on_rolls_nothing():
     def template(raw: dict[str, Any]) -> dict[str, Any]:
-        return manifests.deployment(OWNER, parse(raw))["spec"]["template"]
+        return pods.deployment(OWNER, parse(raw))["spec"]["template"]
 
     off = parse({"model": {"name": "m"}, "engine": {"prefixCaching": False}})
-    assert manifests.engine_settings(off)["TOKENLINE_NO_PREFIX_CACHING"] == "1"
+    assert config.config_map_data(off)["TOKENLINE_NO_PREFIX_CACHING"] == "1"
     containers = containers_of({"model": {"name": "m"}, "engine": {"prefixCaching": False}})
     for stage, container in containers.items():
         has = any(e["name"] == "TOKENLINE_NO_PREFIX_CACHING" for e in container["env"])
         assert has == (stage == "scheduler"), stage
     # On (the default) adds nothing: pods made before the field existed do not roll.
     default = {"model": {"name": "m"}}
-    assert "TOKENLINE_NO_PREFIX_CACHING" not in manifests.engine_settings(parse(default))
+    assert "TOKENLINE_NO_PREFIX_CACHING" not in config.config_map_data(parse(default))
     explicit = {"model": {"name": "m"}, "engine": {"prefixCaching": True}}
     assert template(default) == template(explicit)
 
@@ -425,7 +435,7 @@ APP_ORIGIN = "https://app.example.com"
 
 def test_allowed_origins_reach_the_api_alone_and_unset_rolls_nothing():
     raw = {"model": {"name": "m"}, "server": {"allowedOrigins": [APP_ORIGIN]}}
-    assert manifests.engine_settings(parse(raw))["TOKENLINE_ALLOWED_ORIGIN"] == APP_ORIGIN
+    assert config.config_map_data(parse(raw))["TOKENLINE_ALLOWED_ORIGIN"] == APP_ORIGIN
     for stage, container in containers_of(raw).items():
         env = {e["name"]: e for e in container["env"]}
         if stage == "api":
@@ -435,25 +445,25 @@ def test_allowed_origins_reach_the_api_alone_and_unset_rolls_nothing():
             assert "TOKENLINE_ALLOWED_ORIGIN" not in env, stage
     # Unset and empty both leave CORS off and add no key: existing pods do not roll.
     unset = {"model": {"name": "m"}}
-    assert "TOKENLINE_ALLOWED_ORIGIN" not in manifests.engine_settings(parse(unset))
+    assert "TOKENLINE_ALLOWED_ORIGIN" not in config.config_map_data(parse(unset))
     empty = {**unset, "server": {"allowedOrigins": []}}
-    assert manifests.deployment(OWNER, parse(unset)) == manifests.deployment(OWNER, parse(empty))
+    assert pods.deployment(OWNER, parse(unset)) == pods.deployment(OWNER, parse(empty))
 
 
 def test_several_allowed_origins_parse_back_as_the_api_reads_its_env(monkeypatch):
     origins = [APP_ORIGIN, "http://localhost:3000", "*"]
     raw = {"model": {"name": "m"}, "server": {"allowedOrigins": origins}}
-    value = manifests.engine_settings(parse(raw))["TOKENLINE_ALLOWED_ORIGIN"]
+    value = config.config_map_data(parse(raw))["TOKENLINE_ALLOWED_ORIGIN"]
     monkeypatch.setenv("TOKENLINE_ALLOWED_ORIGIN", value)
     assert settings_from(build_parser().parse_args(["api"])).allowed_origins == origins
 
 
 def rules_of(raw: dict[str, Any]) -> list[dict[str, Any]]:
-    return manifests.network_policy(OWNER, parse(raw))["spec"]["ingress"]
+    return network.network_policy(OWNER, parse(raw))["spec"]["ingress"]
 
 
 def test_network_policy_defaults_to_the_own_namespace_and_monitoring():
-    policy = manifests.network_policy(OWNER, parse({"model": {"name": "m"}}))
+    policy = network.network_policy(OWNER, parse({"model": {"name": "m"}}))
     assert policy["spec"]["podSelector"] == {"matchLabels": spec.selector_labels(OWNER.name)}
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     api, metrics = policy["spec"]["ingress"]

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from tokenline_operator import manifests, names, spec
-from tokenline_operator.manifests import Owner
+from tokenline_operator import config, names, pods, spec
+from tokenline_operator.objects import Owner
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -97,15 +97,15 @@ def _containers() -> list[dict[str, Any]]:
     parsed = spec.parse(
         OWNER.name, {"model": {"name": "tiny"}, "engine": {"gpus": 0}}, default_image="x"
     )
-    config = manifests.config_map(OWNER, parsed)["data"]
-    pod = manifests.deployment(OWNER, parsed)["spec"]["template"]["spec"]
+    data = config.config_map(OWNER, parsed)["data"]
+    pod_spec = pods.deployment(OWNER, parsed)["spec"]["template"]["spec"]
     found = []
-    for container in pod["containers"]:
+    for container in pod_spec["containers"]:
         env = {}
         for item in container["env"]:
             ref = item.get("valueFrom", {}).get("configMapKeyRef")
             if ref:
-                env[item["name"]] = config[ref["key"]]
+                env[item["name"]] = data[ref["key"]]
             elif "value" in item:
                 env[item["name"]] = item["value"]
         found.append(
@@ -180,6 +180,6 @@ def test_stages_serve_on_a_read_only_root_with_only_the_pods_volumes_writable(tm
     assert result["ready"], logs
     assert result["finish_reason"] in ("length", "stop"), logs
     assert result["metrics"] == {"8001": 200, "8002": 200, "8003": 200}
-    assert result["ring"] == sorted(f"{stage}.sock" for stage in manifests.ring_endpoints())
+    assert result["ring"] == sorted(f"{stage}.sock" for stage in pods.ring_endpoints())
     assert result["alive"] == [c["name"] for c in containers], logs
     assert "Read-only file system" not in logs and "Traceback" not in logs, logs

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from tokenline.settings import BY_FLAG, DEFAULT_METRICS_PORTS, SETTINGS, settings_of
-from tokenline_operator import chartgen, crd, manifests, names, spec
-from tokenline_operator.manifests import Owner
+from tokenline_operator import chartgen, config, crd, names, pods, spec
+from tokenline_operator.objects import Owner
 
 OWNER = Owner(name="chat", namespace="serving", uid="0b9c5a3e-2222-4c1b-9f44-2a4c1d6e7f80")
 BY_ENV = {s.env: s for s in SETTINGS}
@@ -79,17 +79,17 @@ def test_the_pods_ports_are_the_flags_defaults():
 
 def test_the_config_map_holds_the_crd_settings_of_each_stage():
     for stage in ("api", "tokenizer", "scheduler", "detokenizer"):
-        keys = {*manifests.STAGE_SETTINGS["common"], *manifests.STAGE_SETTINGS[stage]}
+        keys = {*config.STAGE_SETTINGS["common"], *config.STAGE_SETTINGS[stage]}
         assert keys == {s.env for s in settings_of(stage) if s.crd}, stage
     parsed = spec.parse(OWNER.name, EVERYTHING, default_image="tokenline:test")
-    data = manifests.engine_settings(parsed)
+    data = config.config_map_data(parsed)
     assert set(data) == {s.env for s in SETTINGS if s.crd}
 
 
 @pytest.mark.parametrize("body", [{"model": {"name": "tiny"}}, EVERYTHING])
 def test_each_container_gets_only_settings_its_stage_takes(body):
     parsed = spec.parse(OWNER.name, body, default_image="tokenline:test")
-    pod_spec = manifests.deployment(OWNER, parsed)["spec"]["template"]["spec"]
+    pod_spec = pods.deployment(OWNER, parsed)["spec"]["template"]["spec"]
     for container in pod_spec["containers"]:
         stage = container["args"][0]
         for item in container["env"]:

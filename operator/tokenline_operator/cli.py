@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     metrics = OperatorMetrics()
     if args.metrics_port:
-        metrics.serve(args.metrics_port)
+        metrics.listen(args.metrics_port)
     liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
     kopf.run(
         registry=handlers.registry,

@@ -35,6 +35,6 @@ class OperatorMetrics:
             registry=self.registry,
         )
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+    def listen(self, port: int, addr: str = "0.0.0.0") -> None:
         """Serve /metrics from a background thread (prometheus_client's own server)."""
         start_http_server(port, addr=addr, registry=self.registry)

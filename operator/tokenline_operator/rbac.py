@@ -1,6 +1,6 @@
 """The operator's RBAC rules, written once.
 
-The chart renders them from ``charts/tokenline/files/operator-rbac-rules.yaml``, which
+The chart's template reads them from ``charts/tokenline/files/operator-rbac-rules.yaml``, which
 ``python -m tokenline_operator.chartgen`` writes from :data:`RULES`; a test keeps the two
 equal. Each rule says which code needs it.
 """
@@ -12,6 +12,16 @@ from typing import Any
 from . import names
 
 READ = ["get", "list", "watch"]
+
+
+def _managed(group: str, *resources: str) -> dict[str, Any]:
+    """A kind of child the operator creates, updates and deletes."""
+    return {
+        "apiGroups": [group],
+        "resources": list(resources),
+        "verbs": [*READ, "create", "patch", "delete"],
+    }
+
 
 RULES: list[dict[str, Any]] = [
     # The handlers watch InferenceServices; kopf patches its bookkeeping annotations.
@@ -26,32 +36,12 @@ RULES: list[dict[str, Any]] = [
     {"apiGroups": [names.GROUP], "resources": [f"{names.PLURAL}/finalizers"], "verbs": ["update"]},
     # Children that always exist; Kubernetes' garbage collector deletes them with the owner.
     # The endpoint picker's ConfigMap, Service and Deployment are deleted when routing is off.
-    {
-        "apiGroups": [""],
-        "resources": ["configmaps", "services"],
-        "verbs": [*READ, "create", "patch", "delete"],
-    },
-    {
-        "apiGroups": ["apps"],
-        "resources": ["deployments"],
-        "verbs": [*READ, "create", "patch", "delete"],
-    },
+    _managed("", "configmaps", "services"),
+    _managed("apps", "deployments"),
     # spec.routing.inferencePool: the pool, and the picker's identity and Role.
-    {
-        "apiGroups": [names.INFERENCE_POOL_GROUP],
-        "resources": ["inferencepools"],
-        "verbs": [*READ, "create", "patch", "delete"],
-    },
-    {
-        "apiGroups": [""],
-        "resources": ["serviceaccounts"],
-        "verbs": [*READ, "create", "patch", "delete"],
-    },
-    {
-        "apiGroups": ["rbac.authorization.k8s.io"],
-        "resources": ["roles", "rolebindings"],
-        "verbs": [*READ, "create", "patch", "delete"],
-    },
+    _managed(names.INFERENCE_POOL_GROUP, "inferencepools"),
+    _managed("", "serviceaccounts"),
+    _managed("rbac.authorization.k8s.io", "roles", "rolebindings"),
     # What the picker's Role grants: Kubernetes lets the operator grant only what it holds.
     {"apiGroups": [""], "resources": ["pods"], "verbs": READ},
     {
@@ -60,32 +50,12 @@ RULES: list[dict[str, Any]] = [
         "verbs": READ,
     },
     # Optional children, deleted when the spec stops asking for them.
-    {
-        "apiGroups": ["policy"],
-        "resources": ["poddisruptionbudgets"],
-        "verbs": [*READ, "create", "patch", "delete"],
-    },
-    {
-        "apiGroups": ["autoscaling"],
-        "resources": ["horizontalpodautoscalers"],
-        "verbs": [*READ, "create", "patch", "delete"],
-    },
-    {
-        "apiGroups": ["keda.sh"],
-        "resources": ["scaledobjects"],
-        "verbs": [*READ, "create", "patch", "delete"],
-    },
-    {
-        "apiGroups": ["monitoring.coreos.com"],
-        "resources": ["podmonitors"],
-        "verbs": [*READ, "create", "patch", "delete"],
-    },
+    _managed("policy", "poddisruptionbudgets"),
+    _managed("autoscaling", "horizontalpodautoscalers"),
+    _managed("keda.sh", "scaledobjects"),
+    _managed("monitoring.coreos.com", "podmonitors"),
     # spec.networkPolicy (on by default); deleted when it is turned off.
-    {
-        "apiGroups": ["networking.k8s.io"],
-        "resources": ["networkpolicies"],
-        "verbs": [*READ, "create", "patch", "delete"],
-    },
+    _managed("networking.k8s.io", "networkpolicies"),
     # kopf posts Events (InvalidSpec, handler failures) on the InferenceService.
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     # kopf notices CRDs (KEDA, Prometheus operator) installed after it started.

@@ -16,7 +16,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -69,7 +69,6 @@ class FetchResult:
     downloaded: int = 0  # bytes received in this call
     cached: bool = False  # the model was complete already: nothing was fetched
     in_place: bool = False  # read where it is (a directory, pvc://, a mounted oci:// image)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def status(self) -> dict[str, Any]:
         body: dict[str, Any] = {"uri": self.uri, "state": "Ready", "size": self.size}

@@ -14,7 +14,7 @@ from prometheus_client import Counter
 # grow without bound on a cluster that rolls models.
 MODEL_FETCH_BYTES = Counter(
     "tokenline_model_fetch_bytes",
-    "Model bytes received over the network by tokenline fetch (retried bytes count again).",
+    "Model bytes received while fetching (a file restarted from zero counts twice).",
     ["scheme"],
 )
 

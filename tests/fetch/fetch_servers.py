@@ -219,6 +219,7 @@ class FakeHub:
         self.gated: dict[str, str] = {}  # repo -> the token that was granted access
         self.corrupt: set[str] = set()  # file names served with one byte flipped
         self.size_override: dict[str, int] = {}
+        self.bare = False  # a mirror that lists file names only, no sizes or blob ids
         server.route(r"/api/models/([^/]+/[^/]+)/revision/([^/]+)", self.info)
         server.route(r"/api/models/([^/]+/[^/]+)", lambda h, repo: self.info(h, repo, "main"))
         server.route(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", self.resolve)
@@ -251,7 +252,9 @@ class FakeHub:
         for name, body in self.repos[repo][commit].items():
             size = self.size_override.get(name, len(body))
             entry = {"rfilename": name, "size": size, "blobId": git_blob_sha1(body)}
-            if name.endswith(self.LFS_SUFFIXES):
+            if self.bare:
+                entry = {"rfilename": name}
+            elif name.endswith(self.LFS_SUFFIXES):
                 sha = hashlib.sha256(body).hexdigest()
                 entry["lfs"] = {"size": size, "sha256": sha, "pointerSize": 134}
             siblings.append(entry)

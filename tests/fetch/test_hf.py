@@ -125,3 +125,18 @@ def test_an_interrupted_fetch_keeps_verified_files_and_progress_is_logged(hub, t
     assert "resuming model.safetensors" in caplog.text
     assert any("/s" in r.message and "%" in r.message for r in caplog.records)
     assert result.digest == read_marker(tmp_path / "m").digest
+
+
+def test_a_mirror_without_file_metadata_is_checked_against_the_resolve_headers(hub, tmp_path):
+    files = model_files(b"mirror")
+    hub.add("acme/tiny", "main", files)
+    hub.bare = True
+
+    result = fetch("hf://acme/tiny", tmp_path / "m", backoff=FAST)
+
+    assert result.size == sum(map(len, files.values()))
+    heads = [s for s in hub.server.log if s.method == "HEAD"]
+    assert len(heads) == len(files)  # one HEAD per file for its ETag / X-Linked-Etag and size
+    hub.corrupt.add("model.safetensors")
+    with pytest.raises(FetchError, match="sha256"):
+        fetch("hf://acme/tiny", tmp_path / "again", backoff=FAST)

@@ -99,3 +99,13 @@ def test_which_schemes_download():
         True
     ] * 3
     assert not any(is_remote(parse_uri(u)) for u in ("pvc://c/p", "oci://r.io/a:1", "/m"))
+
+
+def test_cache_names_are_readable_and_unique_per_uri():
+    from tokenline.fetch import cache_name
+
+    main = cache_name(parse_uri("hf://Qwen/Qwen3-0.6B@main"))
+    assert main.startswith("hf--Qwen--Qwen3-0.6B--main--")
+    assert main != cache_name(parse_uri("hf://Qwen/Qwen3-0.6B@v2"))
+    signed = cache_name(parse_uri("https://h.example/m.tar.gz?sig=SECRET"))
+    assert "SECRET" not in signed and "/" not in signed

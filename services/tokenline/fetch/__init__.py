@@ -16,7 +16,7 @@ from tokenline.fetch.api import FetchResult, fetch
 from tokenline.fetch.errors import FetchError, InvalidURI
 from tokenline.fetch.manifest import FileEntry, read_marker
 from tokenline.fetch.progress import MODEL_FETCH_BYTES
-from tokenline.fetch.uri import ModelURI, is_remote, parse_uri, redact
+from tokenline.fetch.uri import ModelURI, cache_name, is_remote, parse_uri, redact
 
 __all__ = [
     "MODEL_FETCH_BYTES",
@@ -25,6 +25,7 @@ __all__ = [
     "FileEntry",
     "InvalidURI",
     "ModelURI",
+    "cache_name",
     "fetch",
     "is_remote",
     "main",

@@ -198,7 +198,7 @@ def plan(uri: S3URI, client: Any) -> S3Plan:
         try:
             response = client.get_object(**args)
         except Exception as exc:
-            code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+            code = (getattr(exc, "response", None) or {}).get("Error", {}).get("Code", "")
             if code == "InvalidRange" and remote.size == offset:
                 yield Stream(offset, iter(()))
                 return

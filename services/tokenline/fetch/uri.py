@@ -7,6 +7,7 @@ thing everywhere. Every error names the URI part that is wrong and shows a worki
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -193,6 +194,15 @@ def redact(url: str) -> str:
         netloc += f":{parts.port}"
     query = "&".join(f"{k}=…" for k, _ in parse_qsl(parts.query, keep_blank_values=True))
     return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+def cache_name(uri: ModelURI) -> str:
+    """A directory name for this model under a shared cache root: readable, and unique per URI
+    (a short hash of the canonical URI), so replicas that name the same model meet in the same
+    directory and two models never share one."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "--", uri.redacted().split("?", 1)[0]).strip("-.")
+    digest = hashlib.sha256(uri.uri.encode()).hexdigest()[:12]
+    return f"{readable[:80]}--{digest}"
 
 
 def is_remote(uri: ModelURI) -> bool:

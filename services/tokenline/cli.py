@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # operator and bench own their flags
+    # operator, bench and fetch own their flags
     if argv and argv[0] == "operator":
         from tokenline_operator.cli import main as operator_main
 
@@ -138,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         from tokenline.bench.cli import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "fetch":  # the pod's init container: one download before any stage
+        from tokenline.fetch import main as fetch_main
+
+        return fetch_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "tiny-model":
         from tokenline.tiny_model import build

@@ -64,12 +64,17 @@ class ModelSource:
 def resolve(model: str, cache_dir: str | None = None, revision: str | None = None) -> ModelSource:
     """Turn a --model value into something ``from_pretrained`` loads.
 
-    ``tiny`` is built once into the cache directory; an existing directory is used as is;
-    anything else is treated as a Hugging Face id (downloaded into HF_HOME on first use).
+    ``tiny`` is built once into the cache directory; a URI (``hf://``, ``s3://``, ``https://``,
+    ``pvc://``, ``oci://``) is fetched once into the cache directory, verified, and read from
+    there (tokenline/fetch: every stage of ``serve`` calls this, and the fetch's lock makes
+    one of them download while the rest wait); an existing directory is used as is; anything
+    else is treated as a Hugging Face id (downloaded into HF_HOME on first use).
     """
     if model == "tiny":
         path = tiny_model.ensure_cached(cache_dir or DEFAULT_CACHE_DIR)
         return ModelSource(spec=model, path=str(path))
+    if "://" in model:
+        return ModelSource(spec=model, path=str(fetched(model, cache_dir)))
     if Path(model).is_dir():
         if not (Path(model) / "config.json").exists():
             raise SystemExit(
@@ -78,6 +83,19 @@ def resolve(model: str, cache_dir: str | None = None, revision: str | None = Non
             )
         return ModelSource(spec=model, path=str(Path(model).resolve()))
     return ModelSource(spec=model, path=model, revision=revision)
+
+
+def fetched(uri: str, cache_dir: str | None = None) -> Path:
+    """Where the model at ``uri`` lies once fetched into ``cache_dir``/models (at once when a
+    verified copy is there already). A bad URI or a failed fetch stops the stage with the
+    fetch's reason, never a traceback."""
+    from tokenline.fetch import FetchError, cache_name, fetch, parse_uri, redact
+
+    try:
+        target = Path(cache_dir or DEFAULT_CACHE_DIR) / "models" / cache_name(parse_uri(uri))
+        return Path(fetch(uri, target).path)
+    except FetchError as exc:
+        raise SystemExit(f"--model {redact(uri)}: {exc}") from exc
 
 
 def _template_of(config: dict) -> str | None:
@@ -95,6 +113,8 @@ def chat_template_text(
     cannot be read (logged)."""
     if model == "tiny":
         return tiny_model.CHAT_TEMPLATE
+    if "://" in model:
+        model = str(fetched(model, cache_dir))
     names = ("chat_template.jinja", "tokenizer_config.json")
     try:
         if Path(model).is_dir():

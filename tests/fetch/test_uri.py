@@ -79,7 +79,7 @@ def test_invalid_uris_say_what_is_wrong(value, says):
 
 
 def test_examples_in_errors_parse():
-    from tokenline.fetch.uri import EXAMPLES
+    from tokenline.fetch.parse import EXAMPLES
 
     for example in EXAMPLES.values():
         parse_uri(example.replace("<64 hex digits>", "0" * 64))

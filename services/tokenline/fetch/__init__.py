@@ -1,22 +1,25 @@
-"""Model delivery (issue 26): hf://, s3://, pvc://, oci://, https:// and local directories.
+"""Model delivery: hf://, s3://, pvc://, oci://, https:// and local directories.
 
     from tokenline.fetch import fetch, parse_uri
     result = fetch("hf://Qwen/Qwen3-0.6B@main", "/models/qwen3")   # -> FetchResult
     result.path, result.revision, result.digest, result.size
 
-Modules, one job each: ``uri`` parses and validates (no I/O); ``manifest`` describes files and
-the completion marker; ``verify`` hashes; ``progress`` rate-limits log lines and defines
-``tokenline_model_fetch_bytes_total``; ``retry`` is the backoff policy; ``download`` is the
-resumable, verifying engine; ``httpio``, ``hf``, ``s3`` and ``https`` are the sources;
-``archive`` unpacks; ``lock`` and ``storage`` are the local side; ``api`` puts them together;
-``command`` is ``tokenline fetch``.
+Modules, one job each: ``uri`` holds the URI types and ``parse`` reads them from text (no
+I/O); ``manifest`` describes files and the completion marker; ``verify`` hashes; ``progress``
+rate-limits log lines and defines ``tokenline_model_fetch_bytes_total``; ``retry`` is the
+backoff policy; ``download`` is the resumable, verifying downloader; ``httpio``, ``hf``, ``s3``
+and ``https`` are the sources; ``archive`` unpacks; ``lock`` and ``storage`` are the local
+side; ``session`` is one remote fetch, and ``api`` puts it together with the schemes read in
+place (``result`` is what a fetch returns); ``command`` is ``tokenline fetch``.
 """
 
-from tokenline.fetch.api import FetchResult, fetch
+from tokenline.fetch.api import fetch
 from tokenline.fetch.errors import FetchError, InvalidURI
 from tokenline.fetch.manifest import FileEntry, read_marker
+from tokenline.fetch.parse import parse_uri
 from tokenline.fetch.progress import MODEL_FETCH_BYTES
-from tokenline.fetch.uri import ModelURI, cache_name, is_remote, parse_uri, redact
+from tokenline.fetch.result import FetchResult
+from tokenline.fetch.uri import ModelURI, cache_name, is_remote, redact
 
 __all__ = [
     "MODEL_FETCH_BYTES",

@@ -1,4 +1,4 @@
-"""The download engine, shared by every remote scheme: partial file, resume, retries, verify,
+"""The downloader, shared by every remote scheme: partial file, resume, retries, verify,
 rename. A transport only supplies an ``Opener``: "give me the bytes of this file from offset N".
 
 Invariants: a file appears under its real name only after every byte is verified; the partial
@@ -45,7 +45,7 @@ Opener = Callable[[RemoteFile, int], AbstractContextManager[Stream]]
 
 
 @dataclass
-class Engine:
+class Downloader:
     label: str  # the redacted URI, for messages
     scheme: str  # the metric label
     partial_dir: Path

@@ -1,14 +1,20 @@
-# make serve: run the four stages locally with the offline tiny model on port 8000.
-# make test:  lint, then the whole test suite (it starts its own stack).
-# Both create .venv when it is missing.
+# make serve:      run the four stages locally with the offline tiny model on port 8000.
+# make test:       install the system packages the tests need when missing (as root; else it
+#                  stops and prints the one command that does), lint, then the whole test
+#                  suite (it starts its own stack, and builds and runs the image).
+# make image:      build the CPU image (IMAGE) with buildah: no Docker daemon, no registry.
+# make image-test: build it, then run it as the chart and the operator do (tests/image).
+# All of them create .venv when it is missing.
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # A CPU build of torch; on a GPU machine install the CUDA build instead.
 TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8000
+IMAGE ?= localhost/tokenline:cpu
+export IMAGE
 
-.PHONY: serve test lint format bench dashboards clean
+.PHONY: serve setup test lint format bench dashboards image image-test clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,8 +38,18 @@ format: $(VENV)/.test
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: lint
+# Debian's prometheus (promtool), and buildah, podman, debootstrap and runc for the image.
+setup:
+	tools/image setup image
+
+test: setup lint
 	$(PY) -m pytest
+
+image: setup $(VENV)/.base
+	PYTHON=$(PY) TORCH_SPEC="$(TORCH_SPEC)" tools/image build
+
+image-test: setup $(VENV)/.test
+	$(PY) -m pytest tests/image
 
 bench: $(VENV)/.test
 	$(VENV)/bin/tokenline bench --help

@@ -65,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"Default: {resync.DEFAULT_INTERVAL:g}.",
     )
     parser.add_argument(
+        "--image-volumes",
+        default=os.environ.get("TOKENLINE_IMAGE_VOLUMES", "auto"),
+        choices=["auto", "on", "off"],
+        help="Mount oci:// models as image volumes (the ImageVolume feature): auto when the "
+        "API server is 1.35 or newer; off copies the model out of the image in an init "
+        "container instead. Env: TOKENLINE_IMAGE_VOLUMES. Default: auto.",
+    )
+    parser.add_argument(
         "--log-level",
         default=os.environ.get("TOKENLINE_LOG_LEVEL", "info"),
         choices=["debug", "info", "warning", "error"],
@@ -110,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics=metrics,
             default_image=args.default_image,
             discovery_interval=args.discovery_interval,
+            image_volumes=args.image_volumes,
         ),
     )
     return 0

@@ -15,7 +15,7 @@ from typing import Any
 
 from tokenline.settings import ALL_STAGES, BY_FLAG, SETTINGS, Setting, settings_of
 
-from . import names
+from . import model, names
 from .objects import Manifest, Owner, config_map_name, metadata
 from .spec import Spec, served_model_name
 
@@ -39,8 +39,16 @@ def _device(spec: Spec) -> str:
     return "cpu" if device == "auto" and spec["engine"]["gpus"] == 0 else device
 
 
+def _model(spec: Spec) -> str:
+    """``model.name``, or with ``model.uri`` the directory the fetch init container fills (or
+    checks): every stage loads the model from there, read-only."""
+    found = model.delivery(spec, image_volumes=False)
+    return found.model_path if found else spec["model"]["name"]
+
+
 #: Values the operator decides from more than the setting's own field.
 _DERIVED: dict[str, Callable[[Spec], Any]] = {
+    "model": _model,
     "served-model-name": served_model_name,  # always set: the name the status reports
     "device": _device,
 }

@@ -14,8 +14,10 @@ from typing import Any
 
 from . import names
 from .crd_children import AUTOSCALING, MONITORING, NETWORK_POLICY, ROUTING, SERVICE
+from .model import uri_schema
 from .schema import (
     Schema,
+    alternative_rules,
     int_or_string,
     integer,
     quantity,
@@ -29,31 +31,64 @@ from .schema import (
 
 MODEL = {
     "type": "object",
-    "description": "The model to serve.",
+    "description": (
+        "The model to serve: `name` (tiny, a directory inside the pod or a Hugging Face id the "
+        "stages download themselves) or `uri` (fetched once per pod by an init container and "
+        "read by every stage from /models, read-only). Exactly one of the two."
+    ),
     "required": required_settings("model"),
     "properties": {
         **setting_fields("model"),
+        "uri": uri_schema(),
         "hfTokenSecret": secret_reference(
-            "A Secret holding a Hugging Face token, for gated models.", key_default="HF_TOKEN"
+            "A Secret holding a Hugging Face token, for gated models (hf:// and `name`); it "
+            "reaches the containers through secretKeyRef, never as a plain value.",
+            key_default="HF_TOKEN",
+        ),
+        "s3Secret": secret_reference(
+            "For s3://: a Secret with the keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+            "(and AWS_SESSION_TOKEN for temporary credentials), given to the fetch init "
+            "container through secretKeyRef. Unset: the pod's own identity (IRSA, workload "
+            "identity) or ?anonymous=true for public buckets."
         ),
         "cache": {
             "type": "object",
             "description": (
-                "Where downloaded weights live: an emptyDir per pod by default, or an "
-                "existing PersistentVolumeClaim shared by the replicas."
+                "Where downloaded weights live: an emptyDir per pod by default, or a "
+                "PersistentVolumeClaim (ReadWriteMany) or a node's hostPath shared by the "
+                "replicas. With `uri`, each model has its own folder there (named after the "
+                "URI), and one already complete is not downloaded again; replicas that start "
+                "together download it once (a lock, the others wait)."
             ),
             "properties": {
                 "sizeLimit": quantity("The emptyDir's size limit, e.g. 50Gi."),
                 "claimName": string("An existing PersistentVolumeClaim to mount.", minLength=1),
+                "hostPath": string(
+                    "A directory on the node (spec.model.uri only), writable by uid "
+                    f"{names.RUN_AS_USER}; not admitted where pods must be 'restricted'.",
+                    pattern="^/.*",
+                ),
             },
             "x-kubernetes-validations": [
                 {
-                    "rule": "!(has(self.sizeLimit) && has(self.claimName))",
-                    "message": "set either sizeLimit (emptyDir) or claimName (PVC), not both",
+                    "rule": "[has(self.sizeLimit), has(self.claimName), has(self.hostPath)]"
+                    ".filter(x, x).size() <= 1",
+                    "message": "set one of sizeLimit (emptyDir), claimName (PVC) or hostPath",
                 }
             ],
         },
     },
+    "x-kubernetes-validations": [
+        *alternative_rules("model"),
+        {
+            "rule": "!has(self.uri) || !has(self.revision)",
+            "message": "with uri, pin the revision in it: hf://ORG/NAME@REVISION",
+        },
+        {
+            "rule": "!has(self.cache) || !has(self.cache.hostPath) || has(self.uri)",
+            "message": "cache.hostPath needs uri (name downloads into each pod's own cache)",
+        },
+    ],
 }
 
 ENGINE = {
@@ -183,6 +218,27 @@ CONDITION = {
     },
 }
 
+MODEL_STATUS = {
+    "type": "object",
+    "description": (
+        "The model: the name it is served under and, with spec.model.uri, where its delivery "
+        "stands (read from the pods' fetch init containers)."
+    ),
+    "properties": {
+        "servedName": {"type": "string", "description": "The name /v1/models lists."},
+        "uri": {"type": "string", "description": "spec.model.uri, without secrets."},
+        "state": {
+            "type": "string",
+            "enum": ["Pending", "Downloading", "Verifying", "Ready", "Failed"],
+        },
+        "revision": {"type": "string", "description": "The Hub commit the files come from."},
+        "digest": {"type": "string", "description": "sha256 over the files or the archive."},
+        "size": {"type": "integer", "format": "int64", "description": "Bytes of the model."},
+        "reason": {"type": "string", "description": "Why it is not Ready (CamelCase)."},
+        "message": {"type": "string"},
+    },
+}
+
 STATUS = {
     "type": "object",
     "properties": {
@@ -192,7 +248,7 @@ STATUS = {
         "readyReplicas": {"type": "integer"},
         "selector": {"type": "string"},
         "url": {"type": "string"},
-        "model": {"type": "string", "description": "The served model name."},
+        "model": MODEL_STATUS,
         "conditions": {
             "type": "array",
             "items": CONDITION,
@@ -209,10 +265,12 @@ PRINTER_COLUMNS = [
         "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
     },
     {"name": "Replicas", "type": "integer", "jsonPath": ".status.readyReplicas"},
-    {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
+    {"name": "Model", "type": "string", "jsonPath": ".status.model.servedName"},
+    {"name": "Model State", "type": "string", "jsonPath": ".status.model.state"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "priority": 1},
     {"name": "URL", "type": "string", "jsonPath": ".status.url", "priority": 1},
+    {"name": "URI", "type": "string", "jsonPath": ".status.model.uri", "priority": 1},
 ]
 
 

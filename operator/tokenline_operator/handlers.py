@@ -38,6 +38,8 @@ WATCHED_CHILDREN = (
     "Role",
     "RoleBinding",
     "InferencePool",
+    # spec.model.uri: the fetch init containers' progress is status.model
+    "Pod",
 )
 _MANAGED = {names.LABEL_MANAGED_BY: names.MANAGED_BY}
 
@@ -87,6 +89,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         kube=await Kube.connect(),
         metrics=metrics,
         default_image=memo.get("default_image"),
+        image_volumes=memo.get("image_volumes", "auto"),
     )
     # CRDs installed or removed later change no InferenceService: a loop of its own notices.
     interval = memo.get("discovery_interval", resync.DEFAULT_INTERVAL)

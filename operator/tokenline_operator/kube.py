@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,7 @@ KINDS: dict[str, Kind] = {
         Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors"),
         Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
         Kind("v1", "ServiceAccount", "serviceaccounts"),
+        Kind("v1", "Pod", "pods"),
         Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
         Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
         Kind(names.INFERENCE_POOL_API_VERSION, "InferencePool", "inferencepools"),
@@ -95,6 +97,7 @@ class Kube:
         self._discovery_ttl = discovery_ttl
         self._discovered: dict[str, tuple[float, set[str]]] = {}
         self._discovering: dict[str, asyncio.Lock] = {}
+        self._version: tuple[float, tuple[int, int] | None] | None = None
 
     @classmethod
     async def connect(cls, **kwargs: Any) -> Kube:
@@ -135,6 +138,28 @@ class Kube:
             if exc.status == 404:
                 return None
             raise
+
+    async def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict]:
+        """The objects of ``kind`` in ``namespace`` whose labels match ``selector``."""
+        labels = ",".join(f"{key}={value}" for key, value in selector.items())
+        listing = await self._call(
+            "GET", KINDS[kind].path(namespace), query=[("labelSelector", labels)]
+        )
+        return list(listing.get("items") or [])
+
+    async def server_version(self, *, max_age: float | None = None) -> tuple[int, int] | None:
+        """The API server's (major, minor) from ``/version``; None when it does not say
+        (cached like discovery)."""
+        max_age = self._discovery_ttl if max_age is None else max_age
+        if self._version is not None and time.monotonic() - self._version[0] < max_age:
+            return self._version[1]
+        try:
+            info = await self._call("GET", "/version")
+            found = _version_of(info)
+        except KubeError:
+            found = None
+        self._version = (time.monotonic(), found)
+        return found
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         kind = KINDS[obj["kind"]]
@@ -200,6 +225,18 @@ class Kube:
                 plurals = set()
             self._discovered[api_version] = (time.monotonic(), plurals)
             return plurals
+
+
+def _version_of(info: Any) -> tuple[int, int] | None:
+    """(1, 35) from ``{"major": "1", "minor": "35+"}`` (or its gitVersion ``v1.35.0-eks``)."""
+    if not isinstance(info, dict):
+        return None
+    try:
+        return int(info["major"]), int(str(info["minor"]).rstrip("+"))
+    except (KeyError, ValueError):
+        pass
+    match = re.match(r"v?(\d+)\.(\d+)", str(info.get("gitVersion", "")))
+    return (int(match[1]), int(match[2])) if match else None
 
 
 def _message(body: Any) -> str:

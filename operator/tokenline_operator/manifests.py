@@ -39,7 +39,13 @@ def children(owner: Owner, spec: Spec, caps: Capabilities) -> dict[str, Manifest
     routing = routing_enabled(spec, caps)
     result: dict[str, Manifest] = {
         "ConfigMap": config_map(owner, spec),
-        "Deployment": deployment(owner, spec, manage_replicas=autoscaler is None, routing=routing),
+        "Deployment": deployment(
+            owner,
+            spec,
+            manage_replicas=autoscaler is None,
+            routing=routing,
+            image_volumes=caps.image_volume,
+        ),
         "Service": service(owner, spec),
     }
     if wants_disruption_budget(spec):

@@ -65,6 +65,15 @@ API_KEY_FILE = f"{API_KEY_DIR}/api-keys"
 TLS_DIR = "/etc/tokenline/tls"
 TLS_CERT_FILE = f"{TLS_DIR}/tls.crt"
 TLS_KEY_FILE = f"{TLS_DIR}/tls.key"
+#: spec.model.uri: where the model lies in every container of the pod (read-only in the stages).
+MODELS_DIR = "/models"
+#: The init container that fetches (hf://, s3://, https://) or checks (pvc://, oci://, a
+#: directory) the model; its termination message is the model's status.
+FETCH_CONTAINER = "fetch"
+#: oci:// without image volumes: the init container, from the model image, that copies it out.
+OCI_COPY_CONTAINER = "oci-copy"
+#: Where a model image ("modelcar", as KServe's) keeps the model: /models inside the image.
+OCI_IMAGE_MODEL_DIR = "/models"
 #: The label every namespace carries with its own name (Kubernetes sets it since 1.21).
 LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
 

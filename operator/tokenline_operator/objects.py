@@ -37,6 +37,9 @@ class Capabilities:
     keda: bool = False
     prometheus_operator: bool = False
     inference_pool: bool = False  # the cluster serves inferencepools.inference.networking.k8s.io
+    #: Pods may mount OCI images as volumes (``volumes[].image``): oci:// models are mounted,
+    #: not copied out by an init container.
+    image_volume: bool = False
 
 
 def owner_reference(owner: Owner) -> dict[str, Any]:

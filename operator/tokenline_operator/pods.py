@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any
 
-from . import names
+from . import model, names
 from .config import STAGE_SETTINGS, config_hash, config_map_data, env_name
 from .objects import Manifest, Owner, config_map_name, labels, metadata
 from .spec import Spec, desired_replicas, selector_labels, tls_enabled
@@ -85,7 +85,7 @@ def _stage_env(owner: Owner, spec: Spec, stage: str, settings: dict[str, str]) -
             {"name": env_name("ssl-keyfile"), "value": names.TLS_KEY_FILE},
         ]
     secret = spec["model"].get("hfTokenSecret")
-    if secret:
+    if secret and not model.uri_of(spec):  # with a uri, only the fetch container downloads
         env.append(
             {
                 "name": "HF_TOKEN",
@@ -110,7 +110,12 @@ def _http_probe(
 
 
 def _container(
-    owner: Owner, spec: Spec, stage: str, settings: dict[str, str], prestop: int
+    owner: Owner,
+    spec: Spec,
+    stage: str,
+    settings: dict[str, str],
+    prestop: int,
+    delivery: model.Delivery | None = None,
 ) -> dict:
     port_name = names.PORT_NAMES[stage]
     startup_failures = -(-spec["server"]["startupTimeoutSeconds"] // STARTUP_PERIOD_SECONDS)
@@ -148,6 +153,8 @@ def _container(
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "ring", "mountPath": names.RING_DIR},
     ]
+    if delivery is not None:
+        mounts += [dict(m) for m in delivery.stage_mounts]  # the model, read-only
     if stage == "scheduler":
         mounts += [
             {"name": "dshm", "mountPath": "/dev/shm"},
@@ -183,9 +190,12 @@ def _container(
     return container
 
 
-def _volumes(spec: Spec) -> list[dict[str, Any]]:
+def _volumes(spec: Spec, delivery: model.Delivery | None = None) -> list[dict[str, Any]]:
     cache = spec["model"].get("cache", {})
-    if "claimName" in cache:
+    if delivery is not None:
+        # the cache holds the fetched model (the "models" volume); this is scratch only
+        model_cache: dict[str, Any] = {"emptyDir": {}}
+    elif "claimName" in cache:
         model_cache: dict[str, Any] = {"persistentVolumeClaim": {"claimName": cache["claimName"]}}
     else:
         model_cache = {
@@ -199,6 +209,8 @@ def _volumes(spec: Spec) -> list[dict[str, Any]]:
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
         {"name": "compile-cache", "emptyDir": {}},
     ]
+    if delivery is not None:
+        volumes += delivery.volumes
     server = spec["server"]
     if server.get("apiKeySecret"):
         secret = server["apiKeySecret"]
@@ -235,15 +247,24 @@ def termination_grace_seconds(spec: Spec, routing: bool = False) -> int:
 
 
 def deployment(
-    owner: Owner, spec: Spec, *, manage_replicas: bool = True, routing: bool = False
+    owner: Owner,
+    spec: Spec,
+    *,
+    manage_replicas: bool = True,
+    routing: bool = False,
+    image_volumes: bool = False,
 ) -> Manifest:
     """The Deployment; ``manage_replicas=False`` leaves ``replicas`` to an autoscaler,
-    ``routing`` sizes the preStop hook for an endpoint picker."""
+    ``routing`` sizes the preStop hook for an endpoint picker, ``image_volumes`` mounts an
+    oci:// model as an image volume (else an init container copies it out)."""
     settings = config_map_data(spec)
     prestop = prestop_sleep_seconds(routing)
+    delivery = model.delivery(spec, image_volumes)
     pod_spec: dict[str, Any] = {
-        "containers": [_container(owner, spec, stage, settings, prestop) for stage in names.STAGES],
-        "volumes": _volumes(spec),
+        "containers": [
+            _container(owner, spec, stage, settings, prestop, delivery) for stage in names.STAGES
+        ],
+        "volumes": _volumes(spec, delivery),
         "terminationGracePeriodSeconds": termination_grace_seconds(spec, routing),
         # Service links would inject e.g. TOKENLINE_PORT=tcp://... for a Service called
         # "tokenline", which the stages would read as their --port flag.
@@ -257,6 +278,9 @@ def deployment(
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
+    if delivery is not None:
+        # one download (or check) per pod, before any stage starts
+        pod_spec["initContainers"] = delivery.init_containers
     if spec.get("imagePullSecrets"):
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec["imagePullSecrets"]]
     if spec.get("nodeSelector"):

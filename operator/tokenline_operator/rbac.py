@@ -43,6 +43,7 @@ RULES: list[dict[str, Any]] = [
     _managed("", "serviceaccounts"),
     _managed("rbac.authorization.k8s.io", "roles", "rolebindings"),
     # What the picker's Role grants: Kubernetes lets the operator grant only what it holds.
+    # The handlers watch the stage pods too: their fetch init containers are status.model.
     {"apiGroups": [""], "resources": ["pods"], "verbs": READ},
     {
         "apiGroups": ["inference.networking.x-k8s.io"],

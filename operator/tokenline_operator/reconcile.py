@@ -16,7 +16,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import inference_pool, manifests, names, spec, status
+from . import inference_pool, manifests, model, model_status, names, spec, status
 from .kube import Kube, KubeError
 from .metrics import OperatorMetrics
 from .network import service_url
@@ -32,6 +32,9 @@ class Context:
     kube: Kube
     metrics: OperatorMetrics
     default_image: str | None = None
+    #: oci:// as image volumes: "auto" (the API server is 1.35 or newer, where ImageVolume is
+    #: on by default), "on" or "off" (an init container copies the model out of the image).
+    image_volumes: str = "auto"
     _locks: weakref.WeakValueDictionary[tuple[str, str], asyncio.Lock] = field(
         default_factory=weakref.WeakValueDictionary
     )
@@ -115,12 +118,30 @@ def owned_by(obj: dict[str, Any], owner: Owner) -> bool:
     return any(ref.get("uid") == owner.uid for ref in refs)
 
 
-async def capabilities(kube: Kube, *, max_age: float | None = None) -> Capabilities:
+#: The first Kubernetes release with the ImageVolume feature on by default (beta; alpha from
+#: 1.31, beta off by default in 1.33 and 1.34). Older servers get the copying init container.
+IMAGE_VOLUME_DEFAULT_ON = (1, 35)
+
+
+async def image_volumes_served(kube: Kube, policy: str = "auto") -> bool:
+    """Whether pods may use image volumes: the operator's setting, or the server's version
+    (a version that cannot be read means no: the copy works everywhere). The version is
+    read once per discovery TTL, not at every look for new CRDs: it changes with upgrades."""
+    if policy in ("on", "off"):
+        return policy == "on"
+    version = await kube.server_version()
+    return version is not None and version >= IMAGE_VOLUME_DEFAULT_ON
+
+
+async def capabilities(
+    kube: Kube, *, max_age: float | None = None, image_volumes: str = "auto"
+) -> Capabilities:
     """The optional APIs the cluster serves, from discovery at most ``max_age`` seconds old."""
     return Capabilities(
         keda=await kube.serves("ScaledObject", max_age=max_age),
         prometheus_operator=await kube.serves("PodMonitor", max_age=max_age),
         inference_pool=await kube.serves("InferencePool", max_age=max_age),
+        image_volume=await image_volumes_served(kube, image_volumes),
     )
 
 
@@ -248,10 +269,9 @@ async def _reconcile_locked(ctx: Context, body: dict[str, Any], *, trigger: str)
             "desired_replicas": spec.desired_replicas(parsed),
             "url": service_url(owner, parsed),
             "selector": ",".join(f"{k}={v}" for k, v in spec.selector_labels(owner.name).items()),
-            "model": spec.served_model_name(parsed),
         }
         try:
-            caps = await capabilities(ctx.kube)
+            caps = await capabilities(ctx.kube, image_volumes=ctx.image_volumes)
             deployment, routing = await _apply_children(ctx, owner, parsed, caps)
         except KubeError as exc:
             api_error = str(exc)
@@ -261,6 +281,9 @@ async def _reconcile_locked(ctx: Context, body: dict[str, Any], *, trigger: str)
             routing = status.Routing(
                 wanted=inference_pool.routing_enabled(parsed, caps), served=caps.inference_pool
             )
+        obs_extra["model"] = await _model_status(ctx, owner, parsed, previous.get("model"))
+    else:
+        obs_extra["model"] = _invalid_model(body.get("spec"))
 
     observation = status.Observation(
         generation=generation,
@@ -274,7 +297,9 @@ async def _reconcile_locked(ctx: Context, body: dict[str, Any], *, trigger: str)
     )
     new_status = status.compute(observation, previous)
     if status.differs(previous, new_status):
-        await ctx.kube.patch_status(names.KIND, owner.namespace, owner.name, new_status)
+        await ctx.kube.patch_status(
+            names.KIND, owner.namespace, owner.name, _merge_patch(previous, new_status)
+        )
     # Only once the status says what these APIs made of it (a failed write is retried by
     # kopf). An invalid spec waits for a new spec, whatever the cluster serves.
     ctx.remember(owner.namespace, owner.name, caps)
@@ -289,9 +314,49 @@ async def _reconcile_locked(ctx: Context, body: dict[str, Any], *, trigger: str)
     return Result(status=new_status, spec_error=spec_error, api_error=api_error)
 
 
+def _merge_patch(previous: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]:
+    """The status as a merge patch: status.model's keys that went away (a Failed model's
+    reason, once Ready) are removed, not left as they were."""
+    patch = dict(desired)
+    old, new = previous.get("model"), desired.get("model")
+    if isinstance(old, dict) and isinstance(new, dict):
+        patch["model"] = {**{key: None for key in old if key not in new}, **new}
+    return patch
+
+
+async def _model_status(
+    ctx: Context, owner: Owner, parsed: spec.Spec, previous: Any
+) -> dict[str, Any]:
+    """``status.model``: the served name and, with a uri, the pods' fetch containers' word."""
+    served = spec.served_model_name(parsed)
+    uri = model.uri_of(parsed)
+    if uri is None:
+        return {"servedName": served}
+    try:
+        pods = await ctx.kube.list("Pod", owner.namespace, spec.selector_labels(owner.name))
+    except KubeError as exc:
+        log.warning("Reading the pods of %s/%s failed: %s", owner.namespace, owner.name, exc)
+        pods = None  # the previous state stands
+    return model_status.model_status(uri, served, pods, previous)
+
+
+def _invalid_model(raw_spec: Any) -> dict[str, Any] | None:
+    """``status.model`` (Failed, InvalidURI) when it is the uri that makes the spec invalid."""
+    raw = raw_spec.get("model") if isinstance(raw_spec, dict) else None
+    uri = raw.get("uri") if isinstance(raw, dict) else None
+    if not isinstance(uri, str) or not uri.strip():
+        return None
+    broken = model.crd_rule_violations(uri.strip())
+    problem = "; ".join(broken) if broken else model.uri_problem(uri.strip())
+    if problem is None:
+        return None
+    served = raw.get("servedName") if isinstance(raw.get("servedName"), str) else None
+    return model_status.invalid(uri.strip(), served, problem)
+
+
 async def _capabilities_or_none(ctx: Context) -> Capabilities:
     try:
-        return await capabilities(ctx.kube)
+        return await capabilities(ctx.kube, image_volumes=ctx.image_volumes)
     except KubeError:
         return Capabilities()
 

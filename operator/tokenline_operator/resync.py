@@ -26,7 +26,7 @@ TRIGGER = "capabilities"
 
 async def resync_once(ctx: Context) -> list[tuple[str, str]]:
     """Re-read discovery now; reconcile whoever was reconciled under other capabilities."""
-    caps = await capabilities(ctx.kube, max_age=0)
+    caps = await capabilities(ctx.kube, max_age=0, image_volumes=ctx.image_volumes)
     stale = ctx.reconciled_without(caps)
     for namespace, name in stale:
         log.info(

@@ -130,5 +130,30 @@ def setting_fields(section: str) -> dict[str, Schema]:
 
 
 def required_settings(section: str) -> list[str]:
-    """The fields of ``spec.<section>`` that must be set (no flag default applies)."""
-    return [s.crd.name for s in _declared(section) if s.crd.required]  # type: ignore[union-attr]
+    """The fields of ``spec.<section>`` that must be set (no flag default applies), but for
+    those with an alternative (see `alternative_rules`)."""
+    return [
+        s.crd.name  # type: ignore[union-attr]
+        for s in _declared(section)
+        if s.crd.required and not s.crd.alternative  # type: ignore[union-attr]
+    ]
+
+
+def alternatives(section: str) -> list[tuple[str, str]]:
+    """(field, alternative) pairs of ``spec.<section>``: exactly one of each pair is set."""
+    return [
+        (s.crd.name, s.crd.alternative)  # type: ignore[union-attr]
+        for s in _declared(section)
+        if s.crd.required and s.crd.alternative  # type: ignore[union-attr]
+    ]
+
+
+def alternative_rules(section: str) -> list[Schema]:
+    """The CEL rules that make exactly one field of each pair of `alternatives` required."""
+    return [
+        {
+            "rule": f"has(self.{a}) != has(self.{b})",
+            "message": f"set exactly one of {a} and {b}",
+        }
+        for a, b in alternatives(section)
+    ]

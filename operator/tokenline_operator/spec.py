@@ -14,7 +14,7 @@ from typing import Any
 
 import jsonschema
 
-from . import crd, names
+from . import crd, model, names
 
 Spec = dict[str, Any]
 
@@ -58,11 +58,7 @@ def _check_rules(spec: Spec) -> list[str]:
     autoscaling = spec["autoscaling"]
     if autoscaling["minReplicas"] > autoscaling["maxReplicas"]:
         problems.append("spec.autoscaling: minReplicas must not exceed maxReplicas")
-    cache = spec["model"].get("cache", {})
-    if "sizeLimit" in cache and "claimName" in cache:
-        problems.append(
-            "spec.model.cache: set either sizeLimit (emptyDir) or claimName (PVC), not both"
-        )
+    problems.extend(_model_problems(spec["model"]))
     policy = spec["networkPolicy"]
     for field in ("apiFrom", "metricsFrom"):
         for index, peer in enumerate(policy.get(field) or []):
@@ -73,6 +69,34 @@ def _check_rules(spec: Spec) -> list[str]:
                 )
             if "namespace" in peer and "namespaceLabels" in peer:
                 problems.append(f"{where}: set either namespace or namespaceLabels, not both")
+    return problems
+
+
+def _model_problems(model_spec: dict[str, Any]) -> list[str]:
+    """spec.model's CEL rules, then what ``tokenline fetch`` would refuse in its uri."""
+    problems = []
+    cache = model_spec.get("cache", {})
+    if len(cache.keys() & {"sizeLimit", "claimName", "hostPath"}) > 1:
+        problems.append(
+            "spec.model.cache: set one of sizeLimit (emptyDir), claimName (PVC) or hostPath"
+        )
+    if ("name" in model_spec) == ("uri" in model_spec):
+        problems.append("spec.model: set exactly one of name and uri")
+    uri = model_spec.get("uri")
+    if uri is None:
+        if "hostPath" in cache:
+            problems.append(
+                "spec.model: cache.hostPath needs uri (name downloads into each pod's own cache)"
+            )
+        return problems
+    if "revision" in model_spec:
+        problems.append("spec.model: with uri, pin the revision in it: hf://ORG/NAME@REVISION")
+    broken = model.crd_rule_violations(uri)
+    problems.extend(f"spec.model.uri: {message}" for message in broken)
+    if not broken:
+        refused = model.uri_problem(uri)
+        if refused:
+            problems.append(f"spec.model.uri: {refused}")
     return problems
 
 
@@ -116,8 +140,13 @@ def parse(name: str, raw_spec: Any, *, default_image: str | None) -> Spec:
 
 
 def served_model_name(spec: Spec) -> str:
-    """What /v1/models lists: ``model.servedName``, else the model's own name."""
-    return spec["model"].get("servedName") or spec["model"]["name"]
+    """What /v1/models lists: ``model.servedName``, else the model's own name (with ``uri``:
+    the Hub id, or the last component of its path)."""
+    if spec["model"].get("servedName"):
+        return spec["model"]["servedName"]
+    if spec["model"].get("uri"):
+        return model.default_served_name(model.parse_uri(spec["model"]["uri"].strip()))
+    return spec["model"]["name"]
 
 
 def desired_replicas(spec: Spec) -> int:

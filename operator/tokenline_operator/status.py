@@ -10,6 +10,7 @@ import datetime
 from dataclasses import dataclass
 from typing import Any
 
+from . import model_status
 from .names import INFERENCE_POOL_CRD
 
 Condition = dict[str, Any]
@@ -65,7 +66,8 @@ class Observation:
     service: str | None = None  # the plain Service's name
     url: str | None = None
     selector: str | None = None
-    model: str | None = None
+    #: status.model: the served name, and with spec.model.uri its delivery (model_status.py)
+    model: dict[str, Any] | None = None
     #: Why the spec cannot be served (Degraded, reason InvalidSpec), if it cannot.
     spec_error: str | None = None
     #: Why the last reconcile failed (Degraded, reason ReconcileFailed), if it did.
@@ -215,11 +217,23 @@ def compute(
     stamp = (now or datetime.datetime.now(datetime.UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
     prev_conditions = (previous or {}).get("conditions") or []
     ready, progressing, degraded = _assess(obs)
+    if not degraded[0] and (obs.model or {}).get("state") == "Failed":
+        failed = obs.model or {}
+        degraded = (
+            True,
+            "ModelFailed",
+            f"The model cannot be delivered ({failed.get('reason')}): {failed.get('message')}",
+        )
     conditions = [
         _merge_condition(prev_conditions, "Ready", ready, obs.generation, stamp),
         _merge_condition(prev_conditions, "Progressing", progressing, obs.generation, stamp),
         _merge_condition(prev_conditions, "Degraded", degraded, obs.generation, stamp),
     ]
+    if obs.model is not None and "state" in obs.model:
+        delivered = model_status.condition(obs.model)
+        conditions.append(
+            _merge_condition(prev_conditions, "ModelReady", delivered, obs.generation, stamp)
+        )
     if obs.routing is not None:
         routing = routing_condition(obs.routing, obs.service or "")
         conditions.append(

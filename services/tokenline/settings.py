@@ -76,6 +76,9 @@ class CrdField:
     inverted: bool = False
     #: required, without the flag's default (``model.name``)
     required: bool = False
+    #: a field of the same section that may be set instead of this required one: exactly one
+    #: of the two (``model.uri`` for ``model.name``)
+    alternative: str = ""
     #: a switch's ConfigMap value when on; kept as first written, as a changed value rolls pods
     on: str = "true"
 
@@ -167,9 +170,11 @@ SETTINGS: tuple[Setting, ...] = (
         help="`tiny` (offline tiny model), a local model directory, or a Hugging Face id",
         crd=CrdField(
             "model.name",
-            "`tiny` (the offline tiny model), a directory inside the pod, or a Hugging Face id.",
+            "`tiny` (the offline tiny model), a directory inside the pod, or a Hugging Face id "
+            "that every stage downloads at start. Set exactly one of `name` and `uri`.",
             {"minLength": 1},
             required=True,
+            alternative="uri",
         ),
     ),
     Setting(

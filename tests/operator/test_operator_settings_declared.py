@@ -17,7 +17,8 @@ OWNER = Owner(name="chat", namespace="serving", uid="0b9c5a3e-2222-4c1b-9f44-2a4
 BY_ENV = {s.env: s for s in SETTINGS}
 #: what the pod spec, not a stage flag, is made of
 NOT_SETTINGS = {
-    "model": {"hfTokenSecret", "cache"},
+    # uri: the operator's (a fetch init container); the stages get the directory as --model
+    "model": {"hfTokenSecret", "s3Secret", "cache", "uri"},
     "engine": {"gpus"},
     "server": {"startupTimeoutSeconds", "apiKeySecret", "tlsSecret"},
 }
@@ -64,8 +65,17 @@ def test_each_crd_field_takes_its_flags_default_and_choices():
             assert field["default"] == default, setting.flag
         if setting.choices:
             assert field["enum"] == list(setting.choices), setting.flag
-        required = sections[setting.crd.section].get("required", [])
-        assert (setting.crd.name in required) is setting.crd.required, setting.flag
+        section = sections[setting.crd.section]
+        required = section.get("required", [])
+        if setting.crd.alternative:
+            # exactly one of the two: a CEL rule, and not in `required`
+            assert setting.crd.name not in required, setting.flag
+            assert setting.crd.alternative in section["properties"], setting.flag
+            rules = [r["rule"] for r in section.get("x-kubernetes-validations", [])]
+            rule = f"has(self.{setting.crd.name}) != has(self.{setting.crd.alternative})"
+            assert rule in rules, setting.flag
+        else:
+            assert (setting.crd.name in required) is setting.crd.required, setting.flag
 
 
 def test_the_chart_ships_the_crd_built_from_the_declarations():

@@ -60,7 +60,7 @@ def test_crd_names_scale_and_printer_columns():
     (version,) = body["versions"]
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     columns = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
-    assert columns == ["Ready", "Replicas", "Model", "Age"]
+    assert columns == ["Ready", "Replicas", "Model", "Model State", "Age"]
 
 
 def test_defaults_come_from_the_crd_and_leave_the_input_alone():
@@ -123,7 +123,7 @@ def test_user_values_win_over_defaults():
         (
             "chat",
             {"model": {"name": "m", "cache": {"sizeLimit": "1Gi", "claimName": "c"}}},
-            "not both",
+            "set one of sizeLimit (emptyDir), claimName (PVC) or hostPath",
         ),
         ("chat", {"engine": {"prefixCaching": "no"}}, "spec.engine.prefixCaching"),
         ("chat", {"server": {"apiKeySecret": {"key": "k"}}}, "spec.server.apiKeySecret"),

@@ -113,6 +113,11 @@ PREFIX_CACHE_QUERIES = Counter(
 PREFIX_CACHE_HITS = Counter(
     "tokenline_prefix_cache_hits", "Prompt tokens found in the prefix cache.", ["model"]
 )
+KV_EVENTS_DROPPED = Counter(
+    "tokenline_kv_events_dropped",
+    "KV-cache event batches not sent because a subscriber was at the high-water mark "
+    "(a sequence gap it can replay).",
+)
 GRAMMAR_COMPILE_TIME = Histogram(
     "tokenline_grammar_compile_seconds",
     "Time to build a new grammar's matcher (response_format, tools), off the step loop.",

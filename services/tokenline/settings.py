@@ -493,6 +493,48 @@ SETTINGS: tuple[Setting, ...] = (
         ),
         switch=True,
     ),
+    Setting(
+        "prefix-caching-hash-algo",
+        default="blake2b",
+        help="how KV blocks are named: blake2b (tokenline's), or sha256_cbor (vLLM's, seeded by "
+        "PYTHONHASHSEED) so a router that hashes prompts itself, like llm-d's, finds them",
+        stages=SCHEDULER,
+        choices=("blake2b", "sha256_cbor"),
+    ),
+    # --- KV-cache events (vLLM's --kv-events-config: publisher zmq) -------------------------
+    Setting(
+        "kv-events-endpoint",
+        help="publish KV-cache events in vLLM's format on this ZMQ endpoint: bound when its "
+        "host is * (tcp://*:5557), else connected to (a central subscriber). Off by default",
+        stages=SCHEDULER,
+    ),
+    Setting(
+        "kv-events-replay-endpoint",
+        help="ZMQ ROUTER endpoint that answers a subscriber's 'events since sequence N' "
+        "(tcp://*:5558); off by default",
+        stages=SCHEDULER,
+    ),
+    Setting(
+        "kv-events-topic",
+        help="topic of every event message (default kv@<POD_IP or host name>@<served model "
+        "name>, as llm-d expects)",
+        stages=SCHEDULER,
+    ),
+    Setting(
+        "kv-events-hwm",
+        int,
+        100_000,
+        help="high-water mark of a subscriber's queue, in batches: past it batches are "
+        "dropped (counted, a sequence gap the subscriber can replay)",
+        stages=SCHEDULER,
+    ),
+    Setting(
+        "kv-events-buffer-steps",
+        int,
+        10_000,
+        help="event batches kept for replay",
+        stages=SCHEDULER,
+    ),
 )
 
 BY_FLAG: dict[str, Setting] = {s.flag: s for s in SETTINGS}

@@ -14,15 +14,38 @@ Only blocks whose K/V has been written are registered (``cache_full_blocks`` run
 forward pass), so a sequence can never share a block still being computed in the same step.
 A shared block is always full and a sequence only writes past its own computed tokens, so
 nothing ever writes into a shared block: no copy-on-write is needed.
+
+KV-cache events (kv_events.py publishes them in vLLM's wire format): while ``events`` is a
+list, the pool appends to it what a router needs to mirror the cache: a run of blocks stored
+(registered under their names), a block removed (its name evicted), all blocks cleared. Off
+(``None``) nothing is recorded, so a pool nobody listens to pays one attribute test per event.
+
+Block names (``hash_algo``): ``blake2b``, the default, is blake2b-256 over the parent's name
+(empty for a prompt's first block) followed by the block's token ids as signed 64-bit
+little-endian integers. ``sha256_cbor`` is vLLM's ``--prefix-caching-hash-algo sha256_cbor``:
+sha256 of the canonical CBOR of ``(parent, tuple(token_ids), None)``, the first block's parent
+being ``NONE_HASH`` = sha256_cbor(``PYTHONHASHSEED``) (random when that is unset, as in vLLM),
+so an indexer that hashes prompts itself (llm-d's) computes the names this pool publishes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 
 from tokenline.scheduler.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+HASH_ALGOS = ("blake2b", "sha256_cbor")
+# What ``BlockPool.events`` holds: (STORED, names, parent name or None, token ids of those
+# blocks), (REMOVED, name), (CLEARED,).
+STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
+BlockHasher = Callable[[bytes, list[int]], bytes]
 
 
 def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
@@ -33,6 +56,40 @@ def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
     digest = hashlib.blake2b(parent, digest_size=32)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
+
+
+def sha256_cbor_hasher(seed: str | None = None) -> BlockHasher:
+    """vLLM's ``sha256_cbor`` block hash, with vLLM's ``NONE_HASH`` for a first block's parent:
+    sha256_cbor of the seed (``PYTHONHASHSEED``, as vLLM reads it), else 32 random bytes.
+
+    cbor2 is imported here, not at module load: only this option needs it."""
+    import cbor2
+
+    def sha256_cbor(value: object) -> bytes:
+        return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+
+    none_hash = sha256_cbor(seed) if seed is not None else os.urandom(32)
+
+    def hasher(parent: bytes, token_ids: list[int]) -> bytes:
+        # extra keys (LoRA, multimodal, cache salt in vLLM) are None: tokenline has none yet
+        return sha256_cbor((parent or none_hash, tuple(token_ids), None))
+
+    return hasher
+
+
+def make_hasher(algo: str, seed: str | None = None) -> BlockHasher:
+    """The block hash function named ``algo`` (one of ``HASH_ALGOS``)."""
+    if algo == "blake2b":
+        return block_hash
+    if algo == "sha256_cbor":
+        if seed is None:
+            # vLLM warns the same: every process then names the same prefix differently
+            log.warning(
+                "PYTHONHASHSEED is not set: sha256_cbor block hashes start from a random "
+                "seed, so no router that hashes prompts itself can find them"
+            )
+        return sha256_cbor_hasher(seed)
+    raise ValueError(f"unknown block hash algorithm {algo!r}; use one of {HASH_ALGOS}")
 
 
 class BlockPool:
@@ -51,6 +108,18 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._name: list[bytes | None] = [None] * num_blocks
         self._by_name: dict[bytes, int] = {}
+        self._hash: BlockHasher = block_hash
+        self.hash_algo = "blake2b"
+        #: KV-cache events since the publisher last took them; None: not recorded at all
+        self.events: list[tuple] | None = None
+
+    def use_hash(self, algo: str, seed: str | None = None) -> None:
+        """Name blocks with ``algo`` from now on; only before any block is named, since names
+        of two schemes never match."""
+        if self._by_name:
+            raise RuntimeError("the block hash can only change while no block is cached")
+        self._hash = make_hasher(algo, seed)
+        self.hash_algo = algo
 
     # ── accounting ─────────────────────────────────────────────────────────────────────────────
     @property
@@ -112,8 +181,11 @@ class BlockPool:
             block = self._free.pop()
         else:
             block, _ = self._evictable.popitem(last=False)
-            del self._by_name[self._name[block]]
+            name = self._name[block]
+            del self._by_name[name]
             self._name[block] = None
+            if self.events is not None:
+                self.events.append((REMOVED, name))
         self._refs[block] = 1
         return block
 
@@ -158,6 +230,7 @@ class BlockPool:
         full = seq.num_computed // self.block_size
         if not self.caching or full <= seq.num_registered_blocks:
             return
+        run_start = -1  # first index of the run of blocks registered now, for one event
         for index in range(seq.num_registered_blocks, full):
             name = self._block_name(seq, index)
             block = seq.block_table[index]
@@ -166,7 +239,38 @@ class BlockPool:
             if name not in self._by_name:
                 self._by_name[name] = block
                 self._name[block] = name
+                if run_start < 0:
+                    run_start = index
+            elif run_start >= 0:  # a stored event names a chain: this one breaks it
+                self._stored(seq, run_start, index)
+                run_start = -1
+        if run_start >= 0:
+            self._stored(seq, run_start, full)
         seq.num_registered_blocks = full
+
+    def _stored(self, seq: Sequence, start: int, end: int) -> None:
+        if self.events is None:
+            return
+        names = seq.block_hashes
+        parent = names[start - 1] if start else None
+        bs = self.block_size
+        self.events.append(
+            (STORED, names[start:end], parent, seq.token_slice(start * bs, end * bs))
+        )
+
+    def clear_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache); refused, returning False,
+        while any block is referenced, since a running sequence's names must stay valid."""
+        if self.num_referenced:
+            return False
+        for block in self._evictable:
+            self._name[block] = None
+            self._free.append(block)
+        self._evictable.clear()
+        self._by_name.clear()
+        if self.events is not None:
+            self.events.append((CLEARED,))
+        return True
 
     def _block_name(self, seq: Sequence, index: int) -> bytes:
         # A sequence's tokens are only ever appended, so its names stay valid for its life,
@@ -176,5 +280,5 @@ class BlockPool:
         while len(names) <= index:
             i = len(names)
             parent = names[-1] if names else b""
-            names.append(block_hash(parent, seq.token_slice(i * bs, (i + 1) * bs)))
+            names.append(self._hash(parent, seq.token_slice(i * bs, (i + 1) * bs)))
         return names[index]

@@ -34,6 +34,7 @@ from tokenline.scheduler.engine import (
     default_token_budget,
 )
 from tokenline.scheduler.grammar import GrammarCompiler
+from tokenline.scheduler.kv_events import KVEventPublisher, attach
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.settings import Settings
 from tokenline.stage_runtime import serve_stage
@@ -50,8 +51,11 @@ MAX_TOMBSTONES = 65_536
 class SchedulerStage:
     stage = "scheduler"
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(
+        self, engine: Engine, model_name: str, kv_events: KVEventPublisher | None = None
+    ) -> None:
         self.engine = engine
+        self.kv_events = kv_events
         # An abort that overtakes its request (for example after a restart upstream) is
         # remembered here, so the request is refused when it arrives.
         self.tombstones = ExpiringSet(MAX_TOMBSTONES, TOMBSTONE_TTL_S)
@@ -133,6 +137,8 @@ class SchedulerStage:
 
     def step(self) -> list[msgspec.Struct]:
         outputs = self.engine.step()
+        if self.kv_events is not None:  # what this step stored and evicted, one batch
+            self.kv_events.flush()
         sent: list[msgspec.Struct] = [
             protocol.Failed(
                 uid=uid, code=exc.code, message=str(exc), param=exc.param, stage=self.stage
@@ -223,6 +229,7 @@ def run(settings: Settings) -> int:
         prefix_caching=not settings.no_prefix_caching,
         grammars=GrammarCompiler(source.load_tokenizer()),
     )
+    kv_events = attach(settings, engine.pool, runner.device.type)
     ring = SyncRing("scheduler", settings.endpoints, settings.ring_security)
     log.info(
         "scheduler ready: %s, %d KV blocks, prefix caching %s",
@@ -230,5 +237,5 @@ def run(settings: Settings) -> int:
         runner.num_blocks,
         "on" if engine.prefix_caching else "off",
     )
-    serve_stage(SchedulerStage(engine, settings.model_name), ring, drain)
+    serve_stage(SchedulerStage(engine, settings.model_name, kv_events), ring, drain)
     return 0

@@ -19,6 +19,9 @@ warm-up, per 10,000 requests.
 
     MALLOC_ARENA_MAX=2 .venv/bin/python benchmarks/scheduler_memory.py --traffic mixed \
         --requests 6000 --warmup 1000
+
+``--waves N`` swings the load every N requests (many long decodes, then a few short ones) with
+no idle moment, as the soak's clients did: the dense decode rows' high-water mark.
 """
 
 from __future__ import annotations
@@ -134,6 +137,14 @@ def main() -> None:
     parser.add_argument("--idle-every", type=int, default=200, help="requests between idles")
     parser.add_argument("--trim", action="store_true", help="malloc_trim(0) at each idle")
     parser.add_argument("--seed", type=int, default=34)
+    parser.add_argument(
+        "--waves",
+        type=int,
+        default=0,
+        help="requests per wave of load (0: none): a wave of 3 x --concurrency in flight with "
+        "one request in 8 generating 600 tokens, then one of --concurrency / 4 short ones, as "
+        "the soak's clients swing; what the dense decode rows follow",
+    )
     parser.add_argument("--json", help="write the samples here")
     args = parser.parse_args()
 
@@ -162,8 +173,10 @@ def main() -> None:
         uid = f"soak-{serial}"
         text = " ".join(rng.choices(WORDS, k=rng.randint(3, 30)))
         grammar = grammar_for(rng, args.traffic, serial)
+        long = in_wave() and not grammar and rng.random() < 1 / 8
         sampling = protocol.SamplingParams(
-            max_tokens=48 if grammar else rng.randint(4, 24),
+            max_tokens=600 if long else 48 if grammar else rng.randint(4, 24),
+            ignore_eos=long,
             temperature=1.0,
             grammar=grammar,
             seed=rng.randrange(1 << 20) if rng.random() < 0.2 else None,
@@ -178,6 +191,14 @@ def main() -> None:
             if isinstance(out, protocol.Failed):
                 return
         in_flight[uid] = abort
+
+    def in_wave() -> bool:
+        return bool(args.waves) and (serial // args.waves) % 2 == 0
+
+    def concurrency() -> int:
+        if not args.waves:
+            return args.concurrency
+        return 3 * args.concurrency if in_wave() else max(1, args.concurrency // 4)
 
     def finish(outputs) -> None:
         nonlocal done
@@ -205,7 +226,7 @@ def main() -> None:
     sample()
     next_sample = args.every
     while done < args.requests:
-        while len(in_flight) < args.concurrency and serial < args.requests:
+        while len(in_flight) < concurrency() and serial < args.requests:
             admit()
         if stage.has_work():
             finish(stage.step())

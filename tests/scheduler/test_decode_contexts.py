@@ -115,3 +115,37 @@ def test_clear_gives_the_memory_back():
     assert runner.contexts.num_rows == 0 and runner.contexts.buffer.numel() == 0
     lens = {"u1": 4}
     runner.assert_holds(runner.step(lens), lens)
+
+
+def test_capacity_follows_the_load_down_while_busy():
+    """Under sustained load the rows shrink without an idle moment: when the rows in use or
+    the longest context fall to a quarter of what is allocated, the buffer is cut to twice the
+    need, and what the rows hold survives the cut."""
+    runner = FakeRunner()
+    big = {f"u{i}": 300 + i for i in range(16)}
+    runner.step(big)
+    _, rows, _, capacity, _ = runner.contexts.buffer.shape
+    assert rows >= 16 and capacity >= 316
+    lens = {"u0": 301, "u1": 302, "u2": 303}  # most finished: rows fall under a quarter
+    runner.assert_holds(runner.step(lens), lens)
+    assert runner.contexts.buffer.shape[1] == 6
+    assert runner.contexts.buffer.shape[3] == capacity  # the longest context still needs it
+    lens = {"u20": 10, "u21": 3}  # long contexts gone, short ones decode
+    runner.assert_holds(runner.step(lens), lens)
+    assert runner.contexts.buffer.shape[1] == 6  # 2 rows of 6 is above a quarter
+    assert runner.contexts.buffer.shape[3] == MIN_CAPACITY
+    lens = {"u20": 11}
+    runner.assert_holds(runner.step(lens), lens)
+    assert runner.contexts.buffer.shape[1] == 2
+
+
+def test_a_load_wavering_around_a_size_does_not_reallocate_every_step():
+    """Hysteresis: after a cut the need must double or quarter again before the next one."""
+    runner = FakeRunner()
+    runner.step({f"u{i}": 100 for i in range(8)})
+    buffers = set()
+    for n in range(40):
+        live = 3 if n % 2 else 4  # between a quarter and the whole of 8 rows
+        runner.step({f"u{i}": 100 for i in range(live)} | {f"u{100 + n}": 1})
+        buffers.add(runner.contexts.buffer.data_ptr())
+    assert len(buffers) == 1

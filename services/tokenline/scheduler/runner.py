@@ -2,16 +2,15 @@
 
 Weights and layer modules come from transformers (``AutoModelForCausalLM.from_pretrained``), so
 any Llama / Qwen2 / Qwen3 / Mistral style decoder loads as is. The forward is ours: it walks the
-model's own modules over a flat batch of tokens from many sequences, writes each layer's keys
-and values into a preallocated pool of fixed-size blocks, and attends over each sequence's
-blocks. Per layer, decoding sequences share one attention call (on CPU over dense copies of
-their contexts, ``decode_contexts.py``), chunks that start a prompt share another, and chunks
-that continue a prompt get one each. ``step_inputs.py`` turns a step's chunks into tensors;
-``layers.py`` holds what a layer does around attention (norms, rotary, projections, MLP), with
-the weights laid out for the device. Layers with a sliding window (Mistral v0.1, Qwen2/Qwen3
-with ``use_sliding_window``) make the same calls with the window added to their masks; their
-K/V stays in the pool for the whole context (blocks that fell out of every window are not
-given back early).
+model's own modules over a flat batch of tokens from many sequences; each layer's attention is
+the attention backend's (``attention/``), chosen once here at start: it writes the layer's keys
+and values into a preallocated pool of fixed-size blocks and attends over each sequence's
+context. The runner keeps loading, KV pool sizing and the layer loop. ``step_inputs.py`` turns
+a step's chunks into a flat batch; ``layers.py`` holds what a layer does around attention
+(norms, rotary, projections, MLP), with the weights laid out for the device. Layers with a
+sliding window (Mistral v0.1, Qwen2/Qwen3 with ``use_sliding_window``) make the same calls with
+the window added to their masks; their K/V stays in the pool for the whole context (blocks
+that fell out of every window are not given back early).
 """
 
 from __future__ import annotations
@@ -23,7 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from tokenline.model_source import ModelSource
-from tokenline.scheduler.decode_contexts import DecodeContexts
+from tokenline.scheduler import attention
+from tokenline.scheduler.attention import AttentionLayer, AttentionShape
+from tokenline.scheduler.attention.decode_contexts import DecodeContexts
 from tokenline.scheduler.layers import (
     DecoderLayer,
     Rotary,
@@ -34,7 +35,7 @@ from tokenline.scheduler.layers import (
     rotate,
 )
 from tokenline.scheduler.policy import Chunk
-from tokenline.scheduler.step_inputs import FirstChunks, StepInputs, build_step_inputs
+from tokenline.scheduler.step_inputs import build_step_batch
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +62,6 @@ def _layer_window(attention: torch.nn.Module, config) -> int | None:
     return None
 
 
-def _decode_mask(slides: bool, full: torch.Tensor, windowed: torch.Tensor | None) -> torch.Tensor:
-    """A sliding layer's mask when its window hides anything this step; else the full one."""
-    return windowed if slides and windowed is not None else full
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -78,6 +74,7 @@ class ModelRunner:
         torch_threads: int | None = None,
         dense_decode: bool = True,
         compile_layers: bool = False,
+        attention_backend: str = "auto",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -106,11 +103,6 @@ class ModelRunner:
         # Zeroed, not empty: batched decode reads masked padding slots, and a NaN there would
         # still poison the row (0 × NaN is NaN).
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.decode_contexts = None
-        if self.device.type == "cpu" and dense_decode:
-            self.decode_contexts = DecodeContexts(
-                self.num_layers, 2 * self.num_kv_heads, self.head_dim, self.dtype
-            )
         decoder = self.model.model
         self._embed = decoder.embed_tokens
         with torch.no_grad():
@@ -125,6 +117,24 @@ class ModelRunner:
         # A query at position i sees keys i - window < j <= i in the layers that slide.
         self.window = next((w for w in windows if w), None)
         self._slides = [w is not None for w in windows]
+        self._attention_layers = [
+            AttentionLayer(index, getattr(layer.self_attn, "scaling", None), slides)
+            for index, (layer, slides) in enumerate(zip(decoder.layers, self._slides, strict=True))
+        ]
+        # Chosen once: how every step's attention is computed (attention/__init__.py).
+        self.attention = attention.choose(
+            attention.backend_name(attention_backend, self.device, dense_decode),
+            AttentionShape(
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+                block_size=block_size,
+                window=self.window,
+            ),
+            self.kv_cache,
+        )
         self._norm = rms_norm(decoder.norm)
         self._rotary = Rotary(decoder.rotary_emb, self.dtype, self.device)
         self._lm_head = self.model.lm_head
@@ -140,18 +150,25 @@ class ModelRunner:
                     source.spec,
                 )
         log.info(
-            "runner: %s on %s/%s, KV pool %d blocks x %d tokens",
+            "runner: %s on %s/%s, KV pool %d blocks x %d tokens, attention %s",
             source.spec,
             self.device,
             self.dtype,
             self.num_blocks,
             block_size,
+            self.attention.name,
         )
 
     @property
     def compiled_layers(self) -> bool:
         """True when --compile took effect (the layers fit the compiled tail)."""
         return self._tail is not None
+
+    @property
+    def decode_contexts(self) -> DecodeContexts | None:
+        """The dense decode rows, when the attention backend keeps them."""
+        decode = getattr(self.attention, "decode", None)
+        return getattr(decode, "contexts", None)
 
     @property
     def bytes_per_token(self) -> int:
@@ -187,19 +204,12 @@ class ModelRunner:
         states come back [sum of the spans' rows, hidden size] in span order, for `logits`:
         kept rather than turned into logits here, so that the caller bounds how many rows of
         logits exist at once (a prompt's rows times the vocabulary can be gigabytes)."""
-        step = build_step_inputs(
-            chunks,
-            block_size=self.block_size,
-            device=self.device,
-            dtype=self.dtype,
-            kv_cache=self.kv_cache,
-            decode_contexts=self.decode_contexts,
-            window=self.window,
-        )
+        step = build_step_batch(chunks, block_size=self.block_size, device=self.device)
+        metadata = self.attention.prepare(step)
         hidden = self._embed(step.input_ids)  # [T, H]
         cos, sin = self._rotary.at(step.positions, step.max_position)  # [T, 1, D] each
         for index, layer in enumerate(self._layers):
-            attn_out = self._attention(index, layer, layer.input_norm(hidden), cos, sin, step)
+            attn_out = self._attention(index, layer, layer.input_norm(hidden), cos, sin, metadata)
             if self._tail is not None:
                 module = layer.module
                 norm, mlp = module.post_attention_layernorm, module.mlp
@@ -225,10 +235,8 @@ class ModelRunner:
         sampling = step.sample_rows.shape[0]
         return self._lm_head(hidden[:sampling]).float(), hidden[sampling:]
 
-    def _attention(
-        self, index, layer: DecoderLayer, hidden, cos, sin, step: StepInputs
-    ) -> torch.Tensor:
-        attn = layer.module.self_attn
+    def _attention(self, index, layer: DecoderLayer, hidden, cos, sin, metadata) -> torch.Tensor:
+        """Project and rotate this layer's q, k, v; the backend stores k, v and attends."""
         tokens = hidden.shape[0]
         heads = self.num_heads
         qk_size = (heads + self.num_kv_heads) * self.head_dim
@@ -241,102 +249,13 @@ class ModelRunner:
         else:
             qk = rotate(qk, cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
-        pool = self.kv_cache[index]
-        new_kv = torch.cat((k, v), dim=1).to(self.dtype)  # [T, 2 * kv_heads, D]
-        pool.index_copy_(0, step.slots, new_kv)
-        kvh = self.num_kv_heads
-        scale = getattr(attn, "scaling", None)
-        slides = self._slides[index]
-        out = None if step.decode_only else torch.empty_like(q)
-        if step.decode_rows is not None:
-            qd = q if step.decode_only else q.index_select(0, step.decode_rows)
-            batch = qd.shape[0]
-            # The query heads that share a KV head attend as one group of rows, so K and V
-            # are read once per KV head instead of being repeated for every query head.
-            qd = qd.view(batch, kvh, self.num_heads // kvh, self.head_dim)
-            if step.decode_plan is not None:
-                od = self._dense_decode(index, qd, new_kv, step, scale, slides)
-            else:
-                gather = step.decode_gather
-                kv = pool.index_select(0, gather.view(-1)).view(*gather.shape, *pool.shape[1:])
-                kv = kv.transpose(1, 2)  # [B, 2 * kv_heads, L, D]
-                kd, vd = kv[:, :kvh], kv[:, kvh:]
-                mask = _decode_mask(slides, step.decode_mask, step.decode_window_mask)
-                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
-            od = od.reshape(batch, self.num_heads, self.head_dim)
-            if step.decode_only:
-                out = od
-            else:
-                out.index_copy_(0, step.decode_rows, od)
-        if step.first_chunks is not None:
-            self._first_chunk_attention(q, new_kv, step.first_chunks, out, scale, slides)
-        for row, n, context, start in step.prefills:
-            qp = q[row : row + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, D]
-            kv = pool.index_select(0, context).transpose(0, 1).unsqueeze(0)  # [1, 2kvh, L, D]
-            kp, vp = kv[:, :kvh], kv[:, kvh:]
-            if start == 0:
-                op = F.scaled_dot_product_attention(
-                    qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True
-                )
-            else:  # a later chunk sees every earlier token plus its own causal prefix
-                q_pos = torch.arange(start, start + n, device=self.device).unsqueeze(1)
-                k_pos = torch.arange(start + n, device=self.device).unsqueeze(0)
-                visible = k_pos <= q_pos
-                if slides:
-                    visible &= k_pos > q_pos - self.window
-                op = F.scaled_dot_product_attention(
-                    qp, kp, vp, attn_mask=visible, scale=scale, enable_gqa=True
-                )
-            out[row : row + n] = op[0].transpose(0, 1)
-        return out.reshape(tokens, self.num_heads * self.head_dim)  # o_proj: the caller's
-
-    def _first_chunk_attention(
-        self,
-        q: torch.Tensor,
-        new_kv: torch.Tensor,
-        first: FirstChunks,
-        out: torch.Tensor,
-        scale,
-        slides: bool,
-    ) -> None:
-        batch, longest = first.shape
-        kvh = self.num_kv_heads
-        qf = q.index_select(0, first.index).view(batch, longest, self.num_heads, self.head_dim)
-        kv = new_kv.index_select(0, first.index).view(batch, longest, 2 * kvh, self.head_dim)
-        qf, kv = qf.transpose(1, 2), kv.transpose(1, 2)  # [S, heads, n_max, D]
-        if slides and first.window_mask is not None:
-            causal = {"attn_mask": first.window_mask}
-        else:
-            causal = {"is_causal": True}
-        of = F.scaled_dot_product_attention(
-            qf, kv[:, :kvh], kv[:, kvh:], scale=scale, enable_gqa=True, **causal
-        )
-        of = of.transpose(1, 2).reshape(batch * longest, self.num_heads, self.head_dim)
-        if first.valid is not None:
-            of = of.index_select(0, first.valid)
-        out.index_copy_(0, first.rows, of)
-
-    def _dense_decode(self, index, qd, new_kv, step: StepInputs, scale, slides) -> torch.Tensor:
-        plan = step.decode_plan
-        dense = self.decode_contexts.buffer[index]  # [rows, 2 * kv_heads, capacity, D]
-        new_kv = new_kv if step.decode_only else new_kv.index_select(0, step.decode_rows)
-        dense[plan.rows, :, plan.positions] = new_kv
-        if plan.order is not None:  # attention runs in row order
-            qd = qd.index_select(0, plan.order)
-        kvh, rows, length = self.num_kv_heads, plan.num_rows, plan.length
-        od = F.scaled_dot_product_attention(
-            qd,
-            dense[:rows, :kvh, :length],
-            dense[:rows, kvh:, :length],
-            attn_mask=_decode_mask(slides, plan.mask, plan.window_mask),
-            scale=scale,
-        )
-        return od if plan.order is None else od.index_select(0, plan.rows)
+        # o_proj: the caller's
+        return self.attention.forward(q, k, v, self._attention_layers[index], metadata)
 
     def release_decode_contexts(self) -> None:
-        """The engine is idle: give the dense decode copies' memory back."""
-        if self.decode_contexts is not None and self.decode_contexts.num_rows:
-            self.decode_contexts.clear()
+        """The engine is idle: the attention backend gives back what it keeps between steps
+        (the dense decode rows)."""
+        self.attention.release()
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)

@@ -1,0 +1,159 @@
+"""Every attention backend against a plain reference: transformers' own forward over each
+sequence's whole context. Per sampled position the logits agree to float32 tolerance, and the
+greedy tokens are the reference's and the same for every backend, for plain decode, chunked
+prefill (chunks that continue a prompt), prefix-cache hits and sliding-window models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scheduler_testkit import FAMILIES, SLIDING, saved_family_model
+
+from tokenline.model_source import ModelSource
+from tokenline.protocol import SamplingParams
+from tokenline.scheduler import attention
+from tokenline.scheduler.engine import Engine, EngineLimits
+from tokenline.scheduler.runner import ModelRunner
+
+BUILT = ["sdpa", "dense-cpu"]
+MODELS = {
+    "llama": FAMILIES["llama"],
+    "qwen3": FAMILIES["qwen3"],
+    **{name: SLIDING[name] for name in ("mistral-window-8", "qwen2-window-8-layer-1")},
+}
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(7 * seed + 3 * j) % 290 + 5 for j in range(n)]
+
+
+def scenario_decode(engine: Engine) -> None:
+    """Prompts that fit one step each: the batch of first chunks, then decode together."""
+    for i, n in enumerate((9, 14, 23)):
+        engine.add(f"d{i}", prompt(i, n), greedy(12))
+    run(engine)
+
+
+def scenario_chunked_prefill(engine: Engine) -> None:
+    """A 16-token budget cuts the prompts into chunks that continue them, beside decodes."""
+    engine.limits.max_num_batched_tokens = 16
+    engine.scheduler.max_num_batched_tokens = 16
+    for i, n in enumerate((40, 27, 5)):
+        engine.add(f"c{i}", prompt(i, n), greedy(10))
+    run(engine)
+
+
+def scenario_prefix_hits(engine: Engine) -> None:
+    """Later prompts start with an earlier one's blocks: they start past a cache hit."""
+    shared = prompt(1, 37)
+    engine.add("first", shared, greedy(6))
+    run(engine)
+    engine.add("hit-a", shared[:32] + prompt(5, 9), greedy(10))
+    engine.add("hit-b", shared + prompt(6, 4), greedy(10))
+    run(engine)
+    assert engine.prefix_cache_hits >= 64
+
+
+# the paths each scenario must have gone through, besides decode
+PATHS = {
+    "decode": {"FirstChunkPrefill"},
+    "chunked-prefill": {"FirstChunkPrefill", "ContinuedPrefill"},
+    "prefix-hits": {"FirstChunkPrefill", "ContinuedPrefill"},
+}
+DECODE_PATH = {"sdpa": "GatherDecode", "dense-cpu": "DenseDecode"}
+SCENARIOS = {
+    "decode": scenario_decode,
+    "chunked-prefill": scenario_chunked_prefill,
+    "prefix-hits": scenario_prefix_hits,
+}
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def run(engine: Engine) -> None:
+    while engine.has_work():
+        engine.step()
+
+
+def recorded_run(backend: str, path, scenario):
+    """Run ``scenario`` on a runner with ``backend``; return each sequence's tokens and the
+    logits of every position it sampled at: {uid: {tokens known: logits}}."""
+    runner = ModelRunner(
+        ModelSource(spec="family", path=str(path)),
+        device="cpu",
+        dtype="float32",
+        kv_cache_memory=2**20,
+        torch_threads=1,
+        attention_backend=backend,
+    )
+    assert runner.attention.name == backend
+    logits_at: dict[str, dict[int, torch.Tensor]] = {}
+    forward_keeping = runner.forward_keeping
+
+    def recording(chunks, spans):
+        logits, hidden = forward_keeping(chunks, spans)
+        sampling = [c for c in chunks if c.samples]
+        for chunk, row in zip(sampling, logits, strict=True):
+            logits_at.setdefault(chunk.seq.uid, {})[chunk.start + chunk.num_tokens] = row.clone()
+        return logits, hidden
+
+    runner.forward_keeping = recording
+    paths_used: set[str] = set()
+    prepare = runner.attention.prepare
+
+    def recording_prepare(step):
+        metadata = prepare(step)
+        paths_used.update(type(path).__name__ for path, _ in metadata.parts)
+        return metadata
+
+    runner.attention.prepare = recording_prepare
+    engine = Engine(runner, EngineLimits(256, max_num_batched_tokens=2048), eos_ids=[])
+    seqs = {}
+    add = engine.add
+
+    def keeping_add(uid, ids, sampling, **kw):
+        seqs[uid] = add(uid, ids, sampling, **kw)
+        return seqs[uid]
+
+    engine.add = keeping_add
+    scenario(engine)
+    tokens = {uid: seq.prompt_ids + seq.output_ids for uid, seq in seqs.items()}
+    return tokens, logits_at, paths_used
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_every_backend_matches_the_reference_forward(model, scenario, tmp_path):
+    reference = saved_family_model(MODELS[model], tmp_path).eval()
+    results = {name: recorded_run(name, tmp_path, SCENARIOS[scenario]) for name in BUILT}
+    tokens = results[BUILT[0]][0]
+    for name, (got_tokens, logits_at, paths_used) in results.items():
+        assert paths_used == PATHS[scenario] | {DECODE_PATH[name]}, name
+        assert got_tokens == tokens, f"{name}: greedy tokens differ from {BUILT[0]}'s"
+        for uid, ids in got_tokens.items():
+            with torch.inference_mode():
+                want = reference(torch.tensor([ids])).logits[0].float()
+            for known, got in logits_at[uid].items():
+                torch.testing.assert_close(
+                    got, want[known - 1], rtol=1e-4, atol=1e-4, msg=f"{name} {uid} at {known}"
+                )
+                if known < len(ids):  # the token sampled here is the reference's argmax
+                    assert ids[known] == int(want[known - 1].argmax()), (name, uid, known)
+
+
+def test_auto_picks_dense_rows_on_cpu_and_paged_sdpa_elsewhere():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert attention.backend_name("auto", cpu) == "dense-cpu"
+    assert attention.backend_name("auto", cpu, dense_decode=False) == "sdpa"
+    assert attention.backend_name("auto", cuda) == "sdpa"
+    assert attention.backend_name("sdpa", cpu) == "sdpa"
+
+
+def test_the_flex_slot_is_registered_and_says_it_is_not_built():
+    shape = attention.AttentionShape(4, 2, 16, torch.float32, torch.device("cpu"), 16, None)
+    with pytest.raises(NotImplementedError, match="not built yet"):
+        attention.choose("flex", shape, torch.zeros(1, 32, 4, 16))
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        attention.choose("flashattention-9", shape, torch.zeros(1, 32, 4, 16))

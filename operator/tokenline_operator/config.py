@@ -15,7 +15,7 @@ from typing import Any
 
 from tokenline.settings import ALL_STAGES, BY_FLAG, SETTINGS, Setting, settings_of
 
-from . import model, names
+from . import model, names, router
 from .objects import Manifest, Owner, config_map_name, metadata
 from .spec import Spec, served_model_name
 
@@ -51,6 +51,8 @@ _DERIVED: dict[str, Callable[[Spec], Any]] = {
     "model": _model,
     "served-model-name": served_model_name,  # always set: the name the status reports
     "device": _device,
+    # unset: sha256_cbor with router.kvEvents (llm-d hashes prompts with vLLM's scheme)
+    "prefix-caching-hash-algo": router.hash_algo,
 }
 
 

@@ -13,7 +13,7 @@ import copy
 from typing import Any
 
 from . import names
-from .crd_children import AUTOSCALING, MONITORING, NETWORK_POLICY, ROUTING, SERVICE
+from .crd_children import AUTOSCALING, MONITORING, NETWORK_POLICY, ROUTER, ROUTING, SERVICE
 from .model import uri_schema
 from .schema import (
     Schema,
@@ -202,6 +202,7 @@ SPEC = {
         "monitoring": MONITORING,
         "networkPolicy": NETWORK_POLICY,
         "routing": ROUTING,
+        "router": ROUTER,
     },
 }
 

@@ -139,6 +139,17 @@ NETWORK_POLICY = {
             "maxItems": MAX_PEERS,
             "items": copy.deepcopy(NETWORK_PEER),
         },
+        "kvEventsFrom": {
+            "type": "array",
+            "description": (
+                "With router.kvEvents: who besides the InferencePool's picker may subscribe "
+                f"to the KV-cache events (port {names.KV_EVENTS_PORT}) and ask for a replay "
+                f"(port {names.KV_REPLAY_PORT}), e.g. a Dynamo-style router's namespace; "
+                "unset or empty: the picker only."
+            ),
+            "maxItems": MAX_PEERS,
+            "items": copy.deepcopy(NETWORK_PEER),
+        },
     },
 }
 
@@ -180,6 +191,53 @@ ROUTING = {
                 ),
                 "resources": resources(
                     "The picker container's resources.", {"cpu": "500m", "memory": "512Mi"}
+                ),
+            },
+        },
+    },
+}
+
+#: PYTHONHASHSEED takes 0..4294967295; nine digits at most keep a seed inside that range.
+HASH_SEED_PATTERN = r"^(0|[1-9][0-9]{0,8})$"
+
+ROUTER = {
+    "type": "object",
+    "description": "What the pods tell cache-aware routers about themselves.",
+    "default": {},
+    "properties": {
+        "kvEvents": {
+            "type": "object",
+            "description": (
+                "KV-cache events in vLLM's wire format: every pod's scheduler publishes the "
+                f"blocks it stores and evicts (ZMQ PUB on port {names.KV_EVENTS_PORT}, replay "
+                f"on {names.KV_REPLAY_PORT}, topic kv@<pod IP>@<served model name>) and "
+                f"carries the label {names.LABEL_KV_EVENTS}=true. With the InferencePool, its "
+                "picker becomes llm-d's inference scheduler with the precise-prefix-cache "
+                "scorer, which subscribes to every pod and routes a prompt to the pod that "
+                "holds its longest prefix."
+            ),
+            "default": {},
+            "properties": {
+                "enabled": boolean("Publish KV-cache events.", default=False),
+                "hashSeed": string(
+                    "PYTHONHASHSEED of the schedulers, the seed of sha256_cbor block hashes; "
+                    "the picker's hashSeed repeats it, so its hashes of a prompt match the "
+                    "pods' (a decimal integer).",
+                    default="42",
+                    pattern=HASH_SEED_PATTERN,
+                ),
+                "pickerImage": string(
+                    "The picker image with the InferencePool and events on (llm-d's inference "
+                    "scheduler; its configuration follows "
+                    f"{names.LLMD_PICKER_VERSION}); routing.inferencePool.image otherwise.",
+                    default=names.LLMD_PICKER_IMAGE,
+                    minLength=1,
+                ),
+                "tokenizer": string(
+                    "The Hugging Face id whose tokenizer the picker loads to hash prompts; "
+                    "defaults to the model's Hub id (model.name, or the hf:// uri's), else "
+                    "the served name.",
+                    minLength=1,
                 ),
             },
         },

@@ -7,6 +7,13 @@ api port. The picker's flags and EndpointPickerConfig follow the upstream releas
 ``names.PICKER_VERSION``: from v1.4 it refuses the old metric-name flags and reads
 ``engineConfigs`` of its ``core-metrics-extractor`` plugin instead.
 
+With ``spec.router.kvEvents`` (and sha256_cbor block names, its default) the picker is llm-d's
+inference scheduler (``names.LLMD_PICKER_IMAGE``, the same flags, built on the extension) and
+its prefix scorer llm-d's precise-prefix-cache-scorer, configured as llm-d's
+precise-prefix-cache-aware guide documents for pod discovery: it subscribes to each pod's
+``tcp://<pod IP>:5557``, keeps the ``kv@`` topics, and hashes prompts with the pods' block size
+and hash seed (see :mod:`router`).
+
 Every object is owned by the InferenceService, like the other children.
 """
 
@@ -18,7 +25,7 @@ import yaml
 
 from tokenline.settings import BY_FLAG
 
-from . import names
+from . import names, router
 from .network import network_peer
 from .objects import (
     Capabilities,
@@ -98,39 +105,83 @@ def child_name(owner: Owner, kind: str) -> str:
 # --- the picker's configuration -----------------------------------------------------------
 
 
+def _metrics_plugins(spec: Spec) -> list[dict[str, Any]]:
+    """What the picker scrapes on each pod's api port, under our metric names."""
+    mapping = {"name": METRICS_MAPPING_NAME, **names.ENDPOINT_METRICS, **names.CACHE_INFO_LABELS}
+    mapping["loraSpec"] = ""  # tokenline serves no LoRA adapters: nothing to scrape
+    return [
+        {
+            "type": "metrics-data-source",
+            "parameters": {
+                "scheme": "https" if tls_enabled(spec) else "http",
+                "path": "/metrics",
+                # pod IPs, which no certificate names: encrypted, unverified
+                "insecureSkipVerify": True,
+            },
+        },
+        {
+            "type": "core-metrics-extractor",
+            "parameters": {"defaultEngine": METRICS_MAPPING_NAME, "engineConfigs": [mapping]},
+        },
+    ]
+
+
+#: Where llm-d's picker keeps the tokenizers it downloads (its /tmp is an emptyDir).
+TOKENIZERS_DIR = "/tmp/tokenizers"
+PRECISE_SCORER = "precise-prefix-cache-scorer"
+
+
+def precise_prefix_cache_scorer(spec: Spec) -> dict[str, Any]:
+    """llm-d's precise-prefix-cache-scorer: it subscribes to every pod's KV-cache events
+    (pod discovery: ``tcp://<pod IP>:5557``, topics ``kv@...``), hashes each prompt as the
+    pods name their blocks (vLLM's sha256_cbor with the pods' block size and PYTHONHASHSEED)
+    and scores each pod by the longest prefix it holds."""
+    return {
+        "type": PRECISE_SCORER,
+        "parameters": {
+            "tokenProcessorConfig": {
+                "blockSize": router.BLOCK_SIZE,
+                "hashSeed": router.hash_seed(spec),
+            },
+            "indexerConfig": {
+                "tokenizersPoolConfig": {
+                    "modelName": router.tokenizer_model(spec),
+                    "hf": {"tokenizersCacheDir": TOKENIZERS_DIR},
+                },
+            },
+            "kvEventsConfig": {
+                "topicFilter": names.KV_EVENTS_TOPIC_PREFIX,
+                "concurrency": 4,
+                "discoverPods": True,
+                "podDiscoveryConfig": {"socketPort": names.KV_EVENTS_PORT},
+            },
+        },
+    }
+
+
 def endpoint_picker_config(spec: Spec) -> dict[str, Any]:
     """The EndpointPickerConfig: our metric names, queue + KV + prefix-aware scoring.
 
-    The weights are the upstream chart's defaults for the same three scorers.
+    The prefix scorer is the upstream approximate one (from the picker's own routing history),
+    or with ``router.kvEvents`` and sha256_cbor block names llm-d's precise one (from the
+    pods' KV-cache events). The weights are the upstream chart's and llm-d's guide's, the same
+    for both: queue 2, KV cache use 2, prefix 3.
     """
-    mapping = {"name": METRICS_MAPPING_NAME, **names.ENDPOINT_METRICS, **names.CACHE_INFO_LABELS}
-    mapping["loraSpec"] = ""  # tokenline serves no LoRA adapters: nothing to scrape
+    if router.precise_routing(spec):
+        prefix: dict[str, Any] = precise_prefix_cache_scorer(spec)
+    else:
+        prefix = {
+            "type": "prefix-cache-scorer",
+            "parameters": {"autoTune": True, "blockSizeTokens": DEFAULT_BLOCK_SIZE_TOKENS},
+        }
     return {
         "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
         "kind": "EndpointPickerConfig",
         "plugins": [
             {"type": "queue-scorer"},
             {"type": "kv-cache-utilization-scorer"},
-            {
-                "type": "prefix-cache-scorer",
-                "parameters": {
-                    "autoTune": True,
-                    "blockSizeTokens": DEFAULT_BLOCK_SIZE_TOKENS,
-                },
-            },
-            {
-                "type": "metrics-data-source",
-                "parameters": {
-                    "scheme": "https" if tls_enabled(spec) else "http",
-                    "path": "/metrics",
-                    # pod IPs, which no certificate names: encrypted, unverified
-                    "insecureSkipVerify": True,
-                },
-            },
-            {
-                "type": "core-metrics-extractor",
-                "parameters": {"defaultEngine": METRICS_MAPPING_NAME, "engineConfigs": [mapping]},
-            },
+            prefix,
+            *_metrics_plugins(spec),
         ],
         "schedulingProfiles": [
             {
@@ -138,11 +189,18 @@ def endpoint_picker_config(spec: Spec) -> dict[str, Any]:
                 "plugins": [
                     {"pluginRef": "queue-scorer", "weight": 2},
                     {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
-                    {"pluginRef": "prefix-cache-scorer", "weight": 3},
+                    {"pluginRef": prefix["type"], "weight": 3},
                 ],
             }
         ],
     }
+
+
+def picker_image(spec: Spec) -> str:
+    """llm-d's inference scheduler when it routes on KV-cache events, else the upstream EPP."""
+    if router.precise_routing(spec):
+        return spec["router"]["kvEvents"]["pickerImage"]
+    return _picker_settings(spec)["image"]
 
 
 def picker_config_map(owner: Owner, spec: Spec) -> Manifest:
@@ -244,7 +302,7 @@ def picker_deployment(owner: Owner, spec: Spec) -> Manifest:
     settings = _picker_settings(spec)
     container: dict[str, Any] = {
         "name": "epp",
-        "image": settings["image"],
+        "image": picker_image(spec),
         "args": picker_args(owner, spec),
         "ports": [
             {"name": "grpc", "containerPort": settings["extProcPort"], "protocol": "TCP"},
@@ -268,6 +326,15 @@ def picker_deployment(owner: Owner, spec: Spec) -> Manifest:
             "capabilities": {"drop": ["ALL"]},
         },
     }
+    secret = spec["model"].get("hfTokenSecret")
+    if secret and router.precise_routing(spec):
+        # the precise scorer downloads the model's tokenizer: a gated model needs the token
+        container["env"].append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": secret["name"], "key": secret["key"]}},
+            }
+        )
     if spec.get("imagePullPolicy"):
         container["imagePullPolicy"] = spec["imagePullPolicy"]
     return _picker_object(

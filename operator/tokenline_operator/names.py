@@ -101,3 +101,17 @@ CACHE_INFO_LABELS = {
     "cacheBlockSizeLabelName": "block_size",
     "cacheNumBlocksLabelName": "num_gpu_blocks",
 }
+
+# KV-cache events (spec.router.kvEvents): the scheduler publishes vLLM's wire format on a port
+# of its own, and answers replay requests on another; llm-d's picker subscribes to each pod.
+KV_EVENTS_PORT = 5557
+KV_REPLAY_PORT = 5558
+KV_EVENTS_PORT_NAMES = {KV_EVENTS_PORT: "kv-events", KV_REPLAY_PORT: "kv-replay"}
+#: Pods that publish KV-cache events carry it ("true"), so a subscriber can select them.
+LABEL_KV_EVENTS = f"{GROUP}/kv-events"
+#: The topic prefix every pod's events carry (``kv@<pod IP>@<served model>``), as llm-d reads.
+KV_EVENTS_TOPIC_PREFIX = "kv@"
+#: llm-d's inference scheduler: the Inference Extension's picker with llm-d's plugins, among
+#: them the precise-prefix-cache scorer; its EndpointPickerConfig follows this release.
+LLMD_PICKER_VERSION = "v0.7.0"
+LLMD_PICKER_IMAGE = f"ghcr.io/llm-d/llm-d-inference-scheduler:{LLMD_PICKER_VERSION}"

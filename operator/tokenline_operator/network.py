@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import names
+from . import names, router
 from .objects import Manifest, Owner, metadata, picker_selector
 from .spec import Spec, selector_labels, tls_enabled
 
@@ -66,7 +66,9 @@ def _ports(*numbers: int) -> list[dict[str, Any]]:
 
 def network_policy(owner: Owner, spec: Spec, routing: bool = False) -> Manifest:
     """Ingress to the api port from ``apiFrom``, to every metrics port from ``metricsFrom``,
-    and with ``routing`` to the api port from the endpoint picker (it scrapes /metrics there).
+    with ``routing`` to the api port from the endpoint picker (it scrapes /metrics there), and
+    with ``router.kvEvents`` to the events' ports from ``kvEventsFrom`` and from a picker that
+    subscribes to them.
 
     The ring never crosses the pod (IPC), so no rule is needed for it; the kubelet's probes
     come from the node, which NetworkPolicy implementations let through.
@@ -77,6 +79,15 @@ def network_policy(owner: Owner, spec: Spec, routing: bool = False) -> Manifest:
     if routing:
         picker = {"podSelector": _selector(picker_selector(owner))}
         ingress.append({"from": [picker], "ports": _ports(names.API_PORT)})
+    if router.kv_events_enabled(spec):
+        # the KV-cache events and their replay: the picker that subscribes to every pod,
+        # and whoever kvEventsFrom names (a router of one's own)
+        subscribers = [network_peer(p) for p in policy.get("kvEventsFrom") or []]
+        if routing and router.precise_routing(spec):
+            subscribers.insert(0, {"podSelector": _selector(picker_selector(owner))})
+        if subscribers:  # a rule without peers would admit everyone
+            ports = _ports(*names.KV_EVENTS_PORT_NAMES)
+            ingress.append({"from": subscribers, "ports": ports})
     metrics_peers = [network_peer(p) for p in policy["metricsFrom"]]
     # A rule without peers would admit everyone: an empty metricsFrom adds no rule.
     if metrics_peers:

@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any
 
-from . import model, names
+from . import model, names, router
 from .config import STAGE_SETTINGS, config_hash, config_map_data, env_name
 from .objects import Manifest, Owner, config_map_name, labels, metadata
 from .spec import Spec, desired_replicas, selector_labels, tls_enabled
@@ -77,6 +77,7 @@ def _stage_env(owner: Owner, spec: Spec, stage: str, settings: dict[str, str]) -
             {"name": "TORCHINDUCTOR_CACHE_DIR", "value": names.INDUCTOR_CACHE_DIR},
             {"name": "TRITON_CACHE_DIR", "value": names.TRITON_CACHE_DIR},
         ]
+        env += _kv_events_env(spec)
     if stage == "api" and spec["server"].get("apiKeySecret"):
         env.append({"name": env_name("api-key-file"), "value": names.API_KEY_FILE})
     if stage == "api" and tls_enabled(spec):
@@ -92,6 +93,23 @@ def _stage_env(owner: Owner, spec: Spec, stage: str, settings: dict[str, str]) -
                 "valueFrom": {"secretKeyRef": {"name": secret["name"], "key": secret["key"]}},
             }
         )
+    return env
+
+
+def _kv_events_env(spec: Spec) -> list[dict[str, Any]]:
+    """The scheduler's KV-cache events (router.kvEvents): both endpoints bound on every
+    address of the pod, the pod's IP for the default topic ``kv@<POD_IP>@<served model>`` that
+    llm-d parses, and with sha256_cbor the seed of the block hashes, which the picker repeats."""
+    env: list[dict[str, Any]] = []
+    if router.kv_events_enabled(spec):
+        env += [
+            {"name": env_name("kv-events-endpoint"), "value": router.kv_events_endpoint()},
+            {"name": env_name("kv-events-replay-endpoint"), "value": router.kv_replay_endpoint()},
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        ]
+    seed = router.hash_seed(spec)
+    if seed is not None:
+        env.append({"name": "PYTHONHASHSEED", "value": seed})
     return env
 
 
@@ -166,11 +184,18 @@ def _container(
     if stage == "api" and tls_enabled(spec):
         mounts.append({"name": "tls", "mountPath": names.TLS_DIR, "readOnly": True})
 
+    ports = [{"name": port_name, "containerPort": port, "protocol": "TCP"}]
+    if stage == "scheduler" and router.kv_events_enabled(spec):
+        ports += [
+            {"name": name, "containerPort": number, "protocol": "TCP"}
+            for number, name in names.KV_EVENTS_PORT_NAMES.items()
+        ]
+
     container: dict[str, Any] = {
         "name": stage,
         "image": spec["image"],
         "args": args,
-        "ports": [{"name": port_name, "containerPort": port, "protocol": "TCP"}],
+        "ports": ports,
         "env": _stage_env(owner, spec, stage, settings),
         "resources": resources,
         "volumeMounts": mounts,
@@ -241,6 +266,14 @@ def _secret_volume(name: str, secret: str, files: dict[str, str]) -> dict[str, A
     }
 
 
+def pod_labels(owner: Owner, spec: Spec) -> dict[str, str]:
+    """The pods' labels; with router.kvEvents, one a subscriber selects publishers by."""
+    result = labels(owner)
+    if router.kv_events_enabled(spec):
+        result[names.LABEL_KV_EVENTS] = "true"
+    return result
+
+
 def termination_grace_seconds(spec: Spec, routing: bool = False) -> int:
     """preStop sleep + the stages' drain + a margin to exit: longer than the drain timeout."""
     return prestop_sleep_seconds(routing) + spec["server"]["drainTimeoutSeconds"] + 15
@@ -304,7 +337,7 @@ def deployment(
         "progressDeadlineSeconds": spec["server"]["startupTimeoutSeconds"] + 600,
         "template": {
             "metadata": {
-                "labels": labels(owner),
+                "labels": pod_labels(owner, spec),
                 "annotations": {names.ANNOTATION_CONFIG_HASH: config_hash(settings)},
             },
             "spec": pod_spec,

@@ -103,7 +103,8 @@ _KIND_SCHEMAS: dict[Any, Schema] = {
 
 def setting_schema(setting: Setting) -> Schema:
     """The CRD field of one setting: its type, description, enum and default (the flag's, in
-    the field's type; negated for an inverted switch), then the declaration's own keywords."""
+    the field's type; negated for an inverted switch; none where the declaration's schema says
+    ``"default": None``), then the declaration's own keywords."""
     declared = setting.crd
     assert declared is not None, setting.flag
     extra = dict(declared.schema)
@@ -115,6 +116,8 @@ def setting_schema(setting: Setting) -> Schema:
     default = setting.default
     if declared.inverted:
         default = not default
+    if "default" in extra and extra.pop("default") is None:
+        default = None  # the operator derives the value from other fields (see config.py)
     if default is not None and not declared.required and not setting.repeatable:
         schema["default"] = int(default) if schema["type"] == "integer" else default
     return {**schema, **kind, **extra}

@@ -60,7 +60,7 @@ def _check_rules(spec: Spec) -> list[str]:
         problems.append("spec.autoscaling: minReplicas must not exceed maxReplicas")
     problems.extend(_model_problems(spec["model"]))
     policy = spec["networkPolicy"]
-    for field in ("apiFrom", "metricsFrom"):
+    for field in ("apiFrom", "metricsFrom", "kvEventsFrom"):
         for index, peer in enumerate(policy.get(field) or []):
             where = f"spec.networkPolicy.{field}[{index}]"
             if "cidr" in peer and peer.keys() & {"namespace", "namespaceLabels", "podLabels"}:

@@ -499,6 +499,15 @@ SETTINGS: tuple[Setting, ...] = (
         help="how KV blocks are named: blake2b (tokenline's), or sha256_cbor (vLLM's, seeded by "
         "PYTHONHASHSEED) so a router that hashes prompts itself, like llm-d's, finds them",
         stages=SCHEDULER,
+        crd=CrdField(
+            "engine.prefixCachingHashAlgo",
+            "How KV blocks are named: blake2b (tokenline's) or sha256_cbor (vLLM's, seeded by "
+            "router.kvEvents.hashSeed as PYTHONHASHSEED), which llm-d's precise prefix-cache "
+            "scorer needs, as it hashes prompts itself. Unset: sha256_cbor with "
+            "router.kvEvents enabled, else blake2b.",
+            # no default in the CRD: the operator derives it from router.kvEvents
+            {"default": None},
+        ),
         choices=("blake2b", "sha256_cbor"),
     ),
     # --- KV-cache events (vLLM's --kv-events-config: publisher zmq) -------------------------

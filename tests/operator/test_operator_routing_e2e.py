@@ -217,3 +217,53 @@ async def test_a_routed_service_settles_without_writes(cluster, operator):
             seen, quiet_since = len(child_writes()), asyncio.get_running_loop().time()
     await asyncio.sleep(1.0)
     assert child_writes()[seen:] == []
+
+
+@pytest.mark.parametrize("optional_apis", [{"inferencepool"}])
+async def test_kv_events_open_the_pods_and_make_the_picker_llm_ds(cluster, operator):
+    """spec.router.kvEvents (issue 31): the pods publish, the picker subscribes; turned off,
+    both go back."""
+    await apply(cluster, inference_service(router={"kvEvents": {"enabled": True}}))
+
+    def scheduler() -> dict:
+        template = stored(cluster, "apps/v1/deployments")["spec"]["template"]
+        return next(c for c in template["spec"]["containers"] if c["name"] == "scheduler")
+
+    container = await eventually(scheduler)
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}.items() >= {
+        ("kv-events", names.KV_EVENTS_PORT),
+        ("kv-replay", names.KV_REPLAY_PORT),
+    }
+    template = stored(cluster, "apps/v1/deployments")["spec"]["template"]
+    assert template["metadata"]["labels"][names.LABEL_KV_EVENTS] == "true"
+    seed = next(e["value"] for e in container["env"] if e["name"] == "PYTHONHASHSEED")
+    settings = stored(cluster, "v1/configmaps", "chat-config")["data"]
+    assert settings["TOKENLINE_PREFIX_CACHING_HASH_ALGO"] == "sha256_cbor"
+
+    picker_cm = await eventually(lambda: stored(cluster, "v1/configmaps", "chat-epp"))
+    config = yaml.safe_load(picker_cm["data"][inference_pool.PICKER_CONFIG_FILE])
+    scorer = next(p for p in config["plugins"] if p["type"] == inference_pool.PRECISE_SCORER)
+    assert scorer["parameters"]["tokenProcessorConfig"]["hashSeed"] == seed
+    assert scorer["parameters"]["kvEventsConfig"]["podDiscoveryConfig"] == {
+        "socketPort": names.KV_EVENTS_PORT
+    }
+    picker = await eventually(lambda: stored(cluster, "apps/v1/deployments", "chat-epp"))
+    assert picker["spec"]["template"]["spec"]["containers"][0]["image"] == names.LLMD_PICKER_IMAGE
+    policy = await eventually(lambda: stored(cluster, "networking.k8s.io/v1/networkpolicies"))
+    assert any(
+        {p["port"] for p in rule["ports"]} == {names.KV_EVENTS_PORT, names.KV_REPLAY_PORT}
+        for rule in policy["spec"]["ingress"]
+    )
+
+    await patch(cluster, f"{API}/chat", {"spec": {"router": {"kvEvents": {"enabled": False}}}})
+
+    def back() -> bool:
+        # (the emulator merges an apply, so a label or key dropped stays there; a real API
+        # server's server-side apply removes what the operator no longer applies)
+        picker = stored(cluster, "apps/v1/deployments", "chat-epp")["spec"]["template"]
+        image = picker["spec"]["containers"][0]["image"]
+        return len(scheduler()["ports"]) == 1 and image == names.PICKER_IMAGE
+
+    await eventually(back)
+    env = {e["name"] for e in scheduler()["env"]}
+    assert not {"POD_IP", "PYTHONHASHSEED", "TOKENLINE_KV_EVENTS_ENDPOINT"} & env

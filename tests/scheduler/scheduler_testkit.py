@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.engine import Engine
-from tokenline.scheduler.policy import Chunk, Scheduler
+from tokenline.scheduler.policy import Chunk, Scheduler, StepOutput
 from tokenline.scheduler.sequence import Sequence, Status
 
 # Prompts of assorted lengths; "<|assistant|>" and "hello please" make the tiny model emit its
@@ -110,8 +110,9 @@ def fake_seq(
 
 
 def fake_step(sched: Scheduler, token: int = 7) -> list[Chunk]:
-    """One engine step with a fake runner: schedule, check each chunk, "compute" it (which
-    registers the blocks it filled in the prefix cache), sample."""
+    """One engine step with a fake runner: schedule, check each chunk, "compute" it and
+    sample ``token`` for each chunk that samples; the policy applies that (which registers
+    the blocks filled in the prefix cache, and ends a sequence at its max_tokens)."""
     chunks = sched.schedule()
     block_size = sched.pool.block_size
     assert sum(c.num_tokens for c in chunks) <= sched.max_num_batched_tokens
@@ -121,10 +122,8 @@ def fake_step(sched: Scheduler, token: int = 7) -> list[Chunk]:
         assert c.num_tokens >= 1
         assert c.start == c.seq.num_computed, f"{c.seq.uid} skips or repeats tokens"
         assert len(c.seq.block_table) * block_size >= c.start + c.num_tokens, "KV slots missing"
-    sampled = [c.seq for c in chunks if c.samples]
-    sched.advance(chunks)
-    for seq in sampled:
-        seq.output_ids.append(token)
+    sampled = [(c.seq, token) for c in chunks if c.samples]
+    sched.update_from_output(StepOutput(chunks, sampled))
     return chunks
 
 

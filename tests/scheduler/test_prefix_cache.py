@@ -27,7 +27,7 @@ from scheduler_testkit import (
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.engine import Engine, EngineLimits
 from tokenline.scheduler.kv_cache import BlockPool, block_hash
-from tokenline.scheduler.policy import Scheduler
+from tokenline.scheduler.policy import Scheduler, StepOutput
 from tokenline.scheduler.sequence import Sequence, Status
 
 BS = 4  # block size of the model-free tests
@@ -176,10 +176,10 @@ def step(sched: Scheduler, kv: dict[int, tuple[int, int]] | None = None) -> list
             for pos in range(c.start + c.num_tokens):
                 slot = c.seq.block_table[pos // bs] * bs + pos % bs
                 assert kv.get(slot) == (c.seq.token_slice(pos, pos + 1)[0], pos), c.seq.uid
-    sampled = [c.seq for c in chunks if c.samples]
-    sched.advance(chunks)
-    for seq in sampled:
-        seq.output_ids.append(sum(seq.token_slice(0, seq.num_tokens)) % 5)
+    sampled = [
+        (c.seq, sum(c.seq.token_slice(0, c.seq.num_tokens)) % 5) for c in chunks if c.samples
+    ]
+    sched.update_from_output(StepOutput(chunks, sampled))
     return chunks
 
 
@@ -298,9 +298,11 @@ def test_random_shared_prefix_traffic_reads_only_its_own_tokens(seed):
 
 
 def finish_done(sched: Scheduler, live: dict[str, Sequence]) -> None:
+    """The policy ended the sequences that reached their max_tokens, blocks and all."""
     for uid, seq in list(live.items()):
-        if len(seq.output_ids) >= seq.max_tokens:
-            assert sched.remove(uid) is seq
+        assert (len(seq.output_ids) >= seq.max_tokens) is (seq.status is Status.FINISHED)
+        if seq.status is Status.FINISHED:
+            assert uid not in sched.by_uid and not seq.block_table
             del live[uid]
 
 

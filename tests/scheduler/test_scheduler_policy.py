@@ -288,9 +288,10 @@ def test_random_traffic_keeps_block_accounting_exact_and_finishes_every_request(
     finished: set[str] = set()
 
     def finish_done() -> None:
-        for uid, seq in list(live.items()):
-            if len(seq.output_ids) >= seq.max_tokens:
-                assert sched.remove(uid) is seq
+        for uid, seq in list(live.items()):  # the policy ends a sequence at its max_tokens
+            assert (len(seq.output_ids) >= seq.max_tokens) is (seq.status is Status.FINISHED)
+            if seq.status is Status.FINISHED:
+                assert uid not in sched.by_uid and not seq.block_table
                 finished.add(uid)
                 del live[uid]
 

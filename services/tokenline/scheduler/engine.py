@@ -15,7 +15,7 @@ from tokenline.protocol import SamplingParams, TokenOutput
 from tokenline.scheduler import prompt_logprobs
 from tokenline.scheduler.grammar import GrammarCompiler, GrammarError
 from tokenline.scheduler.kv_cache import BlockPool
-from tokenline.scheduler.policy import Chunk, Scheduler
+from tokenline.scheduler.policy import Chunk, Scheduler, StepOutput
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.scheduler.sampler import sample_with_logprobs
 from tokenline.scheduler.sequence import Sequence
@@ -83,7 +83,13 @@ class Engine:
         # takes them with take_rejected() and reports each as the request's error
         self._rejected: list[tuple[str, InvalidRequest]] = []
         self.pool = BlockPool(runner.num_blocks, runner.block_size, caching=prefix_caching)
-        self.scheduler = Scheduler(self.pool, limits.max_num_seqs, limits.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.pool,
+            limits.max_num_seqs,
+            limits.max_num_batched_tokens,
+            eos_ids=eos_ids,
+            max_model_len=limits.max_model_len,
+        )
         self._finished: list[TokenOutput] = []  # terminal outputs not tied to a forward pass
         self.step_uids: list[str] = []  # the sequences of the last step
 
@@ -255,84 +261,59 @@ class Engine:
         }
 
     def _run(self, chunks: list[Chunk], outputs: list[TokenOutput]) -> None:
+        """Run the model over the chunks and sample; the policy applies what came out
+        (`update_from_output`), and its account of each sequence becomes the outputs."""
         spans = prompt_logprobs.spans(chunks)
+        scored = []
         if spans:
             kept = [(span.chunk, span.offset, span.count) for span in spans]
             logits, hidden = self.runner.forward_keeping(chunks, kept)
-            prompt_logprobs.score(self.runner, hidden, spans)
+            scored = prompt_logprobs.score(self.runner, hidden, spans)
         else:
             logits = self.runner.forward(chunks)
-        self.scheduler.advance(chunks)
         sampling_seqs = [c.seq for c in chunks if c.samples]
-        if any(seq.sampling.max_tokens == 0 for seq in sampling_seqs):
-            logits, sampling_seqs = self._end_read_only(logits, sampling_seqs, outputs)
-        if not sampling_seqs:
-            return
-        allowed = None
-        constrained = [i for i, seq in enumerate(sampling_seqs) if seq.matcher is not None]
-        if constrained:
-            matchers = [sampling_seqs[i].matcher for i in constrained]
-            allowed = (constrained, self.grammars.masks(matchers, logits.shape[1], logits.device))
-        tokens, logprobs = sample_with_logprobs(logits, sampling_seqs, self.eos_ids, allowed)
+        # max_tokens 0: the prompt is only read (for its logprobs); nothing is sampled
+        read_only = [seq for seq in sampling_seqs if seq.sampling.max_tokens == 0]
+        if read_only:
+            rest = [i for i, seq in enumerate(sampling_seqs) if seq.sampling.max_tokens != 0]
+            keep = torch.tensor(rest, dtype=torch.long, device=logits.device)
+            logits, sampling_seqs = logits.index_select(0, keep), [sampling_seqs[i] for i in rest]
+        tokens: list[int] = []
+        logprobs: list = []
+        if sampling_seqs:
+            allowed = None
+            constrained = [i for i, seq in enumerate(sampling_seqs) if seq.matcher is not None]
+            if constrained:
+                matchers = [sampling_seqs[i].matcher for i in constrained]
+                masks = self.grammars.masks(matchers, logits.shape[1], logits.device)
+                allowed = (constrained, masks)
+            tokens, logprobs = sample_with_logprobs(logits, sampling_seqs, self.eos_ids, allowed)
+        step = StepOutput(
+            chunks=chunks,
+            sampled=list(zip(sampling_seqs, tokens, strict=True)),
+            read_only=read_only,
+            prompt_logprobs=scored,
+        )
+        logprob_of = dict(zip(map(id, sampling_seqs), logprobs, strict=True))
         now = time.monotonic()
-        for seq, token, logprob in zip(sampling_seqs, tokens, logprobs, strict=True):
-            first = not seq.output_ids
-            seq.output_ids.append(token)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self.scheduler.remove(seq.uid)
-                outputs.append(self._terminal(seq, [token], reason))
-                if reason == "error":
-                    outputs[-1].error_code = "grammar_error"
+        for update in self.scheduler.update_from_output(step):
+            seq = update.seq
+            token_ids = [] if update.token is None else [update.token]
+            if update.finish_reason is not None:
+                out = self._terminal(seq, token_ids, update.finish_reason)
+                if update.finish_reason == "error":
+                    out.error_code = "grammar_error"
             else:
-                outputs.append(TokenOutput(uid=seq.uid, token_ids=[token]))
+                out = TokenOutput(uid=seq.uid, token_ids=token_ids)
+            logprob = logprob_of.get(id(seq)) if update.token is not None else None
             if logprob is not None:
-                outputs[-1].logprobs = [logprob]
-            if first:
-                self._first_output(outputs[-1], seq, now)
-
-    def _end_read_only(
-        self, logits: torch.Tensor, seqs: list[Sequence], outputs: list[TokenOutput]
-    ) -> tuple[torch.Tensor, list[Sequence]]:
-        """End the sequences that asked for no token (max_tokens 0: the prompt is only read,
-        for its logprobs) now that their prompt is computed; return the rest's logits."""
-        now = time.monotonic()
-        rest = []
-        for i, seq in enumerate(seqs):
-            if seq.sampling.max_tokens != 0:
-                rest.append(i)
-                continue
-            self.scheduler.remove(seq.uid)
-            outputs.append(self._terminal(seq, [], "length"))
-            self._first_output(outputs[-1], seq, now)
-        keep = torch.tensor(rest, dtype=torch.long, device=logits.device)
-        return logits.index_select(0, keep), [seqs[i] for i in rest]
-
-    @staticmethod
-    def _first_output(out: TokenOutput, seq: Sequence, now: float) -> None:
-        """What a uid's first output carries; the prompt logprobs leave the sequence with it."""
-        out.queue_s = (seq.first_scheduled or now) - seq.arrival
-        out.cached_tokens = seq.cached_tokens or 0
-        if seq.prompt_logprobs is not None:
-            out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        s = seq.sampling
-        if seq.matcher is not None:
-            if not seq.matcher.consume_token(token) or seq.matcher.is_error():
-                return "error"  # the mask allowed it, so the matcher's state is broken
-            if seq.matcher.is_stopped():
-                return "stop"  # the output is complete: the grammar allows nothing more
-        if len(seq.output_ids) >= s.min_tokens:
-            if token in s.stop_token_ids:
-                return "stop"
-            if not s.ignore_eos and token in self.eos_ids:
-                return "stop"
-        if len(seq.output_ids) >= seq.max_tokens:
-            return "length"
-        if seq.num_tokens >= self.limits.max_model_len:
-            return "length"
-        return None
+                out.logprobs = [logprob]
+            if update.first:  # what a uid's first output carries
+                out.queue_s = (seq.first_scheduled or now) - seq.arrival
+                out.cached_tokens = seq.cached_tokens or 0
+                if update.prompt_logprobs is not None:
+                    out.prompt_logprobs = update.prompt_logprobs
+            outputs.append(out)
 
     @staticmethod
     def _terminal(seq: Sequence, token_ids: list[int], reason: str) -> TokenOutput:

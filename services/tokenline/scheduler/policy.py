@@ -11,13 +11,20 @@ from nothing, since every prompt position must run through the model (its blocks
 offered to the cache). When the pool runs dry mid-generation, paused sequences are
 parked first (their blocks freed, recomputed on resume), then the newest running ones are
 preempted back to the head of the queue to be recomputed later: output is never corrupted.
+
+This is also the one writer of a sequence's state. After each forward pass the engine hands
+what the step produced to ``update_from_output`` (vLLM's ``EngineCore`` shape): the tokens
+computed, each sampled token and the prompt logprobs gathered; the policy counts them, offers
+the filled blocks to the prefix cache, decides who finished and takes them out. The engine
+and the stage only read sequences.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.sequence import Sequence, Status
@@ -35,9 +42,41 @@ class Chunk:
         return self.start + self.num_tokens == self.seq.num_tokens
 
 
+@dataclass
+class StepOutput:
+    """What one forward pass produced, for `update_from_output`."""
+
+    chunks: list[Chunk]  # the chunks computed
+    sampled: list[tuple[Sequence, int]]  # each sequence that sampled, with its token, in order
+    # sequences that asked for no token (max_tokens 0): their prompt is read, so they end now
+    read_only: list[Sequence] = field(default_factory=list)
+    # prompt logprob entries gathered this step, per sequence, in prompt order
+    prompt_logprobs: list[tuple[Sequence, list]] = field(default_factory=list)
+
+
+@dataclass
+class SequenceUpdate:
+    """What changed for one sequence in a step, as the engine reports it."""
+
+    seq: Sequence
+    token: int | None  # the token it sampled; None: a read-only sequence that ended
+    finish_reason: str | None  # stop, length, error (its grammar broke); None: it goes on
+    first: bool  # this is its first output
+    prompt_logprobs: list | None = None  # handed over with the first output, when asked
+
+
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        eos_ids: Iterable[int] = (),
+        max_model_len: int | None = None,
+    ) -> None:
         self.pool = pool
+        self.eos_ids = frozenset(eos_ids)
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -142,12 +181,46 @@ class Scheduler:
             budget -= n
         return chunks
 
-    def advance(self, chunks: list[Chunk]) -> None:
-        """The chunks were computed: count their tokens and offer the blocks they filled to
-        the prefix cache."""
-        for chunk in chunks:
+    def update_from_output(self, output: StepOutput) -> list[SequenceUpdate]:
+        """Apply one step's results: the only place sequences' counters change after a
+        forward pass. Returns what changed, read-only ends first, then each sampled token in
+        step order; finished sequences are already out (their blocks back in the pool)."""
+        for chunk in output.chunks:
             chunk.seq.num_computed += chunk.num_tokens
             self.pool.cache_full_blocks(chunk.seq)
+        for seq, entries in output.prompt_logprobs:
+            seq.prompt_logprobs.extend(entries)
+        updates = []
+        for seq in output.read_only:
+            self.remove(seq.uid)
+            updates.append(SequenceUpdate(seq, None, "length", True, _hand_over(seq)))
+        for seq, token in output.sampled:
+            first = not seq.output_ids
+            seq.output_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.remove(seq.uid)
+            handed = _hand_over(seq) if first else None
+            updates.append(SequenceUpdate(seq, token, reason, first, handed))
+        return updates
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        s = seq.sampling
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token) or seq.matcher.is_error():
+                return "error"  # the mask allowed it, so the matcher's state is broken
+            if seq.matcher.is_stopped():
+                return "stop"  # the output is complete: the grammar allows nothing more
+        if len(seq.output_ids) >= s.min_tokens:
+            if token in s.stop_token_ids:
+                return "stop"
+            if not s.ignore_eos and token in self.eos_ids:
+                return "stop"
+        if len(seq.output_ids) >= seq.max_tokens:
+            return "length"
+        if self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def _make_room(self, seq: Sequence, n: int) -> bool:
         while not self.pool.can_grow(seq, n):
@@ -173,3 +246,9 @@ class Scheduler:
             seq.status = Status.WAITING
             self.waiting.appendleft(seq)
         # a paused sequence stays paused, parked without KV; resume sends it to the queue
+
+
+def _hand_over(seq: Sequence) -> list | None:
+    """The prompt logprobs leave the sequence with its first output."""
+    handed, seq.prompt_logprobs = seq.prompt_logprobs, None
+    return handed

@@ -4,9 +4,10 @@ tokens before it, with the likeliest alternatives, as the prompt's prefill compu
 Prompt token ``i`` is scored by the logits at position ``i - 1``, so a prefill chunk over
 positions ``[start, start + n)`` scores prompt tokens ``start + 1 .. start + n`` (the last
 prompt position's logits give the first output token instead, as sampling always did). The
-scores gather on the sequence across chunks; its first output carries them. Every prompt
-position must run through the model, so such a sequence skips prefix-cache hits until it is
-scored (policy.py); a preempted one keeps what it gathered and scores only the rest.
+scores gather on the sequence across chunks (the policy appends them); its first output
+carries them. Every prompt position must run through the model, so such a sequence skips
+prefix-cache hits until it is scored (policy.py); a preempted one keeps what it gathered and
+scores only the rest.
 
 Memory stays bounded whatever the prompt: the runner keeps only the chunk's final hidden
 states, and they become logits a slice of rows at a time, each slice reduced on the device to
@@ -82,8 +83,9 @@ def spans(chunks: list[Chunk]) -> list[Span]:
 
 
 @torch.inference_mode()
-def score(runner, hidden: torch.Tensor, spans: list[Span]) -> None:
-    """Append each span's entries to its sequence's ``prompt_logprobs``.
+def score(runner, hidden: torch.Tensor, spans: list[Span]) -> list[tuple[Sequence, list]]:
+    """Each span's entries, with its sequence, for the policy to append to the sequence's
+    ``prompt_logprobs`` (``StepOutput.prompt_logprobs``).
 
     ``hidden``: the spans' final hidden states from ``runner.forward_keeping``, in order."""
     targets = [t for span in spans for t in span.targets]
@@ -100,7 +102,9 @@ def score(runner, hidden: torch.Tensor, spans: list[Span]) -> None:
         del raw  # the slice's logits are gone before the next slice's exist
     reduced = tuple(torch.cat(column) for column in zip(*parts, strict=True))
     entries: list[TokenLogprobs] = token_logprobs(targets, reduced, top_ns)
+    scored = []
     at = 0
     for span in spans:
-        span.seq.prompt_logprobs.extend(entries[at : at + span.count])
+        scored.append((span.seq, entries[at : at + span.count]))
         at += span.count
+    return scored

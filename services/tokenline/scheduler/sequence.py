@@ -35,7 +35,6 @@ class Sequence:
     cached_tokens: int | None = None
     status: Status = Status.WAITING
     first_scheduled: float | None = None
-    pause_requested: bool = False
     generator: object | None = None  # torch.Generator for seeded sampling, made by the runner
     matcher: object | None = None  # llguidance.LLMatcher when the output follows a grammar
     # sampling.prompt_logprobs: the prompt tokens' entries gathered so far ([0] is None), up

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.engine import Engine
-from tokenline.scheduler.policy import Chunk, Scheduler, StepOutput
+from tokenline.scheduler.policy import BatchPolicy, Chunk, StepOutput
 from tokenline.scheduler.sequence import Sequence, Status
 
 # Prompts of assorted lengths; "<|assistant|>" and "hello please" make the tiny model emit its
@@ -109,7 +109,7 @@ def fake_seq(
     )
 
 
-def fake_step(sched: Scheduler, token: int = 7) -> list[Chunk]:
+def fake_step(sched: BatchPolicy, token: int = 7) -> list[Chunk]:
     """One engine step with a fake runner: schedule, check each chunk, "compute" it and
     sample ``token`` for each chunk that samples; the policy applies that (which registers
     the blocks filled in the prefix cache, and ends a sequence at its max_tokens)."""
@@ -127,7 +127,17 @@ def fake_step(sched: Scheduler, token: int = 7) -> list[Chunk]:
     return chunks
 
 
-def assert_blocks_conserved(sched: Scheduler) -> None:
+def forget_finished(sched: BatchPolicy, live: dict[str, Sequence]) -> None:
+    """Check that the policy ended exactly the sequences of ``live`` that reached their
+    max_tokens, blocks and all, and drop those from ``live``."""
+    for uid, seq in list(live.items()):
+        assert (len(seq.output_ids) >= seq.max_tokens) is (seq.status is Status.FINISHED)
+        if seq.status is Status.FINISHED:
+            assert uid not in sched.by_uid and not seq.block_table
+            del live[uid]
+
+
+def assert_blocks_conserved(sched: BatchPolicy) -> None:
     """Every usable block is either free (perhaps cached) or referenced by as many live
     sequences as its reference count says; a sequence holds a block at most once."""
     pool = sched.pool
@@ -145,7 +155,7 @@ def assert_blocks_conserved(sched: Scheduler) -> None:
     assert not set(unreferenced) & set(holders), "a held block is also free"
 
 
-def assert_states_consistent(sched: Scheduler) -> None:
+def assert_states_consistent(sched: BatchPolicy) -> None:
     running = {s.uid for s in sched.running}
     waiting = {s.uid for s in sched.waiting}
     paused = set(sched.paused)
@@ -202,9 +212,9 @@ def assert_idle(engine: Engine) -> None:
     assert engine.pool.usage == 0.0
     assert engine.pool.num_referenced == 0
     assert engine.pool.num_free == engine.pool.num_blocks - 1
-    assert not engine.scheduler.by_uid
+    assert not engine.policy.by_uid
     assert not engine.compiling
-    assert not (engine.scheduler.running or engine.scheduler.waiting or engine.scheduler.paused)
+    assert not (engine.policy.running or engine.policy.waiting or engine.policy.paused)
     dense = engine.runner.decode_contexts
     assert dense is None or (dense.num_rows == 0 and dense.buffer.numel() == 0)
 

@@ -37,7 +37,7 @@ def scenario_decode(engine: Engine) -> None:
 def scenario_chunked_prefill(engine: Engine) -> None:
     """A 16-token budget cuts the prompts into chunks that continue them, beside decodes."""
     engine.limits.max_num_batched_tokens = 16
-    engine.scheduler.max_num_batched_tokens = 16
+    engine.policy.max_num_batched_tokens = 16
     for i, n in enumerate((40, 27, 5)):
         engine.add(f"c{i}", prompt(i, n), greedy(10))
     run(engine)

@@ -68,7 +68,7 @@ def test_preemption_under_a_tiny_kv_budget_keeps_greedy_tokens(
         assert len(ids) + MAX_TOKENS <= 5 * 16
         engine.add(uid, ids, greedy(MAX_TOKENS, ignore_eos=True))
     run = drain(engine)
-    assert engine.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
+    assert engine.policy.num_preemptions > 0, "the budget was meant to force preemption"
     assert run.tokens == ignore_eos_reference
     assert set(run.reasons.values()) == {"length"}
     assert_idle(engine)
@@ -81,7 +81,7 @@ def test_preemption_with_chunked_prefill_keeps_greedy_tokens(
     for uid, ids in prompt_ids.items():
         engine.add(uid, ids, greedy(MAX_TOKENS, ignore_eos=True))
     run = drain(engine)
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.policy.num_preemptions > 0
     assert run.tokens == ignore_eos_reference
     assert_idle(engine)
 
@@ -94,14 +94,14 @@ def test_pause_and_resume_under_kv_pressure_keep_greedy_tokens(
     engine = make_engine(kv_blocks=6, dense_decode=dense_decode)
     for uid, ids in prompt_ids.items():
         engine.add(uid, ids, greedy(MAX_TOKENS, ignore_eos=True))
-    paused = engine.scheduler.by_uid["p0"]
+    paused = engine.policy.by_uid["p0"]
     run = collect(engine.step(), Drained())
     collect(engine.step(), run)
     assert engine.pause("p0")
     held_while_paused = len(run.tokens["p0"])
     parked = False
     for _ in range(200):
-        if not engine.scheduler.has_work():
+        if not engine.policy.has_work():
             break
         collect(engine.step(), run)
         assert len(run.tokens["p0"]) == held_while_paused, "a paused request kept decoding"

@@ -130,7 +130,7 @@ def test_abort_returns_kv_blocks_at_once_and_ends_each_uid_once(make_engine, enc
     for _ in range(2):
         collect(engine.step(), run)
     engine.pause("paused")
-    sched = engine.scheduler
+    sched = engine.policy
     assert [s.uid for s in sched.running] == ["decoding", "prefilling"]
     assert [s.uid for s in sched.waiting] == ["waiting"]
     assert sched.paused["paused"].block_table, "paused with its blocks"
@@ -164,7 +164,7 @@ def test_aborted_blocks_admit_the_next_request(make_engine, encode):
     engine.step()
     engine.add("next", list(range(5, 40)), greedy(4, ignore_eos=True))  # needs all 3 blocks
     engine.step()
-    assert not engine.scheduler.by_uid["next"].block_table
+    assert not engine.policy.by_uid["next"].block_table
     engine.abort("hog")
     run = drain(engine)
     assert run.reasons == {"hog": "abort", "next": "length"}

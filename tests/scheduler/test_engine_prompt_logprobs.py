@@ -130,7 +130,7 @@ def test_preempted_prefills_keep_their_prompt_logprobs(make_engine, encode, hf_m
     for uid, ids in prompts.items():
         engine.add(uid, ids, greedy(24, ignore_eos=True, prompt_logprobs=1))
     _, _, first = _run(engine)
-    assert engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+    assert engine.policy.num_preemptions > 0, "the pool was meant to force preemption"
     for uid, ids in prompts.items():
         _check(first[uid].prompt_logprobs, ids, _reference(hf_model, ids), 1)
     assert_idle(engine)
@@ -159,7 +159,7 @@ def test_prompt_logprobs_beyond_the_bounds_are_refused(make_engine, encode, monk
         engine.add("long", prompt, greedy(2, prompt_logprobs=2))
     assert too_long.value.param == "logprobs"
     engine.add("fits", prompt, greedy(2, prompt_logprobs=1))  # len(prompt) * 2 values fit
-    assert not engine.scheduler.by_uid.keys() - {"fits"}, "refused requests are not held"
+    assert not engine.policy.by_uid.keys() - {"fits"}, "refused requests are not held"
     _run(engine)
     assert_idle(engine)
 

@@ -20,6 +20,7 @@ from scheduler_testkit import (
     drain,
     fake_seq,
     family_runner,
+    forget_finished,
     greedy,
     saved_family_model,
 )
@@ -27,7 +28,7 @@ from scheduler_testkit import (
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.engine import Engine, EngineLimits
 from tokenline.scheduler.kv_cache import BlockPool, block_hash
-from tokenline.scheduler.policy import Scheduler, StepOutput
+from tokenline.scheduler.policy import BatchPolicy, StepOutput
 from tokenline.scheduler.sequence import Sequence, Status
 
 BS = 4  # block size of the model-free tests
@@ -154,7 +155,7 @@ def test_caching_off_names_nothing():
 
 
 # ── the policy ────────────────────────────────────────────────────────────────────────────────
-def step(sched: Scheduler, kv: dict[int, tuple[int, int]] | None = None) -> list:
+def step(sched: BatchPolicy, kv: dict[int, tuple[int, int]] | None = None) -> list:
     """A fake engine step: schedule, "compute", sample a token that depends on the whole
     context (so sequences that share a prefix diverge after it).
 
@@ -184,7 +185,7 @@ def step(sched: Scheduler, kv: dict[int, tuple[int, int]] | None = None) -> list
 
 
 def test_admission_counts_only_the_blocks_a_request_must_newly_get():
-    sched = Scheduler(BlockPool(7, BS), max_num_seqs=8, max_num_batched_tokens=64)  # 6 usable
+    sched = BatchPolicy(BlockPool(7, BS), max_num_seqs=8, max_num_batched_tokens=64)  # 6 usable
     holder = fake_seq("holder", 16, prompt_ids=list(range(16)))
     sched.add(holder)
     step(sched)  # 16 prompt tokens: 4 full blocks, named
@@ -199,7 +200,7 @@ def test_admission_counts_only_the_blocks_a_request_must_newly_get():
 
 
 def test_admission_counts_cached_unreferenced_blocks_as_free():
-    sched = Scheduler(BlockPool(5, BS), max_num_seqs=8, max_num_batched_tokens=64)  # 4 usable
+    sched = BatchPolicy(BlockPool(5, BS), max_num_seqs=8, max_num_batched_tokens=64)  # 4 usable
     ended = fake_seq("ended", 12)
     sched.add(ended)
     step(sched)
@@ -214,7 +215,7 @@ def test_admission_counts_cached_unreferenced_blocks_as_free():
 
 
 def test_a_prompt_whose_blocks_revive_must_still_fit_beside_them():
-    sched = Scheduler(BlockPool(5, BS), max_num_seqs=8, max_num_batched_tokens=64)  # 4 usable
+    sched = BatchPolicy(BlockPool(5, BS), max_num_seqs=8, max_num_batched_tokens=64)  # 4 usable
     first = fake_seq("first", 12, prompt_ids=list(range(12)))
     sched.add(first)
     step(sched)
@@ -237,7 +238,7 @@ def test_a_prompt_whose_blocks_revive_must_still_fit_beside_them():
 
 
 def test_counters_count_each_request_once_at_its_first_admission():
-    sched = Scheduler(BlockPool(32, BS), max_num_seqs=8, max_num_batched_tokens=64)
+    sched = BatchPolicy(BlockPool(32, BS), max_num_seqs=8, max_num_batched_tokens=64)
     a = fake_seq("a", 10, prompt_ids=list(range(10)))
     sched.add(a)
     step(sched)
@@ -259,7 +260,7 @@ def test_random_shared_prefix_traffic_reads_only_its_own_tokens(seed):
     drawn from a few shared prefixes: every chunk reads exactly its own tokens' K/V, block
     accounting stays exact, every request finishes and nothing stays referenced."""
     rng = random.Random(seed)
-    sched = Scheduler(BlockPool(13, BS), max_num_seqs=4, max_num_batched_tokens=12)
+    sched = BatchPolicy(BlockPool(13, BS), max_num_seqs=4, max_num_batched_tokens=12)
     prefixes = [[rng.randrange(5) for _ in range(rng.randint(4, 20))] for _ in range(3)]
     kv: dict[int, tuple[int, int]] = {}
     live: dict[str, Sequence] = {}
@@ -281,7 +282,7 @@ def test_random_shared_prefix_traffic_reads_only_its_own_tokens(seed):
             live = {uid: s for uid, s in live.items() if uid in sched.by_uid}
         else:
             step(sched, kv)
-            finish_done(sched, live)
+            forget_finished(sched, live)
         assert_blocks_conserved(sched)
         assert_states_consistent(sched)
     for uid in list(sched.paused):
@@ -290,20 +291,11 @@ def test_random_shared_prefix_traffic_reads_only_its_own_tokens(seed):
         if not live:
             break
         step(sched, kv)
-        finish_done(sched, live)
+        forget_finished(sched, live)
         assert_blocks_conserved(sched)
     assert not live
     assert sched.pool.num_referenced == 0 and sched.pool.num_free == sched.pool.num_blocks - 1
     assert sched.prefix_cache_hits > 0, "the traffic was meant to share prefixes"
-
-
-def finish_done(sched: Scheduler, live: dict[str, Sequence]) -> None:
-    """The policy ended the sequences that reached their max_tokens, blocks and all."""
-    for uid, seq in list(live.items()):
-        assert (len(seq.output_ids) >= seq.max_tokens) is (seq.status is Status.FINISHED)
-        if seq.status is Status.FINISHED:
-            assert uid not in sched.by_uid and not seq.block_table
-            del live[uid]
 
 
 # ── the engine on the tiny model ──────────────────────────────────────────────────────────────
@@ -380,12 +372,12 @@ def test_requests_sharing_a_prefix_at_the_same_time(make_engine, prefix, dense_d
     )
     engine = make_engine(dense_decode=dense_decode, max_num_batched_tokens=24)
     engine.add("s0", prompts["s0"], sampling)
-    while not engine.scheduler.by_uid["s0"].output_ids:
+    while not engine.policy.by_uid["s0"].output_ids:
         run = engine.step()
     seen = {out.uid: out for out in run}
     for uid in ("s1", "s2", "s3"):
         engine.add(uid, prompts[uid], sampling)
-    shared = engine.scheduler.by_uid["s0"].block_table[0]
+    shared = engine.policy.by_uid["s0"].block_table[0]
     tokens, logprobs, first = {"s0": list(seen["s0"].token_ids)}, {}, {"s0": seen["s0"]}
     logprobs["s0"] = [e.logprob for e in seen["s0"].logprobs]
     most_refs = 0
@@ -411,7 +403,7 @@ def test_preempted_requests_resume_exactly_under_a_tiny_pool(make_engine, prefix
     want = logprob_run(make_engine(kv_blocks=blocks, prefix_caching=False), prompts, sampling)
     engine = make_engine(kv_blocks=blocks)
     got = logprob_run(engine, prompts, sampling)
-    assert engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+    assert engine.policy.num_preemptions > 0, "the pool was meant to force preemption"
     assert engine.prefix_cache_hits > 0
     assert_same_outputs(got, want)
     assert_idle(engine)

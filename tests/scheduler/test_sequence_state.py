@@ -18,7 +18,7 @@ def state(seq) -> tuple:
 
 def test_a_step_changes_sequences_only_through_update_from_output(make_engine, encode):
     engine = make_engine(max_num_batched_tokens=8)
-    policy = engine.scheduler
+    policy = engine.policy
     engine.add("plain", encode("hello world again and again"), greedy(6, ignore_eos=True))
     engine.add(
         "scored", encode("the quick brown fox"), SamplingParams(max_tokens=3, prompt_logprobs=2)

@@ -1,7 +1,13 @@
-"""The scheduler/runner stage: continuous batching over a paged KV cache.
+"""The scheduler stage: continuous batching over a paged KV cache.
 
-``sequence`` holds one request's state, ``kv_cache`` does block accounting, ``policy`` decides
-who runs, waits, pauses or is preempted (pure Python, testable without a model), ``runner`` owns
-tensors and the model forward, ``sampler`` turns logits into tokens, ``engine`` ties them into
-one step, and ``stage`` connects the engine to the ring.
+``sequence`` holds one request's state. ``policy`` (``BatchPolicy``) decides who is admitted,
+runs, waits, pauses or is preempted, and is the one writer of sequence state: it applies each
+step's results in one ``update_from_output`` call (pure Python, testable without a model).
+``kv_cache`` does block accounting and prefix caching, on the policy's behalf. ``runner`` owns
+the weights, the KV pool and the layer loop; ``attention/`` computes each layer's attention
+behind one interface (``prepare(step)`` once per step, ``forward(q, k, v, layer, metadata)``
+per layer), with the backend chosen once at start. ``step_inputs`` turns a step's chunks into
+the flat batch the runner and the attention backend read; ``sampler`` turns logits into
+tokens. ``engine`` (``Engine``) is the step loop that ties them: schedule, run the model,
+sample, hand the output to the policy. ``stage`` connects the engine to the ring.
 """

@@ -15,16 +15,17 @@ from tokenline.protocol import SamplingParams, TokenOutput
 from tokenline.scheduler import prompt_logprobs
 from tokenline.scheduler.grammar import GrammarCompiler, GrammarError
 from tokenline.scheduler.kv_cache import BlockPool
-from tokenline.scheduler.policy import Chunk, Scheduler, StepOutput
+from tokenline.scheduler.policy import BatchPolicy, Chunk, StepOutput
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.scheduler.sampler import sample_with_logprobs
 from tokenline.scheduler.sequence import Sequence
+from tokenline.settings import BY_FLAG
 
 
 @dataclass
 class EngineLimits:
     max_model_len: int
-    max_num_seqs: int = 256
+    max_num_seqs: int = BY_FLAG["max-num-seqs"].default
     max_num_batched_tokens: int = 2048
 
 
@@ -40,10 +41,16 @@ def default_token_budget(device_type: str) -> int:
 
 
 class InvalidRequest(ValueError):
-    """A request the engine can never serve; it fails at once with an OpenAI error."""
+    """A request the engine can never serve; it fails at once with an OpenAI error naming
+    ``param``, the request field at fault."""
 
     code = "invalid_request_error"
     param: str | None = None
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        if param is not None:
+            self.param = param
 
 
 class KVCacheTooSmall(InvalidRequest):
@@ -83,7 +90,7 @@ class Engine:
         # takes them with take_rejected() and reports each as the request's error
         self._rejected: list[tuple[str, InvalidRequest]] = []
         self.pool = BlockPool(runner.num_blocks, runner.block_size, caching=prefix_caching)
-        self.scheduler = Scheduler(
+        self.policy = BatchPolicy(
             self.pool,
             limits.max_num_seqs,
             limits.max_num_batched_tokens,
@@ -103,43 +110,32 @@ class Engine:
         arrival: float | None = None,
     ) -> Sequence:
         if not prompt_ids:
-            error = InvalidRequest("the prompt is empty; send at least one token")
-            error.param = "prompt"
-            raise error
-        if not self.scheduler.fits_at_all(len(prompt_ids)):
+            raise InvalidRequest("the prompt is empty; send at least one token", param="prompt")
+        if not self.policy.fits_at_all(len(prompt_ids)):
             raise KVCacheTooSmall(
                 f"the prompt needs {len(prompt_ids)} tokens of KV cache but the pool holds "
                 f"{(self.pool.num_blocks - 1) * self.pool.block_size}; raise --kv-cache-memory"
             )
-        bad_ids = [i for i in sampling.stop_token_ids if not 0 <= i < self.runner.vocab_size]
-        if bad_ids:
-            last = self.runner.vocab_size - 1
-            error = InvalidRequest(
-                f"stop_token_ids {bad_ids} are outside the vocabulary (0..{last})"
-            )
-            error.param = "stop_token_ids"
-            raise error
-        bad_bias = [i for i in sampling.logit_bias if not 0 <= i < self.runner.vocab_size]
-        if bad_bias:
-            last = self.runner.vocab_size - 1
-            error = InvalidRequest(
-                f"logit_bias names token ids {bad_bias[:8]} outside the vocabulary (0..{last})"
-            )
-            error.param = "logit_bias"
-            raise error
+        last = self.runner.vocab_size - 1
+        token_ids = (  # (field, its token ids, how the error names the bad ones)
+            ("stop_token_ids", sampling.stop_token_ids, lambda b: f"stop_token_ids {b} are"),
+            ("logit_bias", sampling.logit_bias, lambda b: f"logit_bias names token ids {b[:8]}"),
+        )
+        for param, ids, names in token_ids:
+            bad = [i for i in ids if not 0 <= i <= last]
+            if bad:
+                message = f"{names(bad)} outside the vocabulary (0..{last})"
+                raise InvalidRequest(message, param=param)
         if sampling.grammar is not None and self.grammars is None:
-            error = InvalidRequest(
+            raise InvalidRequest(
                 "this scheduler runs without grammar support; send the request without "
-                "response_format or forced tool calls"
+                "response_format or forced tool calls",
+                param="response_format",
             )
-            error.param = "response_format"
-            raise error
         if sampling.prompt_logprobs is not None:
             reason = prompt_logprobs.refusal(len(prompt_ids), sampling.prompt_logprobs)
             if reason is not None:
-                error = InvalidRequest(reason)
-                error.param = "logprobs"
-                raise error
+                raise InvalidRequest(reason, param="logprobs")
         # A request never grows past the context or past the whole KV pool: one that outgrew
         # the pool could only preempt itself forever.
         capacity = (self.pool.num_blocks - 1) * self.pool.block_size
@@ -164,7 +160,7 @@ class Engine:
             if seq.matcher is None:
                 self.compiling[uid] = (seq, self.grammars.submit(sampling.grammar))
                 return seq
-        self.scheduler.add(seq)
+        self.policy.add(seq)
         return seq
 
     def _admit_compiled(self) -> None:
@@ -175,11 +171,12 @@ class Engine:
             try:
                 seq.matcher = self.grammars.keep(seq.sampling.grammar, future.result())
             except GrammarError as exc:
-                error = InvalidRequest(f"the output format cannot be enforced: {exc}")
-                error.param = "response_format"
+                error = InvalidRequest(
+                    f"the output format cannot be enforced: {exc}", param="response_format"
+                )
                 self._rejected.append((uid, error))
                 continue
-            self.scheduler.add(seq)
+            self.policy.add(seq)
 
     def take_rejected(self) -> list[tuple[str, InvalidRequest]]:
         rejected, self._rejected = self._rejected, []
@@ -187,7 +184,7 @@ class Engine:
 
     def abort(self, uid: str, finish_reason: str = "abort") -> Sequence | None:
         """End a uid now; its KV blocks go back to the pool at once."""
-        seq = self.scheduler.remove(uid)
+        seq = self.policy.remove(uid)
         if seq is None and uid in self.compiling:
             seq, future = self.compiling.pop(uid)
             future.cancel()
@@ -196,15 +193,15 @@ class Engine:
         return seq
 
     def pause(self, uid: str) -> bool:
-        return self.scheduler.pause(uid)
+        return self.policy.pause(uid)
 
     def resume(self, uid: str) -> bool:
-        return self.scheduler.resume(uid)
+        return self.policy.resume(uid)
 
     def has_work(self) -> bool:
         if any(future.done() for _, future in self.compiling.values()):
             return True
-        return self.scheduler.has_work() or bool(self._finished)
+        return self.policy.has_work() or bool(self._finished)
 
     @property
     def prefix_caching(self) -> bool:
@@ -214,15 +211,15 @@ class Engine:
     def prefix_cache_queries(self) -> int:
         """Prompt tokens looked up in the prefix cache so far: every request's prompt, once, at
         its first admission (a preempted request's recompute is not counted again)."""
-        return self.scheduler.prefix_cache_queries
+        return self.policy.prefix_cache_queries
 
     @property
     def prefix_cache_hits(self) -> int:
         """Of those, the tokens found (and so not computed): the sum of ``cached_tokens``."""
-        return self.scheduler.prefix_cache_hits
+        return self.policy.prefix_cache_hits
 
     def holds(self, uid: str) -> bool:
-        return uid in self.scheduler.by_uid or uid in self.compiling
+        return uid in self.policy.by_uid or uid in self.compiling
 
     # ── one step ───────────────────────────────────────────────────────────────────────────────
     def step(self) -> list[TokenOutput]:
@@ -231,13 +228,13 @@ class Engine:
         that were in it (their state is suspect; the caller ends them)."""
         if self.compiling:
             self._admit_compiled()
-        chunks = self.scheduler.schedule()
+        chunks = self.policy.schedule()
         self.step_uids = [c.seq.uid for c in chunks]
         computed: list[TokenOutput] = []
         if chunks:
             self._run(chunks, computed)
         outputs, self._finished = self._finished, []
-        if not self.scheduler.running:
+        if not self.policy.running:
             self.runner.release_decode_contexts()
         return outputs + computed
 
@@ -246,18 +243,18 @@ class Engine:
         compiling = self.compiling.pop(uid, None)
         if compiling is not None:
             compiling[1].cancel()
-        return self.scheduler.remove(uid) is not None or compiling is not None
+        return self.policy.remove(uid) is not None or compiling is not None
 
     def held_uids(self) -> list[str]:
-        return list(self.scheduler.by_uid) + list(self.compiling)
+        return list(self.policy.by_uid) + list(self.compiling)
 
     def counts(self) -> dict[str, int]:
         """Sequences waiting, running and paused right now."""
-        sched = self.scheduler
+        policy = self.policy
         return {
-            "waiting": len(sched.waiting) + len(self.compiling),
-            "running": len(sched.running),
-            "paused": len(sched.paused),
+            "waiting": len(policy.waiting) + len(self.compiling),
+            "running": len(policy.running),
+            "paused": len(policy.paused),
         }
 
     def _run(self, chunks: list[Chunk], outputs: list[TokenOutput]) -> None:
@@ -296,7 +293,7 @@ class Engine:
         )
         logprob_of = dict(zip(map(id, sampling_seqs), logprobs, strict=True))
         now = time.monotonic()
-        for update in self.scheduler.update_from_output(step):
+        for update in self.policy.update_from_output(step):
             seq = update.seq
             token_ids = [] if update.token is None else [update.token]
             if update.finish_reason is not None:
@@ -331,7 +328,7 @@ class Engine:
         whose abort never arrived, so it waits a little longer than the api does.
         """
         now = time.monotonic() if now is None else now
-        held = list(self.scheduler.by_uid.items())
+        held = list(self.policy.by_uid.items())
         held += [(uid, seq) for uid, (seq, _) in self.compiling.items()]
         late = [uid for uid, seq in held if now > seq.deadline + DEADLINE_MARGIN_S]
         for uid in late:

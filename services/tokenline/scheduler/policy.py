@@ -65,7 +65,7 @@ class SequenceUpdate:
     prompt_logprobs: list | None = None  # handed over with the first output, when asked
 
 
-class Scheduler:
+class BatchPolicy:
     def __init__(
         self,
         pool: BlockPool,

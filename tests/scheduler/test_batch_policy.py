@@ -10,10 +10,11 @@ from scheduler_testkit import (
     assert_states_consistent,
     fake_seq,
     fake_step,
+    forget_finished,
 )
 
 from tokenline.scheduler.kv_cache import BlockPool
-from tokenline.scheduler.policy import Scheduler
+from tokenline.scheduler.policy import BatchPolicy
 from tokenline.scheduler.sequence import Status
 
 
@@ -24,7 +25,7 @@ def make_sched(
     budget: int = 16,
     caching: bool = True,
 ):
-    return Scheduler(BlockPool(num_blocks, block_size, caching=caching), max_seqs, budget)
+    return BatchPolicy(BlockPool(num_blocks, block_size, caching=caching), max_seqs, budget)
 
 
 CACHING = pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "prefix-cache"])
@@ -285,15 +286,9 @@ def test_random_traffic_keeps_block_accounting_exact_and_finishes_every_request(
     rng = random.Random(seed)
     sched = make_sched(num_blocks=13, block_size=4, max_seqs=4, budget=12)  # 48 tokens
     live: dict[str, object] = {}
-    finished: set[str] = set()
 
     def finish_done() -> None:
-        for uid, seq in list(live.items()):  # the policy ends a sequence at its max_tokens
-            assert (len(seq.output_ids) >= seq.max_tokens) is (seq.status is Status.FINISHED)
-            if seq.status is Status.FINISHED:
-                assert uid not in sched.by_uid and not seq.block_table
-                finished.add(uid)
-                del live[uid]
+        forget_finished(sched, live)
 
     for i in range(300):
         op = rng.random()

@@ -234,19 +234,25 @@ def test_langchain_with_structured_output_gives_a_valid_model(base_url, stack, m
 
 
 # ── LiteLLM ───────────────────────────────────────────────────────────────────────────────────
-def test_litellm_with_a_pydantic_response_format_gives_a_valid_model(base_url, stack):
+def _litellm(base_url: str, model: str, seed: int, content: str, **kwargs):
     import litellm
 
+    return litellm.completion(
+        model=f"openai/{model}",
+        api_base=base_url,
+        api_key="unused",
+        messages=[{"role": "user", "content": content}],
+        seed=seed,
+        max_tokens=400,
+        num_retries=0,
+        **kwargs,
+    )
+
+
+def test_litellm_with_a_pydantic_response_format_gives_a_valid_model(base_url, stack):
     for seed in SEEDS:
-        reply = litellm.completion(
-            model=f"openai/{stack.model}",
-            api_base=base_url,
-            api_key="unused",
-            messages=[{"role": "user", "content": "The forecast for Oslo, please."}],
-            response_format=Forecast,
-            seed=seed,
-            max_tokens=400,
-            num_retries=0,
+        reply = _litellm(
+            base_url, stack.model, seed, "The forecast for Oslo, please.", response_format=Forecast
         )
         choice = reply.choices[0]
         assert choice.finish_reason == "stop"
@@ -254,8 +260,6 @@ def test_litellm_with_a_pydantic_response_format_gives_a_valid_model(base_url, s
 
 
 def test_litellm_tool_calls_from_a_pydantic_schema_validate(base_url, stack):
-    import litellm
-
     tool = {
         "type": "function",
         "function": {
@@ -265,16 +269,8 @@ def test_litellm_tool_calls_from_a_pydantic_schema_validate(base_url, stack):
         },
     }
     for seed in SEEDS:
-        reply = litellm.completion(
-            model=f"openai/{stack.model}",
-            api_base=base_url,
-            api_key="unused",
-            messages=[{"role": "user", "content": "Report Oslo."}],
-            tools=[tool],
-            tool_choice="required",
-            seed=seed,
-            max_tokens=400,
-            num_retries=0,
+        reply = _litellm(
+            base_url, stack.model, seed, "Report Oslo.", tools=[tool], tool_choice="required"
         )
         message = reply.choices[0].message
         assert message.tool_calls, seed

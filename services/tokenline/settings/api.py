@@ -1,0 +1,155 @@
+"""The api stage's HTTP server: where it listens, deadlines and admission, keys and CORS, the
+limits of one request, tool calls, TLS.
+"""
+
+from __future__ import annotations
+
+from tokenline.settings.declaration import API, CrdField, Setting, parse_bytes
+
+#: A browser origin as the Origin header spells it (`scheme://host[:port]`: lower case, no
+#: path, no trailing slash), or `*`; anything else never equals a request's Origin.
+ORIGIN_PATTERN = (
+    r"^(\*|[a-z][a-z0-9+.-]*://"
+    r"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*|\[[0-9a-f:.]+\])"
+    r"(:[0-9]{1,5})?)$"
+)
+#: Most origins the CRD allows (the list is compared per request).
+MAX_ALLOWED_ORIGINS = 64
+
+API_SERVER: tuple[Setting, ...] = (
+    Setting("host", default="0.0.0.0", help="address the HTTP server binds", stages=API),
+    Setting("port", int, 8000, help="HTTP port (serve: stage metrics on port+1..3)", stages=API),
+    Setting(
+        "request-timeout",
+        float,
+        600.0,
+        help="per-request deadline, seconds",
+        stages=API,
+        crd=CrdField(
+            "server.requestTimeoutSeconds",
+            "Per-request deadline.",
+            {"type": "integer", "minimum": 1},
+        ),
+    ),
+    Setting(
+        "slow-client-timeout",
+        float,
+        30.0,
+        help="seconds a paused stream may stay unread before it is aborted",
+        stages=API,
+        crd=CrdField(
+            "server.slowClientTimeoutSeconds",
+            "How long a paused stream may stay unread before it is aborted.",
+            {"type": "integer", "minimum": 1},
+        ),
+    ),
+    Setting(
+        "max-waiting",
+        int,
+        256,
+        help="waiting requests before new ones get 429",
+        stages=API,
+        crd=CrdField(
+            "server.maxWaiting", "Waiting requests before the API answers 429/503.", {"minimum": 0}
+        ),
+    ),
+    Setting(
+        "api-key",
+        help="require `Authorization: Bearer KEY` on every route but /health, /ready and "
+        "/metrics; repeat for several keys. Prefer --api-key-file: a command line is visible "
+        "to local users",
+        stages=API,
+        attr="api_keys",
+        repeatable=True,
+        metavar="KEY",
+        secret=True,
+    ),
+    Setting(
+        "allowed-origin",
+        help="a browser origin (https://app.example.com, or * for any) whose pages may call "
+        "the api: answers CORS preflights and adds Access-Control-Allow-* headers; repeat for "
+        "several. Off by default",
+        stages=API,
+        attr="allowed_origins",
+        repeatable=True,
+        metavar="ORIGIN",
+        crd=CrdField(
+            "server.allowedOrigins",
+            "Browser origins whose pages may call the API (CORS), e.g. "
+            "https://app.example.com, or * for any; unset or empty: no CORS headers. "
+            "Write each as the browser sends it: lower case, no path or trailing slash, "
+            "no default port.",
+            {
+                "maxItems": MAX_ALLOWED_ORIGINS,
+                "items": {
+                    "type": "string",
+                    "description": "An origin, scheme://host[:port], or *.",
+                    "pattern": ORIGIN_PATTERN,
+                },
+            },
+        ),
+    ),
+    Setting(
+        "api-key-file",
+        help="file of API keys, one per line (# comments and blank lines ignored); re-read "
+        "when it changes, so a rotated Kubernetes Secret applies without a restart",
+        stages=API,
+    ),
+    Setting(
+        "max-body-size",
+        parse_bytes,
+        8 * 2**20,
+        help="largest request body, e.g. 8MiB; larger ones get 413 before they are read",
+        stages=API,
+    ),
+    Setting("max-n", int, 16, help="most choices (`n`) one request may ask for", stages=API),
+    Setting(
+        "max-tokens-limit",
+        int,
+        131_072,
+        help="largest max_tokens a request may ask for",
+        stages=API,
+    ),
+    Setting("max-stop-strings", int, 16, help="most `stop` strings per request", stages=API),
+    Setting(
+        "max-stop-string-length", int, 1024, help="longest `stop` string, characters", stages=API
+    ),
+    Setting("max-stop-token-ids", int, 256, help="most `stop_token_ids` per request", stages=API),
+    Setting("max-messages", int, 2048, help="most chat `messages` per request", stages=API),
+    Setting(
+        "max-prompt-chars",
+        int,
+        2**20,
+        help="longest completions prompt, or all chat message contents together, in characters",
+        stages=API,
+    ),
+    Setting(
+        "max-logprobs",
+        int,
+        20,
+        help="largest `top_logprobs` (chat) or `logprobs`",
+        stages=API,
+    ),
+    Setting(
+        "tool-call-parser",
+        default="auto",
+        help="the tool-call format the model writes, which `tools` replies are parsed in and "
+        "`tool_choice` required or named constrains to: hermes (<tool_call> JSON, Qwen), "
+        "llama3_json, or auto: read from the chat template (hermes when it shows neither)",
+        stages=API,
+        choices=("auto", "hermes", "llama3_json"),
+    ),
+    # api only: serve's supervisor probes /ready over plain HTTP
+    Setting(
+        "ssl-certfile",
+        help="PEM certificate (chain): serve HTTPS instead of HTTP",
+        stages=API,
+        serve=False,
+    ),
+    Setting(
+        "ssl-keyfile",
+        help="PEM private key of --ssl-certfile (if not in that file)",
+        stages=API,
+        serve=False,
+    ),
+)

@@ -1,0 +1,124 @@
+"""The scheduler stage's engine: device and dtype, KV cache, batching, compilation, prefix
+caching.
+"""
+
+from __future__ import annotations
+
+from tokenline.settings.declaration import SCHEDULER, CrdField, Setting, parse_bool, parse_bytes
+
+ENGINE: tuple[Setting, ...] = (
+    Setting(
+        "device",
+        default="auto",
+        help="compute device",
+        stages=SCHEDULER,
+        crd=CrdField("engine.device", "Where the model runs."),
+        choices=("auto", "cpu", "cuda"),
+    ),
+    Setting(
+        "dtype",
+        default="auto",
+        help="weights and KV dtype (auto: bf16 on CUDA, fp32 on CPU)",
+        stages=SCHEDULER,
+        crd=CrdField("engine.dtype", "Weights' data type."),
+        choices=("auto", "float32", "bfloat16", "float16"),
+    ),
+    Setting(
+        "kv-cache-memory",
+        parse_bytes,
+        help="KV cache size, e.g. 8GiB (default: --gpu-memory-utilization of the GPU, "
+        "512MiB on CPU)",
+        stages=SCHEDULER,
+        crd=CrdField(
+            "engine.kvCacheMemory",
+            "KV cache budget in bytes, e.g. 8GiB; defaults to what gpuMemoryUtilization leaves.",
+        ),
+    ),
+    Setting(
+        "gpu-memory-utilization",
+        float,
+        0.9,
+        help="fraction of GPU memory to use",
+        stages=SCHEDULER,
+        crd=CrdField(
+            "engine.gpuMemoryUtilization",
+            "Fraction of GPU memory the runner may use.",
+            {"minimum": 0.05, "maximum": 1},
+        ),
+    ),
+    Setting(
+        "max-num-seqs",
+        int,
+        256,
+        help="most sequences decoded together",
+        stages=SCHEDULER,
+        crd=CrdField("engine.maxNumSeqs", "Sequences decoded together at most.", {"minimum": 1}),
+    ),
+    Setting(
+        "max-num-batched-tokens",
+        int,
+        help="token budget of one step; long prompts are prefilled in chunks of it "
+        "(default: 2048 on CUDA, 128 on CPU, where small steps measured faster)",
+        stages=SCHEDULER,
+        crd=CrdField(
+            "engine.maxNumBatchedTokens",
+            "Tokens one forward step may hold at most; defaults to the scheduler's own for its "
+            "device: 2048 on a GPU, 128 on CPU.",
+            {"minimum": 1},
+        ),
+    ),
+    Setting("block-size", int, 16, help="tokens per KV cache block", stages=SCHEDULER),
+    Setting(
+        "torch-threads",
+        int,
+        help="CPU threads for the model (default: every core but one, which the other stages use)",
+        stages=SCHEDULER,
+    ),
+    Setting(
+        "compile",
+        parse_bool,
+        False,
+        help="compile each layer's projections, norm and MLP with torch.compile: fewer kernel "
+        "launches on a GPU; the first steps wait for compilation (measured no faster on CPU)",
+        stages=SCHEDULER,
+        crd=CrdField(
+            "engine.compile",
+            "torch.compile each layer's projections, norm and MLP (fewer kernel launches on a "
+            "GPU); the first steps wait for compilation.",
+        ),
+        switch=True,
+    ),
+    Setting(
+        "no-prefix-caching",
+        parse_bool,
+        False,
+        help="compute every prompt in full instead of reusing the KV blocks of prefixes "
+        "computed before (prefix caching is on by default)",
+        stages=SCHEDULER,
+        crd=CrdField(
+            "engine.prefixCaching",
+            "Keep the KV of computed prompt prefixes and reuse it for prompts that start the "
+            "same way (system prompts, conversations, tool definitions).",
+            inverted=True,
+            on="1",
+        ),
+        switch=True,
+    ),
+    Setting(
+        "prefix-caching-hash-algo",
+        default="blake2b",
+        help="how KV blocks are named: blake2b (tokenline's), or sha256_cbor (vLLM's, seeded by "
+        "PYTHONHASHSEED) so a router that hashes prompts itself, like llm-d's, finds them",
+        stages=SCHEDULER,
+        crd=CrdField(
+            "engine.prefixCachingHashAlgo",
+            "How KV blocks are named: blake2b (tokenline's) or sha256_cbor (vLLM's, seeded by "
+            "router.kvEvents.hashSeed as PYTHONHASHSEED), which llm-d's precise prefix-cache "
+            "scorer needs, as it hashes prompts itself. Unset: sha256_cbor with "
+            "router.kvEvents enabled, else blake2b.",
+            # no default in the CRD: the operator derives it from router.kvEvents
+            {"default": None},
+        ),
+        choices=("blake2b", "sha256_cbor"),
+    ),
+)

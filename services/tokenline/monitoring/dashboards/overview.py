@@ -1,0 +1,154 @@
+"""*Overview* answers "is the service healthy for its clients": traffic, latency the client sees,
+engine occupancy, how requests end."""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import dashboard as dash
+
+from tokenline.monitoring.dashboards.panels import (
+    PanelSpec,
+    Query,
+    dashboard,
+    latency_panel,
+    with_rows,
+)
+from tokenline.monitoring.promql import selector, summed_rate
+
+
+def overview() -> dash.Dashboard:
+    requests = "tokenline_requests_total"
+    requests_by_model = summed_rate(requests, ("model",))
+    errors_by_model = summed_rate(requests, ("model",), 'finish_reason="error"')
+    traffic = [
+        PanelSpec(
+            "Requests/s",
+            "Finished requests per second, by model.",
+            "reqps",
+            (Query(requests_by_model, "{{model}}"),),
+            width=8,
+        ),
+        PanelSpec(
+            "Tokens/s",
+            "Generated (output) and prompt tokens per second, by model.",
+            "short",
+            (
+                Query(
+                    summed_rate("tokenline_generation_tokens_total", ("model",)), "{{model}} output"
+                ),
+                Query(summed_rate("tokenline_prompt_tokens_total", ("model",)), "{{model}} prompt"),
+            ),
+            width=8,
+        ),
+        PanelSpec(
+            "Finish reasons",
+            "How requests end: stop, length, abort, error.",
+            "reqps",
+            (Query(summed_rate(requests, ("finish_reason",)), "{{finish_reason}}"),),
+            stacked=True,
+            width=8,
+        ),
+    ]
+    latency = [
+        latency_panel(
+            "Time to first token",
+            "tokenline_time_to_first_token_seconds",
+            "From request arrival at the api to the first output token, p50 / p90 / p99.",
+        ),
+        latency_panel(
+            "Inter-token latency",
+            "tokenline_inter_token_latency_seconds",
+            "Time between consecutive output tokens of one request, p50 / p90 / p99.",
+        ),
+        latency_panel(
+            "End-to-end latency",
+            "tokenline_e2e_request_latency_seconds",
+            "From request arrival to its terminal reply, p50 / p90 / p99.",
+        ),
+        latency_panel(
+            "Queue time",
+            "tokenline_request_queue_time_seconds",
+            "Time a request waits in the scheduler before its first step, p50 / p90 / p99.",
+        ),
+    ]
+    paused = ('stage="scheduler"', 'buffer="paused"')
+    engine = [
+        PanelSpec(
+            "Running / waiting / paused",
+            "Requests in the decode batch, waiting for admission, and paused because their "
+            "client is not reading.",
+            "short",
+            (
+                Query(
+                    f"sum by (model) (tokenline_num_requests_running{selector()})",
+                    "{{model}} running",
+                ),
+                Query(
+                    f"sum by (model) (tokenline_num_requests_waiting{selector()})",
+                    "{{model}} waiting",
+                ),
+                Query(
+                    f"sum(tokenline_buffer_depth{selector(*paused)})",
+                    "paused",
+                ),
+            ),
+            width=8,
+        ),
+        PanelSpec(
+            "KV cache usage",
+            "Fraction of KV cache blocks referenced by requests, per scheduler pod (cached "
+            "blocks no request holds count as free).",
+            "percentunit",
+            (
+                Query(
+                    f"max by (model, pod) (tokenline_kv_cache_usage_ratio{selector()})",
+                    "{{pod}} {{model}}",
+                ),
+            ),
+            width=8,
+        ),
+        PanelSpec(
+            "Prefix cache hit rate",
+            "Share of prompt tokens found in the prefix cache (computed by an earlier "
+            "request), by model: hits / queries over the rate window. No data while no "
+            "prompt arrives.",
+            "percentunit",
+            (
+                Query(
+                    f"{summed_rate('tokenline_prefix_cache_hits_total', ('model',))} / "
+                    f"{summed_rate('tokenline_prefix_cache_queries_total', ('model',))}",
+                    "{{model}}",
+                ),
+            ),
+            width=8,
+        ),
+    ]
+    errors = [
+        PanelSpec(
+            "Error ratio",
+            "Share of finished requests that ended with finish_reason error, by model.",
+            "percentunit",
+            # "or ... * 0": a model with traffic but no error series shows 0, not "no data".
+            (
+                Query(
+                    f"({errors_by_model} or {requests_by_model} * 0) / {requests_by_model}",
+                    "{{model}}",
+                ),
+            ),
+        ),
+        PanelSpec(
+            "Errors by code",
+            "Requests per second that ended in an error, by error code.",
+            "reqps",
+            (Query(summed_rate("tokenline_request_errors_total", ("code",)), "{{code}}"),),
+            stacked=True,
+        ),
+    ]
+    builder = dashboard(
+        "tokenline-overview",
+        "tokenline / Overview",
+        "Traffic, client-visible latency, engine occupancy and how requests end.",
+    )
+    return with_rows(
+        builder,
+        [("Traffic", traffic), ("Latency", latency), ("Engine", engine), ("Errors", errors)],
+    )

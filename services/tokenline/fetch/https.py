@@ -4,8 +4,6 @@ its size from Content-Length; its ETag pins the version a resume continues."""
 
 from __future__ import annotations
 
-import base64
-import binascii
 import re
 
 import httpx
@@ -14,29 +12,20 @@ from tokenline.fetch import httpio
 from tokenline.fetch.errors import FetchError
 from tokenline.fetch.manifest import RemoteFile
 from tokenline.fetch.uri import HttpsURI
+from tokenline.fetch.verify import base64_sha256
 
 AUTH_HINT = "the server refused the request; use a URL that needs no credentials (a presigned one)"
 _SF_SHA256 = re.compile(r"sha-256=:([A-Za-z0-9+/=]+):", re.IGNORECASE)
 _LEGACY_SHA256 = re.compile(r"sha-256=([A-Za-z0-9+/=]+)", re.IGNORECASE)
 
 
-def _b64_sha256(value: str | None) -> str | None:
-    if not value or "-" in value:
-        return None
-    try:
-        raw = base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
-        return None
-    return raw.hex() if len(raw) == 32 else None
-
-
 def stated_sha256(headers: httpx.Headers) -> str | None:
     """A whole-content sha256 the server states, if any."""
     for header, pattern in (("repr-digest", _SF_SHA256), ("digest", _LEGACY_SHA256)):
         m = pattern.search(headers.get(header, ""))
-        if m and (digest := _b64_sha256(m.group(1))):
+        if m and (digest := base64_sha256(m.group(1))):
             return digest
-    return _b64_sha256(headers.get("x-amz-checksum-sha256"))
+    return base64_sha256(headers.get("x-amz-checksum-sha256"))
 
 
 def describe(uri: HttpsURI, http: httpx.Client) -> RemoteFile:

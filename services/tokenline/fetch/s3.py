@@ -8,8 +8,6 @@ AWS_DEFAULT_REGION. None of them is ever logged.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import os
 from collections.abc import Iterator
@@ -20,6 +18,7 @@ from tokenline.fetch.download import Opener, Stream
 from tokenline.fetch.errors import FetchError, Transient
 from tokenline.fetch.manifest import RemoteFile, safe_name
 from tokenline.fetch.uri import S3URI
+from tokenline.fetch.verify import base64_sha256
 
 CREDENTIALS_HINT = (
     "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (from a Secret) to keys that may list and "
@@ -121,18 +120,6 @@ def _error(exc: Exception, uri: S3URI, what: str) -> FetchError | Transient:
     return FetchError(f"fetch {uri.uri}: {what}: {type(exc).__name__}: {exc}", "FetchFailed")
 
 
-def _sha256_of(checksum: str | None) -> str | None:
-    """x-amz-checksum-sha256 as hex, when it is the whole object's (a multipart upload's
-    composite checksum ends in -N and is not a digest of the content)."""
-    if not checksum or "-" in checksum:
-        return None
-    try:
-        raw = base64.b64decode(checksum, validate=True)
-    except (binascii.Error, ValueError):
-        return None
-    return raw.hex() if len(raw) == 32 else None
-
-
 def _md5_of(etag: str, head: dict) -> str | None:
     """A single-part, unencrypted object's ETag is its MD5; multipart (-N) and SSE-KMS/SSE-C
     ETags are not, and are then only used to pin the version."""
@@ -175,7 +162,7 @@ def plan(uri: S3URI, client: Any) -> S3Plan:
             RemoteFile(
                 name=name,
                 size=int(head["ContentLength"]),
-                sha256=_sha256_of(head.get("ChecksumSHA256")),
+                sha256=base64_sha256(head.get("ChecksumSHA256")),
                 md5=_md5_of(etag, head),
                 etag=etag or None,
                 locator=key,

@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 
 from tokenline.fetch.errors import FetchError
 from tokenline.fetch.manifest import RemoteFile
+
+
+def base64_sha256(value: str | None) -> str | None:
+    """A sha256 a source states in base64 (S3's x-amz-checksum-sha256, an HTTP Digest), as hex;
+    None when there is none, it is no sha256, or it is a multipart upload's composite checksum
+    (it ends in -N and is not a digest of the content)."""
+    if not value or "-" in value:
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return raw.hex() if len(raw) == 32 else None
 
 
 class Hashes:

@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import kopf
 
 from . import resync
 from .metrics import OperatorMetrics
 
+T = TypeVar("T")
 
-def _env_int(name: str, default: int) -> int:
+
+def _env(name: str, parse: Callable[[str], T], default: T) -> T:
+    """The flag's default from its environment variable, when that is set and not empty."""
     value = os.environ.get(name)
-    return int(value) if value else default
-
-
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    return float(value) if value else default
+    return parse(value) if value else default
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,21 +44,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--metrics-port",
         type=int,
-        default=_env_int("TOKENLINE_METRICS_PORT", 8080),
+        default=_env("TOKENLINE_METRICS_PORT", int, 8080),
         help="Port of the operator's Prometheus /metrics (0 disables). Env: "
         "TOKENLINE_METRICS_PORT. Default: 8080.",
     )
     parser.add_argument(
         "--health-port",
         type=int,
-        default=_env_int("TOKENLINE_HEALTH_PORT", 8081),
+        default=_env("TOKENLINE_HEALTH_PORT", int, 8081),
         help="Port of the liveness endpoint /healthz (0 disables). Env: TOKENLINE_HEALTH_PORT. "
         "Default: 8081.",
     )
     parser.add_argument(
         "--discovery-interval",
         type=float,
-        default=_env_float("TOKENLINE_DISCOVERY_INTERVAL", resync.DEFAULT_INTERVAL),
+        default=_env("TOKENLINE_DISCOVERY_INTERVAL", float, resync.DEFAULT_INTERVAL),
         help="Seconds between looks at API discovery, which notice optional CRDs "
         "(InferencePool, KEDA, Prometheus operator) installed or removed after an "
         "InferenceService was reconciled (0 disables). Env: TOKENLINE_DISCOVERY_INTERVAL. "

@@ -20,6 +20,7 @@ from pod_security import restricted_violations
 from tokenline.settings import BY_FLAG
 from tokenline_operator import config, crd, inference_pool, manifests, names, network, pods, spec
 from tokenline_operator.objects import Capabilities, Owner
+from tokenline_operator.picker_config import PRECISE_SCORER
 
 OWNER = Owner(name="chat", namespace="serving", uid="0b9c5a3e-3131-4c1b-9f44-2a4c1d6e7f80")
 ROUTED = Capabilities(inference_pool=True)
@@ -148,7 +149,7 @@ def test_on_block_names_default_to_sha256_cbor_through_the_config_map():
 def test_a_seed_of_ones_own_reaches_the_pod_and_the_picker():
     raw = with_events(hashSeed="1234567")
     assert env_of(scheduler(raw))["PYTHONHASHSEED"] == "1234567"
-    scorer = plugin(picker_config(raw), inference_pool.PRECISE_SCORER)
+    scorer = plugin(picker_config(raw), PRECISE_SCORER)
     assert scorer["parameters"]["tokenProcessorConfig"]["hashSeed"] == "1234567"
 
 
@@ -208,7 +209,7 @@ def test_the_picker_config_is_llm_ds_precise_prefix_cache_scorer_with_the_pods_p
     config_ = picker_config(ON)
     assert config_["apiVersion"] == "inference.networking.x-k8s.io/v1alpha1"
     assert config_["kind"] == "EndpointPickerConfig"
-    scorer = plugin(config_, inference_pool.PRECISE_SCORER)["parameters"]
+    scorer = plugin(config_, PRECISE_SCORER)["parameters"]
     assert scorer["tokenProcessorConfig"] == {
         "blockSize": BY_FLAG["block-size"].default,  # the scheduler's --block-size
         "hashSeed": env_of(scheduler(ON))["PYTHONHASHSEED"],
@@ -226,7 +227,7 @@ def test_the_picker_config_is_llm_ds_precise_prefix_cache_scorer_with_the_pods_p
     assert weights == {
         "queue-scorer": 2,
         "kv-cache-utilization-scorer": 2,
-        inference_pool.PRECISE_SCORER: 3,
+        PRECISE_SCORER: 3,
     }
     kinds = {p["type"] for p in config_["plugins"]}
     assert "prefix-cache-scorer" not in kinds  # the approximate one is replaced, not added
@@ -255,10 +256,10 @@ def test_the_picker_is_llm_ds_image_unless_told_otherwise():
 )
 def test_the_picker_loads_the_models_tokenizer(model, tokenizer):
     raw = {"model": model, "router": {"kvEvents": {"enabled": True}}}
-    scorer = plugin(picker_config(raw), inference_pool.PRECISE_SCORER)["parameters"]
+    scorer = plugin(picker_config(raw), PRECISE_SCORER)["parameters"]
     assert scorer["indexerConfig"]["tokenizersPoolConfig"]["modelName"] == tokenizer
     raw["router"]["kvEvents"]["tokenizer"] = "org/tok"
-    scorer = plugin(picker_config(raw), inference_pool.PRECISE_SCORER)["parameters"]
+    scorer = plugin(picker_config(raw), PRECISE_SCORER)["parameters"]
     assert scorer["indexerConfig"]["tokenizersPoolConfig"]["modelName"] == "org/tok"
 
 

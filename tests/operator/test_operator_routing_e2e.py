@@ -16,7 +16,7 @@ import pytest
 import yaml
 from operator_testkit import IS_RESOURCE, NAMESPACE, absent, eventually, inference_service, stored
 
-from tokenline_operator import inference_pool, names
+from tokenline_operator import inference_pool, names, picker_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -242,7 +242,7 @@ async def test_kv_events_open_the_pods_and_make_the_picker_llm_ds(cluster, opera
 
     picker_cm = await eventually(lambda: stored(cluster, "v1/configmaps", "chat-epp"))
     config = yaml.safe_load(picker_cm["data"][inference_pool.PICKER_CONFIG_FILE])
-    scorer = next(p for p in config["plugins"] if p["type"] == inference_pool.PRECISE_SCORER)
+    scorer = next(p for p in config["plugins"] if p["type"] == picker_config.PRECISE_SCORER)
     assert scorer["parameters"]["tokenProcessorConfig"]["hashSeed"] == seed
     assert scorer["parameters"]["kvEventsConfig"]["podDiscoveryConfig"] == {
         "socketPort": names.KV_EVENTS_PORT

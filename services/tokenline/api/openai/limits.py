@@ -1,7 +1,7 @@
 """What one request may ask of the stages, checked in the api before anything is queued.
 
 The limits bound choices, tokens, stop strings, messages, prompt characters and logprobs. Each
-has a flag (settings.py, cli.py); each refusal is a 400 ``limit_exceeded`` in OpenAI's error
+has a flag (settings/api.py, cli.py); each refusal is a 400 ``limit_exceeded`` in OpenAI's error
 shape naming the ``param`` and the flag.
 """
 

@@ -43,7 +43,7 @@ def computed(pool: BlockPool, seq: Sequence, num_tokens: int) -> None:
 
 def admitted(pool: BlockPool, seq: Sequence) -> list[int]:
     hits = pool.lookup(seq)
-    pool.share(seq, hits)
+    seq.num_computed = pool.share(seq, hits)  # as the policy does
     return hits
 
 

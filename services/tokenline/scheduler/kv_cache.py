@@ -173,7 +173,6 @@ class BlockPool:
                 else:
                     self._free.append(block)
         seq.block_table = []
-        seq.num_computed = 0
         seq.num_registered_blocks = 0
 
     def _allocate(self) -> int:
@@ -212,16 +211,17 @@ class BlockPool:
         revived = sum(1 for block in hits if self._refs[block] == 0)
         return self.blocks_for(num_tokens) - len(hits) <= self.num_free - revived
 
-    def share(self, seq: Sequence, hits: list[int]) -> None:
-        """``seq`` (holding no block) starts with ``hits`` as its computed prefix."""
+    def share(self, seq: Sequence, hits: list[int]) -> int:
+        """``seq`` (holding no block) starts with ``hits`` as its computed prefix: the tokens
+        they hold, for the policy to count as computed (it alone writes sequence counters)."""
         assert not seq.block_table
         for block in hits:
             if self._refs[block] == 0:
                 del self._evictable[block]
             self._refs[block] += 1
         seq.block_table = list(hits)
-        seq.num_computed = len(hits) * self.block_size
         seq.num_registered_blocks = len(hits)
+        return len(hits) * self.block_size
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks of ``seq`` that its last forward pass filled.

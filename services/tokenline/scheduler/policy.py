@@ -112,6 +112,7 @@ class BatchPolicy:
         elif seq.status is Status.PAUSED:
             del self.paused[uid]
         self.pool.release(seq)
+        seq.num_computed = 0
         seq.status = Status.FINISHED
         return seq
 
@@ -165,7 +166,7 @@ class BatchPolicy:
             if not self.pool.can_admit(seq, seq.num_tokens + 1, hits):
                 break
             self.waiting.popleft()
-            self.pool.share(seq, hits)
+            seq.num_computed = self.pool.share(seq, hits)
             if seq.cached_tokens is None:
                 seq.cached_tokens = seq.num_computed
                 if looks_up:
@@ -241,6 +242,7 @@ class BatchPolicy:
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         self.pool.release(seq)
+        seq.num_computed = 0  # its KV is gone: recomputed from the start when it runs again
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
             seq.status = Status.WAITING

@@ -157,3 +157,22 @@ def test_the_flex_slot_is_registered_and_says_it_is_not_built():
         attention.choose("flex", shape, torch.zeros(1, 32, 4, 16))
     with pytest.raises(ValueError, match="unknown attention backend"):
         attention.choose("flashattention-9", shape, torch.zeros(1, 32, 4, 16))
+
+
+def test_attention_backend_flag_reaches_the_runner(tiny_source):
+    from tokenline.cli import build_parser, settings_from
+    from tokenline.scheduler.runner import ModelRunner
+
+    for flag, expected in (("sdpa", "sdpa"), ("dense-cpu", "dense-cpu"), ("auto", "dense-cpu")):
+        args = build_parser().parse_args(["scheduler", "--attention-backend", flag])
+        settings = settings_from(args)
+        runner = ModelRunner(
+            tiny_source,
+            device="cpu",
+            dtype="float32",
+            kv_cache_memory=2**20,
+            attention_backend=settings.attention_backend,
+        )
+        assert runner.attention.name == expected, flag
+    with pytest.raises(SystemExit):  # the unbuilt GPU slot is no choice on the command line
+        build_parser().parse_args(["scheduler", "--attention-backend", "flex"])

@@ -217,6 +217,7 @@ def run(settings: Settings) -> int:
         settings.gpu_memory_utilization,
         settings.torch_threads,
         compile_layers=settings.compile,
+        attention_backend=settings.attention_backend,
     )
     budget = settings.max_num_batched_tokens or default_token_budget(runner.device.type)
     limits = EngineLimits(

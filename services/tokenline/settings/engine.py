@@ -121,4 +121,13 @@ ENGINE: tuple[Setting, ...] = (
         ),
         choices=("blake2b", "sha256_cbor"),
     ),
+    Setting(
+        "attention-backend",
+        default="auto",
+        help="how attention is computed (scheduler/attention): sdpa (paged, read from the KV "
+        "pool), dense-cpu (decode rows kept dense between steps); auto: dense-cpu on CPU, "
+        "sdpa elsewhere",
+        stages=SCHEDULER,
+        choices=("auto", "sdpa", "dense-cpu"),
+    ),
 )

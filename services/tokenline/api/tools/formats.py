@@ -44,13 +44,7 @@ class ToolCallFormat:
     def call_rules(self, names_and_arguments: list[tuple[str, str]], parallel: bool) -> str:
         """Lark rules whose ``calls`` rule is one call (several if ``parallel``) of the given
         functions; each function's arguments are the Lark rule its name is paired with."""
-        rules = []
-        alternatives = []
-        for i, (name, arguments_rule) in enumerate(names_and_arguments):
-            text = _lark_string(self.call_head + name + self.call_middle)
-            rules.append(f"call_{i}: {text} {arguments_rule} {_lark_string(self.call_tail)}")
-            alternatives.append(f"call_{i}")
-        rules.append("call: " + " | ".join(alternatives))
+        rules = self._call_alternatives(names_and_arguments, "", self.call_head)
         if parallel:
             rules.append(f"calls: call ({_lark_string(self.separator)} call)*")
         else:
@@ -78,15 +72,19 @@ class ToolCallFormat:
             "TEXT: /(.|\\n)*/",
             f"trigger[lazy]: TEXT {_lark_string(self.trigger)}",
         ]
-        alternatives = []
+        return rules + self._call_alternatives(names_and_arguments, "trigger ", rest)
+
+    def _call_alternatives(
+        self, names_and_arguments: list[tuple[str, str]], lead: str, head: str
+    ) -> list[str]:
+        """A ``call_i`` rule per function (``lead``, then ``head``, its name and arguments) and
+        the ``call`` rule choosing among them."""
+        rules = []
         for i, (name, arguments_rule) in enumerate(names_and_arguments):
-            head = _lark_string(rest + name + self.call_middle)
-            rules.append(
-                f"call_{i}: trigger {head} {arguments_rule} {_lark_string(self.call_tail)}"
-            )
-            alternatives.append(f"call_{i}")
-        rules.append("call: " + " | ".join(alternatives))
-        return rules
+            text = _lark_string(head + name + self.call_middle)
+            rules.append(f"call_{i}: {lead}{text} {arguments_rule} {_lark_string(self.call_tail)}")
+        alternatives = " | ".join(f"call_{i}" for i in range(len(names_and_arguments)))
+        return [*rules, "call: " + alternatives]
 
 
 HERMES = ToolCallFormat(

@@ -42,8 +42,10 @@ format: $(VENV)/.test
 setup:
 	tools/image setup image
 
+# The image test is its own target, run last, so `make image-test` alone is what CI runs too.
 test: setup lint
-	$(PY) -m pytest
+	$(PY) -m pytest --ignore=tests/image
+	$(MAKE) image-test
 
 image: setup $(VENV)/.base
 	PYTHON=$(PY) TORCH_SPEC="$(TORCH_SPEC)" tools/image build

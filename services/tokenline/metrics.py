@@ -118,6 +118,20 @@ KV_EVENTS_DROPPED = Counter(
     "KV-cache event batches not sent because a subscriber was at the high-water mark "
     "(a sequence gap it can replay).",
 )
+STEP_PHASE_TIME = Histogram(
+    "tokenline_step_phase_seconds",
+    "Time of each phase of an engine step that ran the model: schedule, inputs (the flat "
+    "batch and attention metadata), forward, sample, outputs (the policy's update and the "
+    "step's messages). Everything but forward is host work a GPU waits through.",
+    ["phase"],
+    buckets=(0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+             0.025, 0.05, 0.1, 0.25, 1.0),
+)  # fmt: skip
+STEP_SEQUENCES = Histogram(
+    "tokenline_step_sequences",
+    "Sequences in an engine step that ran the model (its batch).",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+)
 GRAMMAR_COMPILE_TIME = Histogram(
     "tokenline_grammar_compile_seconds",
     "Time to build a new grammar's matcher (response_format, tools), off the step loop.",

@@ -90,16 +90,16 @@ def recorded_run(backend: str, path, scenario):
     )
     assert runner.attention.name == backend
     logits_at: dict[str, dict[int, torch.Tensor]] = {}
-    forward_keeping = runner.forward_keeping
+    execute = runner.execute
 
-    def recording(chunks, spans):
-        logits, hidden = forward_keeping(chunks, spans)
-        sampling = [c for c in chunks if c.samples]
+    def recording(prepared, spans=()):
+        logits, hidden = execute(prepared, spans)
+        sampling = [c for c in prepared.chunks if c.samples]
         for chunk, row in zip(sampling, logits, strict=True):
             logits_at.setdefault(chunk.seq.uid, {})[chunk.start + chunk.num_tokens] = row.clone()
         return logits, hidden
 
-    runner.forward_keeping = recording
+    runner.execute = recording
     paths_used: set[str] = set()
     prepare = runner.attention.prepare
 

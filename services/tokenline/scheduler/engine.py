@@ -30,6 +30,27 @@ class EngineLimits:
 
 
 DEADLINE_MARGIN_S = 2.0
+STEP_PHASES = ("schedule", "inputs", "forward", "sample", "outputs")
+
+
+@dataclass
+class StepTimes:
+    """Where one step's time went, in seconds, phase by phase (`STEP_PHASES`).
+
+    On a GPU ``forward`` is the time to queue the step's kernels: waiting for them shows in
+    ``sample``, whose tokens are the step's first copy back to the host."""
+
+    schedule: float = 0.0
+    inputs: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    outputs: float = 0.0
+    sequences: int = 0  # the step's batch: sequences computed
+
+    @property
+    def host(self) -> float:
+        """Everything but the forward."""
+        return self.schedule + self.inputs + self.sample + self.outputs
 
 
 def default_token_budget(device_type: str) -> int:
@@ -99,6 +120,7 @@ class Engine:
         )
         self._finished: list[TokenOutput] = []  # terminal outputs not tied to a forward pass
         self.step_uids: list[str] = []  # the sequences of the last step
+        self.last_step_times = StepTimes()  # the last step that ran the model
 
     # ── requests ───────────────────────────────────────────────────────────────────────────────
     def add(
@@ -226,13 +248,17 @@ class Engine:
         """One forward pass. If it raises, nothing is lost but the step itself: terminal
         outputs made before it wait for the next step, and `step_uids` names the sequences
         that were in it (their state is suspect; the caller ends them)."""
+        started = time.perf_counter()
         if self.compiling:
             self._admit_compiled()
         chunks = self.policy.schedule()
         self.step_uids = [c.seq.uid for c in chunks]
         computed: list[TokenOutput] = []
         if chunks:
-            self._run(chunks, computed)
+            times = StepTimes(sequences=len(chunks))
+            times.schedule = time.perf_counter() - started
+            self._run(chunks, computed, times)
+            self.last_step_times = times
         outputs, self._finished = self._finished, []
         if not self.policy.running:
             self.runner.release_decode_contexts()
@@ -257,17 +283,21 @@ class Engine:
             "paused": len(policy.paused),
         }
 
-    def _run(self, chunks: list[Chunk], outputs: list[TokenOutput]) -> None:
+    def _run(self, chunks: list[Chunk], outputs: list[TokenOutput], times: StepTimes) -> None:
         """Run the model over the chunks and sample; the policy applies what came out
         (`update_from_output`), and its account of each sequence becomes the outputs."""
+        mark = time.perf_counter()
+        prepared = self.runner.prepare(chunks)
+        times.inputs, mark = _lap(mark)
         spans = prompt_logprobs.spans(chunks)
         scored = []
         if spans:
             kept = [(span.chunk, span.offset, span.count) for span in spans]
-            logits, hidden = self.runner.forward_keeping(chunks, kept)
+            logits, hidden = self.runner.execute(prepared, kept)
             scored = prompt_logprobs.score(self.runner, hidden, spans)
         else:
-            logits = self.runner.forward(chunks)
+            logits = self.runner.execute(prepared)[0]
+        times.forward, mark = _lap(mark)
         sampling_seqs = [c.seq for c in chunks if c.samples]
         # max_tokens 0: the prompt is only read (for its logprobs); nothing is sampled
         read_only = [seq for seq in sampling_seqs if seq.sampling.max_tokens == 0]
@@ -285,6 +315,7 @@ class Engine:
                 masks = self.grammars.masks(matchers, logits.shape[1], logits.device)
                 allowed = (constrained, masks)
             tokens, logprobs = sample_with_logprobs(logits, sampling_seqs, self.eos_ids, allowed)
+        times.sample, mark = _lap(mark)
         step = StepOutput(
             chunks=chunks,
             sampled=list(zip(sampling_seqs, tokens, strict=True)),
@@ -311,6 +342,7 @@ class Engine:
                 if update.prompt_logprobs is not None:
                     out.prompt_logprobs = update.prompt_logprobs
             outputs.append(out)
+        times.outputs = time.perf_counter() - mark
 
     @staticmethod
     def _terminal(seq: Sequence, token_ids: list[int], reason: str) -> TokenOutput:
@@ -334,3 +366,9 @@ class Engine:
         for uid in late:
             self.abort(uid)
         return late
+
+
+def _lap(mark: float) -> tuple[float, float]:
+    """Seconds since ``mark``, and the new mark."""
+    now = time.perf_counter()
+    return now - mark, now

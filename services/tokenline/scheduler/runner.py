@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +37,20 @@ from tokenline.scheduler.layers import (
     rotate,
 )
 from tokenline.scheduler.policy import Chunk
-from tokenline.scheduler.step_inputs import build_step_batch
+from tokenline.scheduler.step_inputs import StepBatch, build_step_batch
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedStep:
+    """One step's inputs, built by `ModelRunner.prepare` for `ModelRunner.execute`."""
+
+    chunks: list[Chunk]
+    step: StepBatch
+    metadata: object  # the attention backend's, for every layer
+    cos: torch.Tensor  # [T, 1, D]: rotary tables at the step's positions
+    sin: torch.Tensor
 
 
 def pick_device(device: str) -> torch.device:
@@ -204,10 +217,24 @@ class ModelRunner:
         states come back [sum of the spans' rows, hidden size] in span order, for `logits`:
         kept rather than turned into logits here, so that the caller bounds how many rows of
         logits exist at once (a prompt's rows times the vocabulary can be gigabytes)."""
+        return self.execute(self.prepare(chunks), spans)
+
+    @torch.inference_mode()
+    def prepare(self, chunks: list[Chunk]) -> PreparedStep:
+        """A step's inputs: the flat batch, every layer's attention metadata and the rotary
+        tables of its positions. The host work before the forward, timed apart from it."""
         step = build_step_batch(chunks, block_size=self.block_size, device=self.device)
-        metadata = self.attention.prepare(step)
-        hidden = self._embed(step.input_ids)  # [T, H]
         cos, sin = self._rotary.at(step.positions, step.max_position)  # [T, 1, D] each
+        return PreparedStep(chunks, step, self.attention.prepare(step), cos, sin)
+
+    @torch.inference_mode()
+    def execute(
+        self, prepared: PreparedStep, spans: Sequence[tuple[int, int, int]] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward over prepared inputs: logits of the rows that sample, and the kept
+        hidden states of ``spans`` (see `forward_keeping`)."""
+        step, metadata, cos, sin = prepared.step, prepared.metadata, prepared.cos, prepared.sin
+        hidden = self._embed(step.input_ids)  # [T, H]
         for index, layer in enumerate(self._layers):
             attn_out = self._attention(index, layer, layer.input_norm(hidden), cos, sin, metadata)
             if self._tail is not None:
@@ -227,7 +254,7 @@ class ModelRunner:
         rows = step.sample_rows
         if spans:
             starts = [0]
-            for chunk in chunks:
+            for chunk in prepared.chunks:
                 starts.append(starts[-1] + chunk.num_tokens)
             kept = [starts[k] + first + i for k, first, n in spans for i in range(n)]
             rows = torch.cat((rows, torch.tensor(kept, dtype=torch.long, device=self.device)))

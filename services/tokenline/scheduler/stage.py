@@ -23,11 +23,14 @@ from tokenline.metrics import (
     REQUESTS_RUNNING,
     REQUESTS_WAITING,
     STAGE_LATENCY,
+    STEP_PHASE_TIME,
+    STEP_SEQUENCES,
     serve_metrics,
     track_cache,
 )
 from tokenline.model_source import resolve
 from tokenline.scheduler.engine import (
+    STEP_PHASES,
     Engine,
     EngineLimits,
     InvalidRequest,
@@ -72,6 +75,7 @@ class SchedulerStage:
         self._prefix_queries = PREFIX_CACHE_QUERIES.labels(model=model_name)
         self._prefix_hits = PREFIX_CACHE_HITS.labels(model=model_name)
         self._prefix_counted = (0, 0)
+        self._phases = {phase: STEP_PHASE_TIME.labels(phase=phase) for phase in STEP_PHASES}
         self._depth = {
             b: BUFFER_DEPTH.labels(stage="scheduler", buffer=b)
             for b in ("waiting", "running", "paused")
@@ -136,7 +140,13 @@ class SchedulerStage:
         return self.engine.has_work()
 
     def step(self) -> list[msgspec.Struct]:
+        times_before = self.engine.last_step_times
         outputs = self.engine.step()
+        times = self.engine.last_step_times
+        if times is not times_before:  # the step ran the model
+            for phase, histogram in self._phases.items():
+                histogram.observe(getattr(times, phase))
+            STEP_SEQUENCES.observe(times.sequences)
         if self.kv_events is not None:  # what this step stored and evicted, one batch
             self.kv_events.flush()
         sent: list[msgspec.Struct] = [

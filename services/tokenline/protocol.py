@@ -86,6 +86,7 @@ class Generate(_Message, tag="generate"):
     tools: list[dict[str, Any]] | None = None
     # A prompt already tokenized: taken as it is (no special tokens added), checked in vocab
     prompt_ids: list[int] | None = None
+    lora: str = ""  # the LoRA adapter that serves it, by name; "" is the base model
     version: int = PROTOCOL_VERSION
 
 
@@ -97,6 +98,7 @@ class Tokenized(_Message, tag="tokenized"):
     sampling: SamplingParams
     timeout_s: float
     tokenizer_s: float = 0.0  # time the request spent in the tokenizer stage
+    lora: str = ""  # as `Generate.lora`
 
 
 class Abort(_Message, tag="abort"):
@@ -126,6 +128,11 @@ class StageStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
     kv_usage: float = 0.0  # share of usable blocks referenced, 0-1
     block_size: int = 0  # tokens per block
     num_blocks: int = 0  # usable blocks
+    # The scheduler's LoRA adapters, for vllm:lora_requests_info on the api port
+    max_loras: int = 0  # adapters resident on the device at once; 0: LoRA is off
+    lora_running: list[str] = []  # adapters of running sequences
+    lora_waiting: list[str] = []  # adapters of waiting sequences
+    lora_adapters: list[str] = []  # every adapter the scheduler can serve now
 
 
 class Heartbeat(_Message, tag="heartbeat"):
@@ -193,6 +200,31 @@ class TokenizerAnswer(_Message, tag="tokenizer_answer"):
     token_strs: list[str] | None = None
     text: str | None = None
     max_model_len: int = 0
+
+
+# ── LoRA adapters loaded and unloaded at runtime (api → tokenizer → scheduler) ──────────────────
+
+
+class LoraCall(_Message, tag="lora_call"):
+    """Load or unload a LoRA adapter, for the api's /v1/load_lora_adapter and
+    /v1/unload_lora_adapter.
+
+    The tokenizer passes it on; the scheduler answers with a `LoraAnswer` (or a `Failed`, with
+    vLLM's error codes), which the detokenizer passes on to the api. An unload lets the
+    adapter's requests in flight finish first; the answer comes at once.
+    """
+
+    uid: str
+    action: Literal["load", "unload"]
+    name: str
+    uri: str = ""  # load: a directory in PEFT format, or any URI model delivery supports
+
+
+class LoraAnswer(_Message, tag="lora_answer"):
+    """The scheduler's answer to a `LoraCall`: the adapters it serves after it."""
+
+    uid: str
+    adapters: list[str] = []
 
 
 # ── scheduler → detokenizer ───────────────────────────────────────────────────────────────────
@@ -284,10 +316,14 @@ class ReplyBatch(_Message, tag="replies"):
     replies: list[Reply]
 
 
-ToTokenizer = Generate | TokenizeCall | Abort | Pause | Resume | Heartbeat
-ToScheduler = Tokenized | TokenizerAnswer | Failed | Abort | Pause | Resume | Heartbeat | Link
-ToDetokenizer = Begin | TokenBatch | TokenizerAnswer | Failed | Abort | Heartbeat | Link
-ToApi = ReplyBatch | TokenizerAnswer | Failed | Abort | Heartbeat | Link
+ToTokenizer = Generate | TokenizeCall | LoraCall | Abort | Pause | Resume | Heartbeat
+ToScheduler = (
+    Tokenized | TokenizerAnswer | LoraCall | Failed | Abort | Pause | Resume | Heartbeat | Link
+)
+ToDetokenizer = (
+    Begin | TokenBatch | TokenizerAnswer | LoraAnswer | Failed | Abort | Heartbeat | Link
+)
+ToApi = ReplyBatch | TokenizerAnswer | LoraAnswer | Failed | Abort | Heartbeat | Link
 
 
 # ── what a message means for a uid's lifetime (the runtime's ledger and the simulation) ───────
@@ -302,7 +338,7 @@ def started_uids(message: msgspec.Struct) -> list[tuple[str, float]]:
 
 def ended_uids(message: msgspec.Struct) -> list[str]:
     """Uids that ``message``, sent onward, ends: no stage before it holds them any longer."""
-    if isinstance(message, Failed | Abort | TokenizerAnswer):
+    if isinstance(message, Failed | Abort | TokenizerAnswer | LoraAnswer):
         return [message.uid]
     if isinstance(message, TokenBatch):
         return [o.uid for o in message.outputs if o.finish_reason is not None]

@@ -31,6 +31,7 @@ from tokenline.settings.declaration import (
 from tokenline.settings.engine import ENGINE
 from tokenline.settings.every_stage import EVERY_STAGE
 from tokenline.settings.kv_events import KV_EVENTS
+from tokenline.settings.lora import LORA
 from tokenline.settings.metrics_port import DEFAULT_METRICS_PORTS, METRICS_PORT
 from tokenline.settings.ring import RING
 
@@ -59,6 +60,7 @@ SETTINGS: tuple[Setting, ...] = (
     *METRICS_PORT,
     *ENGINE,
     *KV_EVENTS,
+    *LORA,
 )
 
 BY_FLAG: dict[str, Setting] = {s.flag: s for s in SETTINGS}

@@ -52,7 +52,7 @@ LORA: tuple[Setting, ...] = (
         stages=SCHEDULER,
     ),
     Setting(
-        "allow-runtime-lora-updating",
+        "allow-runtime-lora-updates",
         parse_bool,
         False,
         help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on with "

@@ -9,6 +9,7 @@ each kind's attention reads (gathers, masks, plans) is its attention path's to b
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,14 @@ class StepBatch:
         return bool(self.decode.rows) and not (self.first_spans or self.continued)
 
 
+def long_tensor(values: list[int]) -> torch.Tensor:
+    """``torch.tensor(values, dtype=torch.long)`` on the CPU at a fraction of its cost: the ints
+    are packed by ``array`` in C and the tensor shares that buffer (benchmarks/README.md)."""
+    if not values:
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(array("q", values), dtype=torch.long)
+
+
 def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
     """Pool slots of positions ``start..end-1`` of a sequence with this block table."""
     table = torch.tensor(block_table, dtype=torch.long)
@@ -54,8 +63,9 @@ def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> t
 
 
 def build_step_batch(chunks: list[Chunk], *, block_size: int, device: torch.device) -> StepBatch:
-    # Built as Python ints and turned into tensors once: a decode step has one token per
-    # sequence, and a tensor per sequence would cost more than the token.
+    # Built as Python ints and turned into one tensor (one copy to the device), then viewed as
+    # four: a decode step has one token per sequence, and a tensor per sequence, or per field,
+    # would cost more than the token.
     bs = block_size
     ids: list[int] = []
     positions: list[int] = []
@@ -63,33 +73,41 @@ def build_step_batch(chunks: list[Chunk], *, block_size: int, device: torch.devi
     decode = DecodeRows()
     first_spans: list[tuple[int, int]] = []
     continued: list[tuple[int, int, list[int], int]] = []
-    sample_rows = []
+    sample_rows: list[int] = []
     row = 0
     for chunk in chunks:
         seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
         table = seq.block_table
-        ids.extend(seq.token_slice(start, start + n))
-        span = range(start, start + n)
-        positions.extend(span)
-        slots.extend(table[p // bs] * bs + p % bs for p in span)
-        if n == 1:
+        if n == 1:  # a decode token, most rows of a busy step: no ranges, no slices
+            prompt_len = len(seq.prompt_ids)
+            ids.append(
+                seq.prompt_ids[start] if start < prompt_len else seq.output_ids[start - prompt_len]
+            )
+            positions.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
             decode.rows.append(row)
             decode.uids.append(seq.uid)
             decode.tables.append(table)
             decode.lens.append(start + 1)
-        elif start == 0:
-            first_spans.append((row, n))
         else:
-            continued.append((row, n, table, start))
+            ids.extend(seq.token_slice(start, start + n))
+            span = range(start, start + n)
+            positions.extend(span)
+            slots.extend(table[p // bs] * bs + p % bs for p in span)
+            if start == 0:
+                first_spans.append((row, n))
+            else:
+                continued.append((row, n, table, start))
         row += n
         if chunk.samples:
             sample_rows.append(row - 1)
+    flat = long_tensor(ids + positions + slots + sample_rows).to(device)
     return StepBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        input_ids=flat[:row],
+        positions=flat[row : 2 * row],
         max_position=max(positions),
-        slots=torch.tensor(slots, dtype=torch.long, device=device),
-        sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
+        slots=flat[2 * row : 3 * row],
+        sample_rows=flat[3 * row :],
         decode=decode,
         first_spans=first_spans,
         continued=continued,

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from tokenline.scheduler.attention.base import AttentionLayer, AttentionPath, AttentionShape
 from tokenline.scheduler.attention.decode_contexts import DecodeContexts, DecodePlan, decode_masks
-from tokenline.scheduler.step_inputs import StepBatch, slots_of
+from tokenline.scheduler.step_inputs import StepBatch, long_tensor, slots_of
 
 
 @dataclass
@@ -41,7 +41,7 @@ class DenseMetadata:
 def _decode_rows(step: StepBatch, device: torch.device) -> torch.Tensor | None:
     if step.decode_only:
         return None
-    return torch.tensor(step.decode.rows, dtype=torch.long, device=device)
+    return long_tensor(step.decode.rows).to(device)
 
 
 def _grouped_queries(q: torch.Tensor, rows: torch.Tensor | None, shape: AttentionShape):

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenline.scheduler.step_inputs import long_tensor
+
 MIN_CAPACITY = 64  # tokens per row; capacity doubles when a context outgrows it, and halves
 # back to twice the longest context when that falls to a quarter of it
 
@@ -51,7 +53,7 @@ def decode_masks(
     same with -inf before the window too. Additive and in the model's dtype: SDPA would
     convert a boolean mask in every layer."""
     columns = torch.arange(length).unsqueeze(0)
-    held = torch.tensor(lens).unsqueeze(1)
+    held = long_tensor(lens).unsqueeze(1)
     mask = torch.zeros(len(lens), length, dtype=dtype).masked_fill_(columns >= held, -torch.inf)
     window_mask = None
     if window is not None and length > window:
@@ -93,13 +95,44 @@ class DecodeContexts:
         pool as ``[layers, n, kv_width, head_dim]``; it is called only for new rows.
         ``window``: the model's sliding attention window, if any of its layers slide.
         """
+        lens, row_of = self._lens, self._row_of
+        longest = max(starts) + 1
+        if uids != self._uids or lens != starts:
+            self._rearrange(uids, starts, fill)
+        else:  # the same sequences, one token on: only capacity may need to grow
+            self._reserve(len(uids), longest)
+        rows = [row_of[uid] for uid in uids]
+        for row in rows:
+            lens[row] += 1
+        num_rows = len(self._uids)
+        mask, window_mask = decode_masks(lens, longest, window, self.dtype)
+        order = None
+        if rows != list(range(num_rows)):  # attention runs in row order
+            by_row = [0] * num_rows
+            for i, row in enumerate(rows):
+                by_row[row] = i
+            order = long_tensor(by_row)
+        return DecodePlan(
+            rows=long_tensor(rows),
+            positions=long_tensor(starts),
+            order=order,
+            num_rows=num_rows,
+            length=longest,
+            mask=mask,
+            window_mask=window_mask,
+        )
+
+    def _rearrange(
+        self, uids: list[str], starts: list[int], fill: Callable[[int, int], torch.Tensor]
+    ) -> None:
+        """Rows for a step whose decoding sequences are not those of the last step, one token
+        on (steady decoding skips this): rows out of step dropped, new ones filled."""
         wanted = dict(zip(uids, starts, strict=True))
         for row in range(len(self._uids) - 1, -1, -1):
             uid = self._uids[row]
             if wanted.get(uid) != self._lens[row]:  # not decoding now, or out of step
                 self._drop(row)
-        longest = max(starts) + 1
-        self._reserve(len(uids), longest)
+        self._reserve(len(uids), max(starts) + 1)  # before the new rows are filled
         for i, (uid, start) in enumerate(zip(uids, starts, strict=True)):
             if uid not in self._row_of:
                 row = len(self._uids)
@@ -108,27 +141,6 @@ class DecodeContexts:
                 self._lens.append(start)
                 if start:
                     self.buffer[:, row, :, :start] = fill(i, start).transpose(1, 2)
-        rows = [self._row_of[uid] for uid in uids]
-        for row in rows:
-            self._lens[row] += 1
-        num_rows = len(self._uids)
-        in_order = rows == list(range(num_rows))
-        mask, window_mask = decode_masks(self._lens, longest, window, self.dtype)
-        order = None
-        if not in_order:
-            by_row = [0] * num_rows
-            for i, row in enumerate(rows):
-                by_row[row] = i
-            order = torch.tensor(by_row, dtype=torch.long)
-        return DecodePlan(
-            rows=torch.tensor(rows, dtype=torch.long),
-            positions=torch.tensor(starts, dtype=torch.long),
-            order=order,
-            num_rows=num_rows,
-            length=longest,
-            mask=mask,
-            window_mask=window_mask,
-        )
 
     def _drop(self, row: int) -> None:
         last = len(self._uids) - 1

@@ -112,7 +112,9 @@ def main() -> None:
     output = LengthDist(args.output_len, args.output_len)
     for concurrency in args.concurrency:
         requests = max(concurrency * args.requests_per_stream, 8)
-        specs = build_workload(requests, lengths, output, args.seed)
+        # distinct prompts in every phase: nothing measured is served from the prefix cache
+        specs = build_workload(requests, lengths, output, args.seed + concurrency)
+        warmup = build_workload(8, lengths, output, args.seed + concurrency + 100_000)
         config = BenchConfig(
             targets=[TargetConfig("stack", args.stack_url, args.model)],
             num_requests=requests,
@@ -123,7 +125,7 @@ def main() -> None:
             warmup=0,
             progress=False,
         )
-        run_phase(config, specs[: min(requests, 8)], concurrency)  # warm-up, not counted
+        run_phase(config, warmup, concurrency)  # not counted
         before = snapshot(urls)
         print(f"concurrency {concurrency}, {requests} requests x {args.output_len} tokens")
         tokens = run_phase(config, specs, concurrency)

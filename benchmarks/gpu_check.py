@@ -61,10 +61,12 @@ def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
 
 def run_engine(
     path: str, device: str, batch: list[list[int]], output_len: int, compile_layers: bool = False
-) -> float:
+) -> tuple[float, dict[str, float]]:
+    """Tokens/s, and the mean ms of each step phase over the measured run's steps (on a GPU,
+    ``forward`` is the time to queue the kernels; waiting for them shows in ``sample``)."""
     from tokenline.model_source import ModelSource
     from tokenline.protocol import SamplingParams
-    from tokenline.scheduler.engine import Engine, EngineLimits, default_token_budget
+    from tokenline.scheduler.engine import STEP_PHASES, Engine, EngineLimits, default_token_budget
     from tokenline.scheduler.runner import ModelRunner
 
     source = ModelSource(spec="qwen3-shape", path=path)
@@ -77,18 +79,30 @@ def run_engine(
     engine = Engine(runner, limits, eos_ids=[])
     sampling = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
 
+    phases = dict.fromkeys(STEP_PHASES, 0.0)
+    steps = 0
+
     def once() -> float:
+        nonlocal steps
         for i, ids in enumerate(batch):
             engine.add(f"r{i}", ids, sampling)
         tokens, started = 0, time.perf_counter()
+        steps = 0
+        for phase in phases:
+            phases[phase] = 0.0
         while engine.has_work():
             tokens += sum(len(o.token_ids) for o in engine.step())
+            times = engine.last_step_times
+            steps += 1
+            for phase in phases:
+                phases[phase] += getattr(times, phase)
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
         return tokens / (time.perf_counter() - started)
 
     once()  # warm-up (and, with compile_layers, compilation)
-    return once()
+    rate = once()
+    return rate, {phase: round(spent / steps * 1e3, 3) for phase, spent in phases.items()}
 
 
 def run_transformers(path: str, device: str, batch: list[list[int]], output_len: int) -> float:
@@ -133,11 +147,11 @@ def main() -> None:
         build_model(shape, path)
         for size in (int(b) for b in args.batches.split(",")):
             batch = prompts(size, args.prompt_len, shape["vocab_size"])
-            ours = run_engine(path, args.device, batch, args.output_len)
+            ours, step_ms = run_engine(path, args.device, batch, args.output_len)
             _release_memory(args.device)
             compiled = None
             if args.compile:
-                compiled = run_engine(path, args.device, batch, args.output_len, True)
+                compiled, _ = run_engine(path, args.device, batch, args.output_len, True)
                 _release_memory(args.device)
             theirs = run_transformers(path, args.device, batch, args.output_len)
             _release_memory(args.device)
@@ -146,6 +160,7 @@ def main() -> None:
                 "tokenline_tokens_per_s": round(ours, 1),
                 "transformers_generate_batch_tokens_per_s": round(theirs, 1),
                 "ratio": round(ours / theirs, 2),
+                "step_ms": step_ms,
             }
             if compiled is not None:
                 row["tokenline_compiled_tokens_per_s"] = round(compiled, 1)

@@ -57,6 +57,7 @@ NAME_MAX_LENGTH = 128
 #: Adapters one InferenceService lists (the ConfigMap stays far below its 1 MiB, and the
 #: CEL rules on each uri stay within the API server's cost budget).
 MAX_ADAPTERS_LISTED = 64
+URI_MAX_LENGTH = 1024
 #: Bounds of the scheduler's flags: slots on the device, and the largest rank a slot holds.
 MAX_RESIDENT = 256
 MAX_RANK = 512
@@ -76,7 +77,9 @@ def _uri_schema() -> dict[str, Any]:
             "new claim or image rolls the pods, the other schemes never do)."
         ),
         "minLength": 1,
-        "maxLength": 2048,
+        # half of spec.model.uri's: the rules run on every item, within the API server's
+        # CEL cost budget for the whole list
+        "maxLength": URI_MAX_LENGTH,
         "x-kubernetes-validations": [
             {"rule": rule, "message": message} for rule, message in model.URI_RULES
         ],

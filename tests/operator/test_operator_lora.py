@@ -83,6 +83,8 @@ def test_the_chart_crd_is_a_valid_crd_with_lora():
         ({"adapters": [{"name": "a/b", "uri": "/x"}]}, "adapters[0].name"),
         ({"adapters": [{"name": "a"}]}, "adapters[0]"),
         ({"adapters": [{"name": "a", "uri": "/x", "extra": 1}]}, None),  # pruned, not refused
+        ({"adapters": [{"name": "a", "uri": "/" + "x" * lora.URI_MAX_LENGTH}]}, "uri"),
+        ({"adapters": [{"name": "a" * 129, "uri": "/x"}]}, "name"),
         ({"maxAdapters": 0}, "maxAdapters"),
         ({"maxAdapters": lora.MAX_RESIDENT + 1}, "maxAdapters"),
         ({"maxRank": 0}, "maxRank"),

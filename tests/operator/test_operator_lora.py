@@ -346,3 +346,18 @@ def test_the_picker_configmap_carries_it():
     config = yaml.safe_load(text)
     assert {"type": LORA_SCORER} in config["plugins"]
     assert _extractor(config)["loraSpec"] == LORA_METRIC
+
+
+def test_turning_lora_on_restarts_the_picker_which_reads_its_config_once():
+    def picker_template(model_spec: dict) -> dict:
+        body = {"model": model_spec, "routing": {"inferencePool": {"enabled": True}}}
+        parsed = spec.parse("chat", body, default_image="t:1")
+        made = [c for c in inference_pool.children(OWNER, parsed) if c["kind"] == "Deployment"]
+        return made[0]["spec"]["template"]
+
+    plain = picker_template({"name": "tiny"})
+    with_lora = picker_template({"name": "tiny", "lora": {"adapters": ADAPTERS}})
+    assert plain != with_lora
+    # an adapter more changes neither the picker nor its configuration
+    more = picker_template({"name": "tiny", "lora": {"adapters": ADAPTERS[:1]}})
+    assert more == with_lora

@@ -14,6 +14,7 @@ from typing import Any
 
 from . import names
 from .crd_children import AUTOSCALING, MONITORING, NETWORK_POLICY, ROUTER, ROUTING, SERVICE
+from .lora import LORA, SERVED_NAME_RULE
 from .model import uri_schema
 from .schema import (
     Schema,
@@ -77,6 +78,7 @@ MODEL = {
                 }
             ],
         },
+        "lora": LORA,
     },
     "x-kubernetes-validations": [
         *alternative_rules("model"),
@@ -88,6 +90,7 @@ MODEL = {
             "rule": "!has(self.cache) || !has(self.cache.hostPath) || has(self.uri)",
             "message": "cache.hostPath needs uri (name downloads into each pod's own cache)",
         },
+        SERVED_NAME_RULE,
     ],
 }
 

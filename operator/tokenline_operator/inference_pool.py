@@ -20,6 +20,7 @@ Every object is owned by the InferenceService, like the other children.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import yaml
@@ -106,8 +107,16 @@ def picker_image(spec: Spec) -> str:
     return _picker_settings(spec)["image"]
 
 
+def picker_config_text(spec: Spec) -> str:
+    return yaml.safe_dump(endpoint_picker_config(spec), sort_keys=False)
+
+
+def picker_config_hash(spec: Spec) -> str:
+    return hashlib.sha256(picker_config_text(spec).encode()).hexdigest()[:16]
+
+
 def picker_config_map(owner: Owner, spec: Spec) -> Manifest:
-    text = yaml.safe_dump(endpoint_picker_config(spec), sort_keys=False)
+    text = picker_config_text(spec)
     return _picker_object(owner, "v1", "ConfigMap", data={PICKER_CONFIG_FILE: text})
 
 
@@ -251,7 +260,12 @@ def picker_deployment(owner: Owner, spec: Spec) -> Manifest:
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": picker_selector(owner)},
             "template": {
-                "metadata": {"labels": labels(owner)},
+                # the picker reads its configuration once, at start: a changed one (LoRA
+                # affinity turned on, another prefix scorer) must restart it
+                "metadata": {
+                    "labels": labels(owner),
+                    "annotations": {names.ANNOTATION_CONFIG_HASH: picker_config_hash(spec)},
+                },
                 "spec": {
                     "serviceAccountName": picker_name(owner),
                     "containers": [container],

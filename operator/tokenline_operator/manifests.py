@@ -6,6 +6,7 @@ InferencePool and its picker are :mod:`inference_pool`'s, applied on their own.
 
 from __future__ import annotations
 
+from . import lora
 from .config import config_map
 from .inference_pool import routing_enabled
 from .monitoring import pod_monitor
@@ -23,6 +24,10 @@ from .spec import Spec
 
 # --- the whole set ------------------------------------------------------------------------
 
+#: The key of spec.model.lora's ConfigMap (``<name>-lora``) among `children`: a second
+#: ConfigMap, applied before the Deployment and deleted when LoRA is turned off.
+LORA_CONFIG_MAP = "LoraConfigMap"
+
 #: Kinds that exist only in some configurations; the reconciler deletes them when unwanted.
 OPTIONAL_KINDS = (
     "PodDisruptionBudget",
@@ -34,11 +39,14 @@ OPTIONAL_KINDS = (
 
 
 def children(owner: Owner, spec: Spec, caps: Capabilities) -> dict[str, Manifest]:
-    """Every child the spec asks for, by kind (one object per kind)."""
+    """Every child the spec asks for, by kind (one object per kind, but for the LoRA
+    adapters' ConfigMap under :data:`LORA_CONFIG_MAP`), in the order they are applied."""
     autoscaler = autoscaler_kind(spec, caps)
     routing = routing_enabled(spec, caps)
-    result: dict[str, Manifest] = {
-        "ConfigMap": config_map(owner, spec),
+    result: dict[str, Manifest] = {"ConfigMap": config_map(owner, spec)}
+    if lora.enabled(spec):
+        result[LORA_CONFIG_MAP] = lora.config_map(owner, spec, caps.image_volume)
+    result |= {
         "Deployment": deployment(
             owner,
             spec,

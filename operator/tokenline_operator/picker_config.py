@@ -12,7 +12,7 @@ from typing import Any
 
 from tokenline.settings import BY_FLAG
 
-from . import names, router
+from . import lora, names, router
 from .spec import Spec, tls_enabled
 
 #: The name our metric mapping is registered under in the picker's ``engineConfigs`` (and
@@ -21,12 +21,21 @@ METRICS_MAPPING_NAME = "tokenline"
 #: The scheduler's default block size: the prefix scorer's fallback until it reads the
 #: cache configuration (``autoTune``) from the pods' metrics.
 DEFAULT_BLOCK_SIZE_TOKENS: int = BY_FLAG["block-size"].default
+#: The metric the picker reads each pod's adapters from (the core metrics extractor's
+#: ``loraSpec``), under vLLM's name, which the pods export as vLLM does.
+LORA_METRIC = "vllm:lora_requests_info"
+LORA_SCORER = "lora-affinity-scorer"
+#: Its weight beside queue 2, KV cache 2 and prefix 3: a pod that has the adapter resident
+#: (or a free slot) is preferred, as much as a short queue.
+LORA_SCORER_WEIGHT = 2
 
 
 def _metrics_plugins(spec: Spec) -> list[dict[str, Any]]:
     """What the picker scrapes on each pod's api port, under our metric names."""
     mapping = {"name": METRICS_MAPPING_NAME, **names.ENDPOINT_METRICS, **names.CACHE_INFO_LABELS}
-    mapping["loraSpec"] = ""  # tokenline serves no LoRA adapters: nothing to scrape
+    # vLLM's info gauge (labels running_lora_adapters, waiting_lora_adapters, max_lora), which
+    # the lora-affinity-scorer reads; without spec.model.lora the pods serve no adapters
+    mapping["loraSpec"] = LORA_METRIC if lora.enabled(spec) else ""
     return [
         {
             "type": "metrics-data-source",
@@ -83,7 +92,8 @@ def endpoint_picker_config(spec: Spec) -> dict[str, Any]:
     The prefix scorer is the upstream approximate one (from the picker's own routing history),
     or with ``router.kvEvents`` and sha256_cbor block names llm-d's precise one (from the
     pods' KV-cache events). The weights are the upstream chart's and llm-d's guide's, the same
-    for both: queue 2, KV cache use 2, prefix 3.
+    for both: queue 2, KV cache use 2, prefix 3; with ``spec.model.lora`` the upstream
+    lora-affinity-scorer too (weight 2), fed by ``vllm:lora_requests_info``.
     """
     if router.precise_routing(spec):
         prefix: dict[str, Any] = precise_prefix_cache_scorer(spec)
@@ -92,23 +102,27 @@ def endpoint_picker_config(spec: Spec) -> dict[str, Any]:
             "type": "prefix-cache-scorer",
             "parameters": {"autoTune": True, "blockSizeTokens": DEFAULT_BLOCK_SIZE_TOKENS},
         }
+    scorers: list[dict[str, Any]] = [
+        {"type": "queue-scorer"},
+        {"type": "kv-cache-utilization-scorer"},
+    ]
+    refs = [
+        {"pluginRef": "queue-scorer", "weight": 2},
+        {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+        {"pluginRef": prefix["type"], "weight": 3},
+    ]
+    if lora.enabled(spec):
+        # LoRA affinity (spec.model.lora): pods with the request's adapter resident first,
+        # then pods with a free adapter slot; it reads loraSpec's metric (no parameters)
+        refs.append({"pluginRef": LORA_SCORER, "weight": LORA_SCORER_WEIGHT})
     return {
         "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
         "kind": "EndpointPickerConfig",
         "plugins": [
-            {"type": "queue-scorer"},
-            {"type": "kv-cache-utilization-scorer"},
+            *scorers,
             prefix,
+            *([{"type": LORA_SCORER}] if lora.enabled(spec) else []),
             *_metrics_plugins(spec),
         ],
-        "schedulingProfiles": [
-            {
-                "name": "default",
-                "plugins": [
-                    {"pluginRef": "queue-scorer", "weight": 2},
-                    {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
-                    {"pluginRef": prefix["type"], "weight": 3},
-                ],
-            }
-        ],
+        "schedulingProfiles": [{"name": "default", "plugins": refs}],
     }

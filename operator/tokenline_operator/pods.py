@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any
 
-from . import model, names, router
+from . import lora, model, names, router
 from .config import STAGE_SETTINGS, config_hash, config_map_data, env_name
 from .objects import Manifest, Owner, config_map_name, labels, metadata
 from .spec import Spec, desired_replicas, selector_labels, tls_enabled
@@ -78,6 +78,7 @@ def _stage_env(owner: Owner, spec: Spec, stage: str, settings: dict[str, str]) -
             {"name": "TRITON_CACHE_DIR", "value": names.TRITON_CACHE_DIR},
         ]
         env += _kv_events_env(spec)
+    env += lora.stage_env(spec, stage)
     if stage == "api" and spec["server"].get("apiKeySecret"):
         env.append({"name": env_name("api-key-file"), "value": names.API_KEY_FILE})
     if stage == "api" and tls_enabled(spec):
@@ -134,6 +135,7 @@ def _container(
     settings: dict[str, str],
     prestop: int,
     delivery: model.Delivery | None = None,
+    image_volumes: bool = False,
 ) -> dict:
     port_name = names.PORT_NAMES[stage]
     startup_failures = -(-spec["server"]["startupTimeoutSeconds"] // STARTUP_PERIOD_SECONDS)
@@ -178,6 +180,7 @@ def _container(
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "compile-cache", "mountPath": names.COMPILE_CACHE_DIR},
         ]
+        mounts += lora.scheduler_mounts(spec, image_volumes)
     # Whole directories, never subPath: only these receive a rotated Secret's new contents.
     if stage == "api" and spec["server"].get("apiKeySecret"):
         mounts.append({"name": "api-key", "mountPath": names.API_KEY_DIR, "readOnly": True})
@@ -215,7 +218,9 @@ def _container(
     return container
 
 
-def _volumes(spec: Spec, delivery: model.Delivery | None = None) -> list[dict[str, Any]]:
+def _volumes(
+    owner: Owner, spec: Spec, delivery: model.Delivery | None = None, image_volumes: bool = False
+) -> list[dict[str, Any]]:
     cache = spec["model"].get("cache", {})
     if delivery is not None:
         # the cache holds the fetched model (the "models" volume); this is scratch only
@@ -236,6 +241,7 @@ def _volumes(spec: Spec, delivery: model.Delivery | None = None) -> list[dict[st
     ]
     if delivery is not None:
         volumes += delivery.volumes
+    volumes += lora.volumes(owner, spec, image_volumes)
     server = spec["server"]
     if server.get("apiKeySecret"):
         secret = server["apiKeySecret"]
@@ -295,9 +301,10 @@ def deployment(
     delivery = model.delivery(spec, image_volumes)
     pod_spec: dict[str, Any] = {
         "containers": [
-            _container(owner, spec, stage, settings, prestop, delivery) for stage in names.STAGES
+            _container(owner, spec, stage, settings, prestop, delivery, image_volumes)
+            for stage in names.STAGES
         ],
-        "volumes": _volumes(spec, delivery),
+        "volumes": _volumes(owner, spec, delivery, image_volumes),
         "terminationGracePeriodSeconds": termination_grace_seconds(spec, routing),
         # Service links would inject e.g. TOKENLINE_PORT=tcp://... for a Service called
         # "tokenline", which the stages would read as their --port flag.

@@ -16,7 +16,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import inference_pool, manifests, model, model_status, names, spec, status
+from . import inference_pool, lora, manifests, model, model_status, names, spec, status
 from .kube import Kube, KubeError
 from .metrics import OperatorMetrics
 from .network import service_url
@@ -225,12 +225,15 @@ async def _apply_children(
             f"CRDs or change spec.autoscaling.provider",
         )
     live: dict[str, Any] = {}
-    # The ConfigMap first: the Deployment's containers read their settings from it.
-    for kind in ("ConfigMap", *[k for k in desired if k != "ConfigMap"]):
+    # The ConfigMaps first: the Deployment's containers read their settings from them.
+    first = ("ConfigMap", manifests.LORA_CONFIG_MAP)
+    for kind in (*[k for k in first if k in desired], *[k for k in desired if k not in first]):
         live[kind] = await _ensure(ctx, owner, desired[kind])
     for kind in manifests.OPTIONAL_KINDS:
         if kind not in desired:
             await _remove(ctx, owner, kind)
+    if manifests.LORA_CONFIG_MAP not in desired:
+        await _remove(ctx, owner, "ConfigMap", lora.config_map_name(owner))
     return live["Deployment"], await _apply_routing(ctx, owner, parsed, caps)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import jsonschema
 
-from . import crd, model, names
+from . import crd, lora, model, names
 
 Spec = dict[str, Any]
 
@@ -83,6 +83,7 @@ def _model_problems(model_spec: dict[str, Any]) -> list[str]:
     if ("name" in model_spec) == ("uri" in model_spec):
         problems.append("spec.model: set exactly one of name and uri")
     uri = model_spec.get("uri")
+    problems.extend(lora.problems(model_spec, _served_name_if_valid(model_spec)))
     if uri is None:
         if "hostPath" in cache:
             problems.append(
@@ -98,6 +99,16 @@ def _model_problems(model_spec: dict[str, Any]) -> list[str]:
         if refused:
             problems.append(f"spec.model.uri: {refused}")
     return problems
+
+
+def _served_name_if_valid(model_spec: dict[str, Any]) -> str | None:
+    """The served name, or None where the uri that would name it is itself refused."""
+    if model_spec.get("servedName") or model_spec.get("name"):
+        return model_spec.get("servedName") or model_spec["name"]
+    uri = model_spec.get("uri")
+    if not uri or model.crd_rule_violations(uri) or model.uri_problem(uri):
+        return None
+    return model.default_served_name(model.parse_uri(uri.strip()))
 
 
 def _path(error: jsonschema.ValidationError) -> str:

@@ -210,6 +210,16 @@ def test_generated_chart_files_are_current():
         {"networkPolicy": {"metricsFrom": {"namespace": "monitoring"}}},
         {"tests": {"apiKeySecret": {"key": "k"}}},
         {"sample": {"spec": {"model": {"name": "m"}, "server": {"apiKeySecret": {}}}}},
+        # spec.model.lora (issue 27): a bad adapter name, a missing uri, out of bounds
+        {
+            "sample": {
+                "spec": {
+                    "model": {"name": "m", "lora": {"adapters": [{"name": "a b", "uri": "/x"}]}}
+                }
+            }
+        },
+        {"sample": {"spec": {"model": {"name": "m", "lora": {"adapters": [{"name": "a"}]}}}}},
+        {"sample": {"spec": {"model": {"name": "m", "lora": {"maxRank": 0}}}}},
     ],
     ids=lambda v: json.dumps(v, sort_keys=True)[:60],
 )
@@ -229,6 +239,22 @@ def test_values_schema_accepts_the_documented_values():
             yaml.safe_load_all((ROOT / "examples" / "inferenceservice.yaml").read_text())
         )
         loaded.validate_schema({"sample": {"enabled": True, "spec": example["spec"]}})
+
+
+def test_the_sample_serves_lora_adapters():
+    adapters = [{"name": "sql", "uri": "hf://acme/sql-lora@v1"}, {"name": "b", "uri": "/opt/b"}]
+    values = {
+        "sample": {
+            "enabled": True,
+            "spec": {"model": {"name": "tiny", "lora": {"adapters": adapters, "maxRank": 8}}},
+        }
+    }
+    with helm.Chart.load(CHART) as loaded:
+        loaded.validate_schema(values)
+    (sample,) = by_kind(render(values))[names.KIND]
+    jsonschema.validate(sample, crd_schema())
+    parsed = spec.parse(sample["metadata"]["name"], sample["spec"], default_image="t:1")
+    assert parsed["model"]["lora"]["adapters"] == adapters
 
 
 def test_dockerfile_has_no_hadolint_errors():

@@ -46,6 +46,14 @@ CONTRACT_METRICS = {
     "tokenline_malformed_frames_total",
     "tokenline_cache_entries",
 }
+# Issue 27: the per-adapter metrics the LoRA panels read, exported by stages serving adapters
+# (--enable-lora) only, and vLLM's info gauge the endpoint picker's LoRA affinity reads.
+LORA_METRICS = {
+    "tokenline_lora_requests_total",
+    "tokenline_lora_generated_tokens_total",
+    "tokenline_lora_adapters",
+}
+LORA_INFO_METRIC = "vllm:lora_requests_info"
 HISTOGRAM_SERIES = re.compile(r"_(bucket|sum|count)$")
 
 

@@ -18,6 +18,8 @@ from monitoring_support import (
     CONTRACT_METRICS,
     DASHBOARDS_DIR,
     FILTERS,
+    LORA_INFO_METRIC,
+    LORA_METRICS,
     metric_names,
 )
 
@@ -84,17 +86,57 @@ def test_every_query_uses_the_datasource_variable_and_all_filters():
             assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
             assert target["datasource"]["uid"] == "${datasource}", panel["title"]
             # every selector of every expression carries the three filters
-            for sel in re.findall(r"\b(?:tokenline_\w+|up)\{[^}]*\}", target["expr"]):
+            for sel in re.findall(r"(?:\btokenline_\w+|\bup|vllm:\w+)\{[^}]*\}", target["expr"]):
                 for label in FILTERS:
                     assert f'{label}=~"${label}"' in sel, (panel["title"], sel)
 
 
 def test_dashboards_read_every_contract_metric_and_nothing_else():
+    known = CONTRACT_METRICS | LORA_METRICS
     used: dict[str, set[str]] = {}
     for uid, dashboard in load_dashboards().items():
         used[uid] = set().union(*(metric_names(t["expr"]) for _, t in targets(dashboard)))
-        assert used[uid] <= CONTRACT_METRICS, used[uid] - CONTRACT_METRICS
-    assert used["tokenline-overview"] | used["tokenline-pipeline"] == CONTRACT_METRICS
+        assert used[uid] <= known, used[uid] - known
+    assert used["tokenline-overview"] | used["tokenline-pipeline"] == known
+
+
+@pytest.mark.parametrize(
+    ("title", "metric", "by"),
+    [
+        ("LoRA requests/s", "tokenline_lora_requests_total", "adapter"),
+        ("LoRA generated tokens/s", "tokenline_lora_generated_tokens_total", "adapter"),
+        ("LoRA adapters by state", "tokenline_lora_adapters", "state"),
+    ],
+)
+def test_lora_panels_break_down_by_adapter_and_state(title, metric, by):
+    panels = {p["title"]: p for p in load_dashboards()["tokenline-overview"]["panels"]}
+    (target,) = panels[title]["targets"]
+    assert metric_names(target["expr"]) == {metric}
+    assert f"sum by ({by})" in target["expr"]
+    assert target["legendFormat"] == "{{" + by + "}}"
+
+
+def test_lora_panel_shows_each_pods_newest_adapters_info():
+    panels = {p["title"]: p for p in load_dashboards()["tokenline-overview"]["panels"]}
+    (target,) = panels["Running / waiting adapters"]["targets"]
+    expr = target["expr"]
+    assert f"topk by (pod) (1, {LORA_INFO_METRIC}{{" in expr  # newest series per pod
+    for label in ("running_lora_adapters", "waiting_lora_adapters", "max_lora"):
+        assert label in expr and "{{" + label + "}}" in target["legendFormat"]
+
+
+def test_lora_panels_sit_in_their_own_row():
+    panels = load_dashboards()["tokenline-overview"]["panels"]
+    rows = [i for i, p in enumerate(panels) if p["type"] == "row"]
+    titles = [panels[i]["title"] for i in rows]
+    assert titles[-1] == "LoRA adapters"
+    after = [p["title"] for p in panels[rows[-1] + 1 :]]
+    assert after == [
+        "LoRA requests/s",
+        "LoRA generated tokens/s",
+        "LoRA adapters by state",
+        "Running / waiting adapters",
+    ]
 
 
 @pytest.mark.parametrize(

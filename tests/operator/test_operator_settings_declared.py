@@ -18,7 +18,8 @@ BY_ENV = {s.env: s for s in SETTINGS}
 #: what the pod spec, not a stage flag, is made of
 NOT_SETTINGS = {
     # uri: the operator's (a fetch init container); the stages get the directory as --model
-    "model": {"hfTokenSecret", "s3Secret", "cache", "uri"},
+    # lora: the operator's too (a ConfigMap of adapters, the LoRA flags on the pods)
+    "model": {"hfTokenSecret", "s3Secret", "cache", "uri", "lora"},
     "engine": {"gpus"},
     "server": {"startupTimeoutSeconds", "apiKeySecret", "tlsSecret"},
 }

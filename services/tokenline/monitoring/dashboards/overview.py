@@ -150,5 +150,73 @@ def overview() -> dash.Dashboard:
     )
     return with_rows(
         builder,
-        [("Traffic", traffic), ("Latency", latency), ("Engine", engine), ("Errors", errors)],
+        [
+            ("Traffic", traffic),
+            ("Latency", latency),
+            ("Engine", engine),
+            ("Errors", errors),
+            ("LoRA adapters", lora_panels()),
+        ],
     )
+
+
+#: vLLM's info gauge of each pod's adapters, as the endpoint picker's LoRA affinity reads it:
+#: labels ``running_lora_adapters`` and ``waiting_lora_adapters`` (comma-separated names) and
+#: ``max_lora``; the value is when it was set, so a pod's newest series is its present.
+LORA_INFO = "vllm:lora_requests_info"
+
+
+def lora_panels() -> list[PanelSpec]:
+    """Traffic per adapter, the adapters' states, and what each pod runs and queues now."""
+    current = f"topk by (pod) (1, {LORA_INFO}{selector()})"
+    return [
+        PanelSpec(
+            "LoRA requests/s",
+            "Finished requests per second, by the adapter they named in `model`.",
+            "reqps",
+            (Query(summed_rate("tokenline_lora_requests_total", ("adapter",)), "{{adapter}}"),),
+            width=6,
+        ),
+        PanelSpec(
+            "LoRA generated tokens/s",
+            "Output tokens per second, by adapter.",
+            "short",
+            (
+                Query(
+                    summed_rate("tokenline_lora_generated_tokens_total", ("adapter",)),
+                    "{{adapter}}",
+                ),
+            ),
+            width=6,
+        ),
+        PanelSpec(
+            "LoRA adapters by state",
+            "Adapters known to the schedulers, by state (on the device, in host memory, "
+            "loading, failed), summed over the pods.",
+            "short",
+            (
+                Query(
+                    f"sum by (state) (tokenline_lora_adapters{selector()})",
+                    "{{state}}",
+                ),
+            ),
+            stacked=True,
+            width=6,
+        ),
+        PanelSpec(
+            "Running / waiting adapters",
+            "Per pod, the adapters with requests running and waiting now, from "
+            f"{LORA_INFO} (what the endpoint picker's LoRA affinity reads): one line per "
+            "pod and set of adapters, named in the legend; a new line starts when they change.",
+            "none",
+            (
+                Query(
+                    "count by (pod, max_lora, running_lora_adapters, waiting_lora_adapters) "
+                    f"({current})",
+                    "{{pod}} running: [{{running_lora_adapters}}] waiting: "
+                    "[{{waiting_lora_adapters}}] max {{max_lora}}",
+                ),
+            ),
+            width=6,
+        ),
+    ]

@@ -15,11 +15,23 @@ from tokenline.protocol import SamplingParams, TokenOutput
 from tokenline.scheduler import prompt_logprobs
 from tokenline.scheduler.grammar import GrammarCompiler, GrammarError
 from tokenline.scheduler.kv_cache import BlockPool
+from tokenline.scheduler.lora.adapters import LoraAdapter, load_adapter, local_path
+from tokenline.scheduler.lora.slots import LoraSlots
 from tokenline.scheduler.policy import BatchPolicy, Chunk, StepOutput
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.scheduler.sampler import sample_with_logprobs
 from tokenline.scheduler.sequence import Sequence
 from tokenline.settings import BY_FLAG
+
+
+@dataclass
+class LoraOptions:
+    """--enable-lora's sizes: device slots, highest rank, adapters kept in host memory."""
+
+    max_loras: int = BY_FLAG["max-loras"].default
+    max_rank: int = BY_FLAG["max-lora-rank"].default
+    max_cpu_loras: int = BY_FLAG["max-cpu-loras"].default
+    cache_dir: str | None = None  # where adapters named by URI are fetched to
 
 
 @dataclass
@@ -67,11 +79,20 @@ class InvalidRequest(ValueError):
 
     code = "invalid_request_error"
     param: str | None = None
+    http_status = 400
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         if param is not None:
             self.param = param
+
+
+class UnknownModel(InvalidRequest):
+    """A request names a LoRA adapter this scheduler does not serve (OpenAI's 404)."""
+
+    code = "model_not_found"
+    param = "model"
+    http_status = 404
 
 
 class KVCacheTooSmall(InvalidRequest):
@@ -101,6 +122,7 @@ class Engine:
         eos_ids: list[int],
         prefix_caching: bool = True,
         grammars: GrammarCompiler | None = None,
+        lora: LoraOptions | None = None,
     ) -> None:
         self.runner = runner
         self.limits = limits
@@ -111,12 +133,17 @@ class Engine:
         # takes them with take_rejected() and reports each as the request's error
         self._rejected: list[tuple[str, InvalidRequest]] = []
         self.pool = BlockPool(runner.num_blocks, runner.block_size, caching=prefix_caching)
+        # LoRA (None: off): adapters by name, in host memory and in the runner's device slots
+        self.loras: LoraSlots | None = None
+        if lora is not None:
+            self.loras = _lora_slots(runner, lora)
         self.policy = BatchPolicy(
             self.pool,
             limits.max_num_seqs,
             limits.max_num_batched_tokens,
             eos_ids=eos_ids,
             max_model_len=limits.max_model_len,
+            loras=self.loras,
         )
         self._finished: list[TokenOutput] = []  # terminal outputs not tied to a forward pass
         self.step_uids: list[str] = []  # the sequences of the last step
@@ -130,7 +157,10 @@ class Engine:
         sampling: SamplingParams,
         timeout_s: float = float("inf"),
         arrival: float | None = None,
+        lora: str = "",
     ) -> Sequence:
+        if lora and (self.loras is None or not self.loras.known(lora)):
+            raise UnknownModel(f"The model `{lora}` does not exist.")
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty; send at least one token", param="prompt")
         if not self.policy.fits_at_all(len(prompt_ids)):
@@ -172,6 +202,7 @@ class Engine:
             max_tokens=max_tokens,
             deadline=time.monotonic() + timeout_s,
             arrival=time.monotonic() if arrival is None else arrival,
+            lora=lora,
         )
         if sampling.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # the first token has nothing before it
@@ -366,6 +397,18 @@ class Engine:
         for uid in late:
             self.abort(uid)
         return late
+
+
+def _lora_slots(runner: ModelRunner, options: LoraOptions) -> LoraSlots:
+    """The adapter bookkeeping over the runner's device slots, reading adapters from disk
+    (or fetching them) checked against this model and ``max_rank``."""
+    weights = runner.enable_lora(options.max_loras, options.max_rank)
+
+    def load(name: str, uri: str) -> LoraAdapter:
+        path = local_path(name, uri, options.cache_dir)
+        return load_adapter(name, path, runner.lora_shape, options.max_rank)
+
+    return LoraSlots(options.max_loras, options.max_cpu_loras, load, weights.set_slot)
 
 
 def _lap(mark: float) -> tuple[float, float]:

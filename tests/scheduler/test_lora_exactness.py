@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from lora_testkit import MAX_TOKENS, lora_engine, peft_model, reference_run, write_adapter
 from scheduler_testkit import PROMPTS, assert_idle, drain, greedy
 
-from tokenline.scheduler.engine import Engine, LoraOptions
+from tokenline.scheduler.engine import Engine
 
-MAX_TOKENS = 12
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name → (rank, alpha, target modules, rslora)
 ADAPTERS = {
@@ -22,26 +22,6 @@ ADAPTERS = {
     "mlp8": (8, 16, ["gate_proj", "up_proj", "down_proj"], False),
     "ko4": (4, 4, ["k_proj", "o_proj", "down_proj"], False),
 }
-
-
-def write_adapter(base_path: str, out: Path, seed: int, rank, alpha, targets, rslora) -> Path:
-    """A random adapter with nonzero A and B, saved by peft in its own format."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=alpha,
-        target_modules=targets,
-        use_rslora=rslora,
-        init_lora_weights=False,  # B is random too, so the delta is not zero
-        lora_dropout=0.0,
-    )
-    peft_model = get_peft_model(model, config)
-    peft_model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -58,31 +38,6 @@ def prompt_ids(encode) -> dict[str, list[int]]:
     return {f"p{i}": encode(text) for i, text in enumerate(PROMPTS[:3])}
 
 
-def peft_model(tiny_source, adapter: Path | None):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_source.path, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, str(adapter))
-    return model.eval()
-
-
-def reference_run(model, prompt: list[int], eos_ids: list[int]) -> tuple[list[int], torch.Tensor]:
-    """PEFT's greedy tokens (stopping after an EOS, as the engine does) and the logits that
-    chose each of them, from one forward over the prompt and the tokens."""
-    with torch.inference_mode():
-        ids = list(prompt)
-        for _ in range(MAX_TOKENS):
-            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
-            ids.append(int(logits.argmax()))
-            if ids[-1] in eos_ids:
-                break
-        tokens = ids[len(prompt) :]
-        logits = model(input_ids=torch.tensor([ids])).logits[0, len(prompt) - 1 : -1]
-    return tokens, logits.float()
-
-
 @pytest.fixture(scope="module")
 def references(tiny_source, adapter_dirs, prompt_ids, eos_ids) -> dict:
     """(adapter or "", prompt uid) → PEFT's tokens and logits."""
@@ -92,20 +47,6 @@ def references(tiny_source, adapter_dirs, prompt_ids, eos_ids) -> dict:
         for uid, ids in prompt_ids.items():
             refs[(name, uid)] = reference_run(model, ids, eos_ids)
     return refs
-
-
-def lora_engine(make_engine, adapter_dirs, max_loras: int = 4, **kw) -> Engine:
-    base = make_engine(**kw)
-    engine = Engine(
-        base.runner,
-        base.limits,
-        base.eos_ids,
-        base.prefix_caching,
-        lora=LoraOptions(max_loras=max_loras, max_rank=16, max_cpu_loras=8),
-    )
-    for name, path in adapter_dirs.items():
-        engine.loras.add(name, str(path))
-    return engine
 
 
 def record_logits(engine: Engine) -> dict[str, list[torch.Tensor]]:

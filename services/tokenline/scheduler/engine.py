@@ -6,6 +6,7 @@ The engine is usable in-process (benchmarks, tests) and is what the scheduler st
 from __future__ import annotations
 
 import time
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -146,6 +147,8 @@ class Engine:
             loras=self.loras,
         )
         self._finished: list[TokenOutput] = []  # terminal outputs not tied to a forward pass
+        # tokens generated per LoRA adapter since the stage last took them (its metric)
+        self.lora_tokens: Counter[str] = Counter()
         self.step_uids: list[str] = []  # the sequences of the last step
         self.last_step_times = StepTimes()  # the last step that ran the model
 
@@ -229,6 +232,10 @@ class Engine:
                 )
                 self._rejected.append((uid, error))
                 continue
+            if seq.lora and seq.lora not in self.loras.uris:  # unloaded while it compiled
+                missing = UnknownModel(f"The model `{seq.lora}` does not exist.")
+                self._rejected.append((uid, missing))
+                continue
             self.policy.add(seq)
 
     def take_rejected(self) -> list[tuple[str, InvalidRequest]]:
@@ -270,6 +277,14 @@ class Engine:
     def prefix_cache_hits(self) -> int:
         """Of those, the tokens found (and so not computed): the sum of ``cached_tokens``."""
         return self.policy.prefix_cache_hits
+
+    def lora_usage(self) -> tuple[list[str], list[str]]:
+        """Adapters of running sequences and of waiting ones (vllm:lora_requests_info)."""
+        policy = self.policy
+        running = {s.lora for s in policy.running if s.lora}
+        waiting = {s.lora for s in policy.waiting if s.lora}
+        waiting |= {s.lora for s, _ in self.compiling.values() if s.lora}
+        return sorted(running), sorted(waiting)
 
     def holds(self, uid: str) -> bool:
         return uid in self.policy.by_uid or uid in self.compiling
@@ -358,6 +373,8 @@ class Engine:
         for update in self.policy.update_from_output(step):
             seq = update.seq
             token_ids = [] if update.token is None else [update.token]
+            if seq.lora and token_ids:
+                self.lora_tokens[seq.lora] += 1
             if update.finish_reason is not None:
                 out = self._terminal(seq, token_ids, update.finish_reason)
                 if update.finish_reason == "error":

@@ -93,13 +93,20 @@ def test_each_adapter_alone_matches_peft(make_engine, adapter_dirs, references, 
     assert_idle(engine)
 
 
-@pytest.mark.parametrize("budget", [2048, 5], ids=["whole", "chunked"])
+@pytest.mark.parametrize(
+    "budget,dense_decode",
+    [(2048, True), (5, True), (2048, False)],
+    ids=["whole", "chunked", "gather"],
+)
 def test_mixed_batch_of_four_adapters_and_base_matches_peft(
-    make_engine, adapter_dirs, references, prompt_ids, budget
+    make_engine, adapter_dirs, references, prompt_ids, budget, dense_decode
 ):
     """Every prompt under every adapter and the base, all in the same steps: decode rows of
-    five models share each step, and chunked prefill mixes prompt and decode rows."""
-    engine = lora_engine(make_engine, adapter_dirs, max_num_batched_tokens=budget)
+    five models share each step, and chunked prefill mixes prompt and decode rows (and the
+    GPU's gathered decode attention reads the same deltas)."""
+    engine = lora_engine(
+        make_engine, adapter_dirs, max_num_batched_tokens=budget, dense_decode=dense_decode
+    )
     logits = record_logits(engine)
     requests = {}
     for name in ["", *ADAPTERS]:
@@ -110,3 +117,27 @@ def test_mixed_batch_of_four_adapters_and_base_matches_peft(
     run = drain(engine)
     check(run, logits, requests, references)
     assert_idle(engine)
+
+
+def test_adapters_taking_turns_in_two_slots_under_kv_preemption_keep_their_tokens(
+    make_engine, adapter_dirs, prompt_ids
+):
+    """Four adapters through two device slots with a KV pool too small for everyone: slots
+    change hands and preempted sequences recompute under their own adapter. The tokens are
+    those of a roomy engine with a slot for every adapter (exact against PEFT above), run
+    past EOS so that sequences grow into new blocks."""
+
+    def run(**kw):
+        engine = lora_engine(make_engine, adapter_dirs, **kw)
+        for name in ["", *ADAPTERS]:
+            for prompt, ids in prompt_ids.items():
+                uid = f"{name or 'base'}-{prompt}"
+                engine.add(uid, ids, greedy(24, ignore_eos=True), lora=name)
+        drained = drain(engine)
+        assert_idle(engine)
+        return engine, drained.tokens
+
+    _, roomy = run(max_loras=4)
+    tight, tokens = run(max_loras=2, kv_blocks=6)
+    assert tight.policy.num_preemptions > 0, "the pool was meant to force preemption"
+    assert tokens == roomy

@@ -196,3 +196,51 @@ def test_the_stage_without_lora_refuses_load_calls(make_engine):
     (answer,) = sent
     assert isinstance(answer, protocol.Failed) and "--enable-lora" in answer.message
     assert handler.status().max_loras == 0
+
+
+def test_lora_modules_load_at_start(make_engine, adapter_dirs):
+    from tokenline.scheduler.stage import _start_loras
+    from tokenline.settings import Settings
+
+    engine = lora_engine(make_engine, {})
+    modules = [f"a={adapter_dirs['a']}", f"b={adapter_dirs['b']}"]
+    assert _start_loras(Settings(enable_lora=True, lora_modules=modules), engine) is None
+    assert engine.loras.names == ["a", "b"]
+    with pytest.raises(SystemExit, match="NAME=PATH_OR_URI"):
+        _start_loras(Settings(enable_lora=True, lora_modules=["no-uri"]), engine)
+
+
+class Change:
+    def __init__(self, action: str, name: str, uri: str) -> None:
+        self.action, self.name, self.uri = action, name, uri
+
+
+class ScriptedWatcher:
+    """--lora-config's watcher as the stage uses it: each poll returns the next changes."""
+
+    def __init__(self, *polls: list[Change]) -> None:
+        self.polls = list(polls)
+
+    def poll(self) -> list[Change]:
+        return self.polls.pop(0) if self.polls else []
+
+
+def test_lora_config_changes_apply_between_steps(make_engine, adapter_dirs, prompt, expected):
+    engine = lora_engine(make_engine, {})
+    a, b = str(adapter_dirs["a"]), str(adapter_dirs["b"])
+    watcher = ScriptedWatcher(
+        [Change("load", "x", a)],
+        # the file now points x at b's files: unloaded, then loaded again once drained
+        [Change("unload", "x", a), Change("load", "x", b), Change("load", "bad", "/nope")],
+    )
+    handler = SchedulerStage(engine, "tiny", lora_changes=watcher)
+    handler.housekeeping(time.monotonic())
+    assert engine.loras.names == ["x"]
+    engine.add("r", prompt, greedy(MAX_TOKENS), lora="x")
+    seen = collect(engine.step(), Drained())
+    handler.housekeeping(time.monotonic())  # x drains behind r; "bad" is logged, not loaded
+    assert engine.loras.names == [] and engine.loras.draining == {"x"}
+    drain(engine, into=seen)
+    assert seen.tokens["r"] == expected["a"]
+    handler.housekeeping(time.monotonic())
+    assert engine.loras.names == ["x"] and engine.loras.uris["x"] == b

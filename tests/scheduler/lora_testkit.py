@@ -33,10 +33,15 @@ def write_adapter(base_path: str, out: Path, seed: int, rank, alpha, targets, rs
 
 
 def peft_model(tiny_source, adapter: Path | None):
+    """The tiny model on transformers, with ``adapter`` applied by peft (None: the base)."""
+    return peft_model_at(tiny_source.path, adapter)
+
+
+def peft_model_at(base_path: str, adapter: Path | None):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_source.path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, str(adapter))
     return model.eval()

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from lora_testkit import MAX_TOKENS, lora_engine, peft_model, reference_run, write_adapter
+from lora_testkit import (
+    MAX_TOKENS,
+    lora_engine,
+    peft_model,
+    peft_model_at,
+    reference_run,
+    write_adapter,
+)
 from scheduler_testkit import PROMPTS, assert_idle, drain, greedy
 
 from tokenline.scheduler.engine import Engine
@@ -141,3 +148,29 @@ def test_adapters_taking_turns_in_two_slots_under_kv_preemption_keep_their_token
     tight, tokens = run(max_loras=2, kv_blocks=6)
     assert tight.policy.num_preemptions > 0, "the pool was meant to force preemption"
     assert tokens == roomy
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_adapters_on_other_families_match_peft(family, tmp_path):
+    """q/k/v biases (Qwen2) and per-head q/k norms after the projections (Qwen3) take the
+    deltas where PEFT adds them: on the linear's output, before anything else."""
+    from scheduler_testkit import FAMILIES, family_runner, saved_family_model
+
+    from tokenline.scheduler.engine import EngineLimits, LoraOptions
+
+    saved_family_model(FAMILIES[family], tmp_path / "base")
+    adapter = write_adapter(str(tmp_path / "base"), tmp_path / "lora", 3, 8, 16, ALL, False)
+    runner = family_runner(family, tmp_path / "base")
+    engine = Engine(runner, EngineLimits(256), eos_ids=[], lora=LoraOptions(max_rank=8))
+    engine.loras.add("x", str(adapter))
+    logits = record_logits(engine)
+    prompt = [(7 * j) % 290 + 5 for j in range(11)]
+    engine.add("lora", prompt, greedy(MAX_TOKENS), lora="x")
+    engine.add("base", prompt, greedy(MAX_TOKENS))
+    run = drain(engine)
+    for uid, path in (("lora", adapter), ("base", None)):
+        model = peft_model_at(str(tmp_path / "base"), path)
+        tokens, ref_logits = reference_run(model, prompt, [])
+        assert run.tokens[uid] == tokens, uid
+        torch.testing.assert_close(torch.stack(logits[uid]), ref_logits, atol=2e-4, rtol=1e-4)
+    assert run.tokens["lora"] != run.tokens["base"]

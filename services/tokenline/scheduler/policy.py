@@ -12,6 +12,11 @@ offered to the cache). When the pool runs dry mid-generation, paused sequences a
 parked first (their blocks freed, recomputed on resume), then the newest running ones are
 preempted back to the head of the queue to be recomputed later: output is never corrupted.
 
+LoRA: a sequence of an adapter is admitted only with its adapter in one of the device slots
+(lora/slots.py): resident already, or loaded into a slot no running sequence uses. One that
+finds none waits where it is in the queue while later sequences go ahead, and a running or
+paused-with-KV sequence pins its slot until it ends or is preempted.
+
 This is also the one writer of a sequence's state. After each forward pass the engine hands
 what the step produced to ``update_from_output`` (vLLM's ``EngineCore`` shape): the tokens
 computed, each sampled token and the prompt logprobs gathered; the policy counts them, offers

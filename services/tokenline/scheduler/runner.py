@@ -11,6 +11,10 @@ a step's chunks into a flat batch; ``layers.py`` holds what a layer does around 
 sliding window (Mistral v0.1, Qwen2/Qwen3 with ``use_sliding_window``) make the same calls with
 the window added to their masks; their K/V stays in the pool for the whole context (blocks
 that fell out of every window are not given back early).
+
+LoRA (``enable_lora``): the runner holds every device slot's adapter weights stacked per
+layer (lora/apply.py) and reads one thing per step, the slot of each sequence; a step in which
+no row uses an adapter runs exactly as without LoRA (and with ``--compile``, compiled).
 """
 
 from __future__ import annotations

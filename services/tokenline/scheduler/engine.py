@@ -6,6 +6,7 @@ The engine is usable in-process (benchmarks, tests) and is what the scheduler st
 from __future__ import annotations
 
 import time
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -15,11 +16,23 @@ from tokenline.protocol import SamplingParams, TokenOutput
 from tokenline.scheduler import prompt_logprobs
 from tokenline.scheduler.grammar import GrammarCompiler, GrammarError
 from tokenline.scheduler.kv_cache import BlockPool
+from tokenline.scheduler.lora.adapters import LoraAdapter, load_adapter, local_path
+from tokenline.scheduler.lora.slots import LoraSlots
 from tokenline.scheduler.policy import BatchPolicy, Chunk, StepOutput
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.scheduler.sampler import sample_with_logprobs
 from tokenline.scheduler.sequence import Sequence
 from tokenline.settings import BY_FLAG
+
+
+@dataclass
+class LoraOptions:
+    """--enable-lora's sizes: device slots, highest rank, adapters kept in host memory."""
+
+    max_loras: int = BY_FLAG["max-loras"].default
+    max_rank: int = BY_FLAG["max-lora-rank"].default
+    max_cpu_loras: int = BY_FLAG["max-cpu-loras"].default
+    cache_dir: str | None = None  # where adapters named by URI are fetched to
 
 
 @dataclass
@@ -67,11 +80,20 @@ class InvalidRequest(ValueError):
 
     code = "invalid_request_error"
     param: str | None = None
+    http_status = 400
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         if param is not None:
             self.param = param
+
+
+class UnknownModel(InvalidRequest):
+    """A request names a LoRA adapter this scheduler does not serve (OpenAI's 404)."""
+
+    code = "model_not_found"
+    param = "model"
+    http_status = 404
 
 
 class KVCacheTooSmall(InvalidRequest):
@@ -101,6 +123,7 @@ class Engine:
         eos_ids: list[int],
         prefix_caching: bool = True,
         grammars: GrammarCompiler | None = None,
+        lora: LoraOptions | None = None,
     ) -> None:
         self.runner = runner
         self.limits = limits
@@ -111,14 +134,21 @@ class Engine:
         # takes them with take_rejected() and reports each as the request's error
         self._rejected: list[tuple[str, InvalidRequest]] = []
         self.pool = BlockPool(runner.num_blocks, runner.block_size, caching=prefix_caching)
+        # LoRA (None: off): adapters by name, in host memory and in the runner's device slots
+        self.loras: LoraSlots | None = None
+        if lora is not None:
+            self.loras = _lora_slots(runner, lora)
         self.policy = BatchPolicy(
             self.pool,
             limits.max_num_seqs,
             limits.max_num_batched_tokens,
             eos_ids=eos_ids,
             max_model_len=limits.max_model_len,
+            loras=self.loras,
         )
         self._finished: list[TokenOutput] = []  # terminal outputs not tied to a forward pass
+        # tokens generated per LoRA adapter since the stage last took them (its metric)
+        self.lora_tokens: Counter[str] = Counter()
         self.step_uids: list[str] = []  # the sequences of the last step
         self.last_step_times = StepTimes()  # the last step that ran the model
 
@@ -130,7 +160,10 @@ class Engine:
         sampling: SamplingParams,
         timeout_s: float = float("inf"),
         arrival: float | None = None,
+        lora: str = "",
     ) -> Sequence:
+        if lora and (self.loras is None or not self.loras.known(lora)):
+            raise UnknownModel(f"The model `{lora}` does not exist.")
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty; send at least one token", param="prompt")
         if not self.policy.fits_at_all(len(prompt_ids)):
@@ -172,6 +205,7 @@ class Engine:
             max_tokens=max_tokens,
             deadline=time.monotonic() + timeout_s,
             arrival=time.monotonic() if arrival is None else arrival,
+            lora=lora,
         )
         if sampling.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # the first token has nothing before it
@@ -197,6 +231,10 @@ class Engine:
                     f"the output format cannot be enforced: {exc}", param="response_format"
                 )
                 self._rejected.append((uid, error))
+                continue
+            if seq.lora and seq.lora not in self.loras.uris:  # unloaded while it compiled
+                missing = UnknownModel(f"The model `{seq.lora}` does not exist.")
+                self._rejected.append((uid, missing))
                 continue
             self.policy.add(seq)
 
@@ -239,6 +277,14 @@ class Engine:
     def prefix_cache_hits(self) -> int:
         """Of those, the tokens found (and so not computed): the sum of ``cached_tokens``."""
         return self.policy.prefix_cache_hits
+
+    def lora_usage(self) -> tuple[list[str], list[str]]:
+        """Adapters of running sequences and of waiting ones (vllm:lora_requests_info)."""
+        policy = self.policy
+        running = {s.lora for s in policy.running if s.lora}
+        waiting = {s.lora for s in policy.waiting if s.lora}
+        waiting |= {s.lora for s, _ in self.compiling.values() if s.lora}
+        return sorted(running), sorted(waiting)
 
     def holds(self, uid: str) -> bool:
         return uid in self.policy.by_uid or uid in self.compiling
@@ -327,6 +373,8 @@ class Engine:
         for update in self.policy.update_from_output(step):
             seq = update.seq
             token_ids = [] if update.token is None else [update.token]
+            if seq.lora and token_ids:
+                self.lora_tokens[seq.lora] += 1
             if update.finish_reason is not None:
                 out = self._terminal(seq, token_ids, update.finish_reason)
                 if update.finish_reason == "error":
@@ -366,6 +414,18 @@ class Engine:
         for uid in late:
             self.abort(uid)
         return late
+
+
+def _lora_slots(runner: ModelRunner, options: LoraOptions) -> LoraSlots:
+    """The adapter bookkeeping over the runner's device slots, reading adapters from disk
+    (or fetching them) checked against this model and ``max_rank``."""
+    weights = runner.enable_lora(options.max_loras, options.max_rank)
+
+    def load(name: str, uri: str) -> LoraAdapter:
+        path = local_path(name, uri, options.cache_dir)
+        return load_adapter(name, path, runner.lora_shape, options.max_rank)
+
+    return LoraSlots(options.max_loras, options.max_cpu_loras, load, weights.set_slot)
 
 
 def _lap(mark: float) -> tuple[float, float]:

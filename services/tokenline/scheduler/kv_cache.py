@@ -26,6 +26,11 @@ little-endian integers. ``sha256_cbor`` is vLLM's ``--prefix-caching-hash-algo s
 sha256 of the canonical CBOR of ``(parent, tuple(token_ids), None)``, the first block's parent
 being ``NONE_HASH`` = sha256_cbor(``PYTHONHASHSEED``) (random when that is unset, as in vLLM),
 so an indexer that hashes prompts itself (llm-d's) computes the names this pool publishes.
+
+LoRA: a sequence served by an adapter names every block with the adapter's name too (vLLM's
+extra hash keys: ``(parent, tokens, (lora_name,))`` under sha256_cbor), so the same tokens
+under two adapters, or under an adapter and the base, never share K/V; the base model's names
+are unchanged. Stored events carry the adapter's name.
 """
 
 from __future__ import annotations
@@ -43,18 +48,20 @@ log = logging.getLogger(__name__)
 
 HASH_ALGOS = ("blake2b", "sha256_cbor")
 # What ``BlockPool.events`` holds: (STORED, names, parent name or None, token ids of those
-# blocks), (REMOVED, name), (CLEARED,).
+# blocks, LoRA adapter name or None), (REMOVED, name), (CLEARED,).
 STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
-BlockHasher = Callable[[bytes, list[int]], bytes]
+BlockHasher = Callable[[bytes, list[int], str], bytes]  # (parent, token ids, LoRA name)
 
 
-def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
+def block_hash(parent: bytes, token_ids: list[int], lora: str = "") -> bytes:
     """The name of a full block: a collision-safe hash of its parent's name and its tokens.
 
     A collision would hand one prompt another's K/V, so Python's ``hash`` (64 bits, and
     trivially collided for ints) is not good enough; blake2b is fast and cryptographic."""
     digest = hashlib.blake2b(parent, digest_size=32)
     digest.update(array("q", token_ids).tobytes())
+    if lora:  # after a full block's fixed-size tokens, so no two inputs run together
+        digest.update(b"\x00lora\x00" + lora.encode())
     return digest.digest()
 
 
@@ -70,9 +77,10 @@ def sha256_cbor_hasher(seed: str | None = None) -> BlockHasher:
 
     none_hash = sha256_cbor(seed) if seed is not None else os.urandom(32)
 
-    def hasher(parent: bytes, token_ids: list[int]) -> bytes:
-        # extra keys (LoRA, multimodal, cache salt in vLLM) are None: tokenline has none yet
-        return sha256_cbor((parent or none_hash, tuple(token_ids), None))
+    def hasher(parent: bytes, token_ids: list[int], lora: str = "") -> bytes:
+        # vLLM's extra keys: the LoRA name when there is one (no multimodal, no cache salt)
+        extra = (lora,) if lora else None
+        return sha256_cbor((parent or none_hash, tuple(token_ids), extra))
 
     return hasher
 
@@ -254,9 +262,8 @@ class BlockPool:
         names = seq.block_hashes
         parent = names[start - 1] if start else None
         bs = self.block_size
-        self.events.append(
-            (STORED, names[start:end], parent, seq.token_slice(start * bs, end * bs))
-        )
+        tokens = seq.token_slice(start * bs, end * bs)
+        self.events.append((STORED, names[start:end], parent, tokens, seq.lora or None))
 
     def clear_cache(self) -> bool:
         """Forget every cached prefix (vLLM's reset_prefix_cache); refused, returning False,
@@ -280,5 +287,5 @@ class BlockPool:
         while len(names) <= index:
             i = len(names)
             parent = names[-1] if names else b""
-            names.append(self._hash(parent, seq.token_slice(i * bs, (i + 1) * bs)))
+            names.append(self._hash(parent, seq.token_slice(i * bs, (i + 1) * bs), seq.lora))
         return names[index]

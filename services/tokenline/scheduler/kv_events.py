@@ -192,7 +192,7 @@ class KVEventPublisher:
                 out.append(BlockRemoved(block_hashes=removed, medium=self.medium))
                 removed = []
             if kind == STORED:
-                _, names, parent, token_ids = event
+                _, names, parent, token_ids, lora = event
                 out.append(
                     BlockStored(
                         block_hashes=[external_hash(n) for n in names],
@@ -201,7 +201,7 @@ class KVEventPublisher:
                         block_size=self.block_size,
                         lora_id=None,
                         medium=self.medium,
-                        lora_name=None,
+                        lora_name=lora,
                     )
                 )
             elif kind == CLEARED:

@@ -20,9 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from tokenline.scheduler.lora.apply import LayerDelta
 
 Norm = Callable[[torch.Tensor], torch.Tensor]
 
@@ -90,18 +94,27 @@ class DecoderLayer:
     q_norm: Norm | None = None  # Qwen3: per-head norms of q and k before the rotation
     k_norm: Norm | None = None
 
-    def attention_residual(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """``residual + o_proj(attn_out)``."""
-        return _linear_residual(residual, attn_out, self.module.self_attn.o_proj)
+    def attention_residual(
+        self, residual: torch.Tensor, attn_out: torch.Tensor, lora: LayerDelta | None = None
+    ) -> torch.Tensor:
+        """``residual + o_proj(attn_out)`` (plus each row's LoRA delta of o_proj)."""
+        out = _linear_residual(residual, attn_out, self.module.self_attn.o_proj)
+        return out if lora is None else lora.add("o", out, attn_out)
 
-    def mlp_residual(self, residual: torch.Tensor) -> torch.Tensor:
-        """``residual + mlp(post_attention_norm(residual))``."""
+    def mlp_residual(self, residual: torch.Tensor, lora: LayerDelta | None = None) -> torch.Tensor:
+        """``residual + mlp(post_attention_norm(residual))`` (plus LoRA deltas of gate, up,
+        down; adapters load only on layers with ``gate_up``, see runner.enable_lora)."""
         x = self.post_attention_norm(residual)
         mlp = self.module.mlp
         if self.gate_up is None:
             return residual + mlp(x)
-        gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
-        return _linear_residual(residual, mlp.act_fn(gate) * up, mlp.down_proj)
+        gate_up = F.linear(x, *self.gate_up)
+        if lora is not None:
+            gate_up = lora.add("gate_up", gate_up, x)
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = mlp.act_fn(gate) * up
+        out = _linear_residual(residual, h, mlp.down_proj)
+        return out if lora is None else lora.add("down", out, h)
 
 
 def _linear_residual(

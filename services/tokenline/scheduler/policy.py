@@ -12,6 +12,11 @@ offered to the cache). When the pool runs dry mid-generation, paused sequences a
 parked first (their blocks freed, recomputed on resume), then the newest running ones are
 preempted back to the head of the queue to be recomputed later: output is never corrupted.
 
+LoRA: a sequence of an adapter is admitted only with its adapter in one of the device slots
+(lora/slots.py): resident already, or loaded into a slot no running sequence uses. One that
+finds none waits where it is in the queue while later sequences go ahead, and a running or
+paused-with-KV sequence pins its slot until it ends or is preempted.
+
 This is also the one writer of a sequence's state. After each forward pass the engine hands
 what the step produced to ``update_from_output`` (vLLM's ``EngineCore`` shape): the tokens
 computed, each sampled token and the prompt logprobs gathered; the policy counts them, offers
@@ -27,6 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tokenline.scheduler.kv_cache import BlockPool
+from tokenline.scheduler.lora.slots import LoraSlots
 from tokenline.scheduler.sequence import Sequence, Status
 
 
@@ -73,8 +79,12 @@ class BatchPolicy:
         max_num_batched_tokens: int,
         eos_ids: Iterable[int] = (),
         max_model_len: int | None = None,
+        loras: LoraSlots | None = None,
     ) -> None:
         self.pool = pool
+        # LoRA device slots: a sequence of an adapter is admitted only with its adapter in a
+        # slot (resident, or loaded into one no running sequence uses); else it waits
+        self.loras = loras
         self.eos_ids = frozenset(eos_ids)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -99,6 +109,8 @@ class BatchPolicy:
         seq.status = Status.WAITING
         self.waiting.append(seq)
         self.by_uid[seq.uid] = seq
+        if seq.lora and self.loras is not None:
+            self.loras.enter(seq.lora)
 
     def remove(self, uid: str) -> Sequence | None:
         """Take a sequence out wherever it is and give its KV blocks back at once."""
@@ -112,8 +124,11 @@ class BatchPolicy:
         elif seq.status is Status.PAUSED:
             del self.paused[uid]
         self.pool.release(seq)
+        self._release_slot(seq)
         seq.num_computed = 0
         seq.status = Status.FINISHED
+        if seq.lora and self.loras is not None:
+            self.loras.leave(seq.lora)  # an unloaded adapter goes with its last sequence
         return seq
 
     def pause(self, uid: str) -> bool:
@@ -158,6 +173,8 @@ class BatchPolicy:
             self.pool.grow(seq, n)
             chunks.append(Chunk(seq, seq.num_computed, n))
             budget -= n
+        # sequences whose adapter finds no free slot wait, in order, behind later ones
+        held_back: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             # a prompt still to be scored computes every position; its blocks are still cached
@@ -165,6 +182,9 @@ class BatchPolicy:
             hits = self.pool.lookup(seq) if looks_up else []
             if not self.pool.can_admit(seq, seq.num_tokens + 1, hits):
                 break
+            if not self._acquire_slot(seq):
+                held_back.append(self.waiting.popleft())
+                continue
             self.waiting.popleft()
             seq.num_computed = self.pool.share(seq, hits)
             if seq.cached_tokens is None:
@@ -180,6 +200,7 @@ class BatchPolicy:
             self.pool.grow(seq, n)
             chunks.append(Chunk(seq, seq.num_computed, n))
             budget -= n
+        self.waiting.extendleft(reversed(held_back))
         return chunks
 
     def update_from_output(self, output: StepOutput) -> list[SequenceUpdate]:
@@ -239,9 +260,30 @@ class BatchPolicy:
         newest = self.running[-1] if self.running else None
         return newest if newest is not None and newest is not needing else None
 
+    def _acquire_slot(self, seq: Sequence) -> bool:
+        """Give ``seq`` its adapter's device slot; False: every slot serves another adapter's
+        running sequences, so it waits. Paused sequences holding slots are parked first."""
+        if not seq.lora or self.loras is None or seq.lora_slot >= 0:
+            return True
+        slot = self.loras.acquire(seq.lora)
+        if slot is None:
+            for parked in [p for p in self.paused.values() if p.lora_slot >= 0]:
+                self._preempt(parked)
+            slot = self.loras.acquire(seq.lora)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0 and self.loras is not None:
+            self.loras.release(seq.lora)
+        seq.lora_slot = -1
+
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         self.pool.release(seq)
+        self._release_slot(seq)
         seq.num_computed = 0  # its KV is gone: recomputed from the start when it runs again
         if seq.status is Status.RUNNING:
             self.running.remove(seq)

@@ -11,6 +11,10 @@ a step's chunks into a flat batch; ``layers.py`` holds what a layer does around 
 sliding window (Mistral v0.1, Qwen2/Qwen3 with ``use_sliding_window``) make the same calls with
 the window added to their masks; their K/V stays in the pool for the whole context (blocks
 that fell out of every window are not given back early).
+
+LoRA (``enable_lora``): the runner holds every device slot's adapter weights stacked per
+layer (lora/apply.py) and reads one thing per step, the slot of each sequence; a step in which
+no row uses an adapter runs exactly as without LoRA (and with ``--compile``, compiled).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from tokenline.scheduler.layers import (
     rms_norm,
     rotate,
 )
+from tokenline.scheduler.lora.adapters import ModelShape
+from tokenline.scheduler.lora.apply import LayerDelta, LoraStep, LoraWeights
 from tokenline.scheduler.policy import Chunk
 from tokenline.scheduler.step_inputs import StepBatch, build_step_batch
 
@@ -51,6 +57,7 @@ class PreparedStep:
     metadata: object  # the attention backend's, for every layer
     cos: torch.Tensor  # [T, 1, D]: rotary tables at the step's positions
     sin: torch.Tensor
+    lora: LoraStep | None = None  # each row's adapter slot; None: no row uses an adapter
 
 
 def pick_device(device: str) -> torch.device:
@@ -151,6 +158,14 @@ class ModelRunner:
         self._norm = rms_norm(decoder.norm)
         self._rotary = Rotary(decoder.rotary_emb, self.dtype, self.device)
         self._lm_head = self.model.lm_head
+        self.lora: LoraWeights | None = None  # enable_lora's device slots
+        self.lora_shape = ModelShape.of([layer.module for layer in self._layers])
+        if any(layer.gate_up is None for layer in self._layers):
+            # MLPs the runner calls as modules get no deltas: adapters of them are refused
+            dims = dict(self.lora_shape.dims)
+            for module in ("gate_proj", "up_proj", "down_proj"):
+                dims.pop(module, None)
+            self.lora_shape = ModelShape(self.num_layers, dims)
         self._tail = None
         if compile_layers:
             if all(fits_layer_tail(f, config) for f in self._layers):
@@ -171,6 +186,13 @@ class ModelRunner:
             block_size,
             self.attention.name,
         )
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> LoraWeights:
+        """Allocate ``max_loras`` zeroed device slots of rank ``max_rank`` for LoRA adapters."""
+        self.lora = LoraWeights(
+            self.lora_shape.dims, self.num_layers, max_loras, max_rank, self.dtype, self.device
+        )
+        return self.lora
 
     @property
     def compiled_layers(self) -> bool:
@@ -225,7 +247,11 @@ class ModelRunner:
         tables of its positions. The host work before the forward, timed apart from it."""
         step = build_step_batch(chunks, block_size=self.block_size, device=self.device)
         cos, sin = self._rotary.at(step.positions, step.max_position)  # [T, 1, D] each
-        return PreparedStep(chunks, step, self.attention.prepare(step), cos, sin)
+        lora = None
+        if self.lora is not None and any(c.seq.lora_slot >= 0 for c in chunks):
+            slots = [s for c in chunks for s in [c.seq.lora_slot] * c.num_tokens]
+            lora = self.lora.step(slots)
+        return PreparedStep(chunks, step, self.attention.prepare(step), cos, sin, lora)
 
     @torch.inference_mode()
     def execute(
@@ -236,7 +262,14 @@ class ModelRunner:
         step, metadata, cos, sin = prepared.step, prepared.metadata, prepared.cos, prepared.sin
         hidden = self._embed(step.input_ids)  # [T, H]
         for index, layer in enumerate(self._layers):
-            attn_out = self._attention(index, layer, layer.input_norm(hidden), cos, sin, metadata)
+            lora = None
+            if prepared.lora is not None:
+                lora = LayerDelta(self.lora.layers[index], prepared.lora)
+            x = layer.input_norm(hidden)
+            attn_out = self._attention(index, layer, x, cos, sin, metadata, lora)
+            if lora is not None:  # the compiled tail has no LoRA deltas
+                hidden = layer.mlp_residual(layer.attention_residual(hidden, attn_out, lora), lora)
+                continue
             if self._tail is not None:
                 module = layer.module
                 norm, mlp = module.post_attention_layernorm, module.mlp
@@ -262,12 +295,16 @@ class ModelRunner:
         sampling = step.sample_rows.shape[0]
         return self._lm_head(hidden[:sampling]).float(), hidden[sampling:]
 
-    def _attention(self, index, layer: DecoderLayer, hidden, cos, sin, metadata) -> torch.Tensor:
+    def _attention(
+        self, index, layer: DecoderLayer, hidden, cos, sin, metadata, lora: LayerDelta | None
+    ) -> torch.Tensor:
         """Project and rotate this layer's q, k, v; the backend stores k, v and attends."""
         tokens = hidden.shape[0]
         heads = self.num_heads
         qk_size = (heads + self.num_kv_heads) * self.head_dim
         qkv = F.linear(hidden, *layer.qkv)
+        if lora is not None:
+            qkv = lora.add("qkv", qkv, hidden)
         qk = qkv[:, :qk_size].view(tokens, heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
         if layer.q_norm is not None:  # Qwen3: q and k are normalised apart, then rotated

@@ -40,6 +40,10 @@ class Sequence:
     # sampling.prompt_logprobs: the prompt tokens' entries gathered so far ([0] is None), up
     # to the first output, which carries them; None once sent, or when not asked
     prompt_logprobs: list | None = None
+    # LoRA: the adapter serving it ("" is the base model) and, while it holds one, the device
+    # slot its adapter sits in (-1: none; the runner reads this per token row)
+    lora: str = ""
+    lora_slot: int = -1
 
     @property
     def scores_prompt(self) -> bool:

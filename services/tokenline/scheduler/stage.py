@@ -7,6 +7,7 @@ step; this handler only decides what each message means for the engine.
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import msgspec
 
@@ -17,6 +18,9 @@ from tokenline.metrics import (
     BUFFER_DEPTH,
     KV_CACHE_USAGE,
     LATE_REPLIES,
+    LORA_ADAPTERS,
+    LORA_GENERATED_TOKENS,
+    LORA_REQUESTS,
     PREFIX_CACHE_HITS,
     PREFIX_CACHE_QUERIES,
     QUEUE_TIME,
@@ -34,10 +38,12 @@ from tokenline.scheduler.engine import (
     Engine,
     EngineLimits,
     InvalidRequest,
+    LoraOptions,
     default_token_budget,
 )
 from tokenline.scheduler.grammar import GrammarCompiler
 from tokenline.scheduler.kv_events import KVEventPublisher, attach
+from tokenline.scheduler.lora.adapters import LoraError
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.settings import Settings
 from tokenline.stage_runtime import serve_stage
@@ -51,14 +57,28 @@ TOMBSTONE_TTL_S = 60.0
 MAX_TOMBSTONES = 65_536
 
 
+class LoraChanges(Protocol):
+    """--lora-config's watcher (lora_config.LoraConfigWatcher): changes with ``action``
+    (load or unload), ``name`` and ``uri``, since the last poll."""
+
+    def poll(self) -> list: ...
+
+
 class SchedulerStage:
     stage = "scheduler"
 
     def __init__(
-        self, engine: Engine, model_name: str, kv_events: KVEventPublisher | None = None
+        self,
+        engine: Engine,
+        model_name: str,
+        kv_events: KVEventPublisher | None = None,
+        lora_changes: LoraChanges | None = None,
     ) -> None:
         self.engine = engine
         self.kv_events = kv_events
+        self.lora_changes = lora_changes
+        # config changes that wait for an adapter of the same name to finish draining
+        self._lora_pending: list = []
         # An abort that overtakes its request (for example after a restart upstream) is
         # remembered here, so the request is refused when it arrives.
         self.tombstones = ExpiringSet(MAX_TOMBSTONES, TOMBSTONE_TTL_S)
@@ -85,6 +105,8 @@ class SchedulerStage:
     def handle(self, message: msgspec.Struct, arrived: float) -> list[msgspec.Struct]:
         if isinstance(message, protocol.Tokenized):
             return self._admit(message, arrived)
+        if isinstance(message, protocol.LoraCall):
+            return [self._lora_call(message)]
         if isinstance(message, protocol.Abort):
             if self.engine.abort(message.uid) is None:
                 # The api sends a stop string's abort after the uid's first reply, so the
@@ -115,14 +137,17 @@ class SchedulerStage:
             ]
         try:
             self.engine.add(
-                uid, request.prompt_ids, request.sampling, request.timeout_s, arrival=arrived
+                uid,
+                request.prompt_ids,
+                request.sampling,
+                request.timeout_s,
+                arrival=arrived,
+                lora=request.lora,
             )
         except InvalidRequest as exc:
-            return [
-                protocol.Failed(
-                    uid=uid, code=exc.code, message=str(exc), param=exc.param, stage=self.stage
-                )
-            ]
+            return [self._failed(uid, exc)]
+        if request.lora:
+            LORA_REQUESTS.labels(adapter=request.lora).inc()
         return [
             protocol.Begin(
                 uid=uid,
@@ -149,11 +174,12 @@ class SchedulerStage:
             STEP_SEQUENCES.observe(times.sequences)
         if self.kv_events is not None:  # what this step stored and evicted, one batch
             self.kv_events.flush()
+        if self.engine.lora_tokens:
+            for adapter, count in self.engine.lora_tokens.items():
+                LORA_GENERATED_TOKENS.labels(adapter=adapter).inc(count)
+            self.engine.lora_tokens.clear()
         sent: list[msgspec.Struct] = [
-            protocol.Failed(
-                uid=uid, code=exc.code, message=str(exc), param=exc.param, stage=self.stage
-            )
-            for uid, exc in self.engine.take_rejected()
+            self._failed(uid, exc) for uid, exc in self.engine.take_rejected()
         ]
         if not outputs:
             return sent
@@ -163,6 +189,60 @@ class SchedulerStage:
             if out.finish_reason is not None:
                 self._latency.observe(out.scheduler_s)
         return [*sent, protocol.TokenBatch(outputs=outputs)]
+
+    def _failed(self, uid: str, exc: InvalidRequest) -> protocol.Failed:
+        return protocol.Failed(
+            uid=uid,
+            code=exc.code,
+            message=str(exc),
+            param=exc.param,
+            http_status=exc.http_status,
+            stage=self.stage,
+        )
+
+    # ── LoRA adapters ──────────────────────────────────────────────────────────────────────────
+    def _lora_call(self, call: protocol.LoraCall) -> msgspec.Struct:
+        """/v1/load_lora_adapter and /v1/unload_lora_adapter: the adapters served after it,
+        or vLLM's error. Loading reads the adapter here, between steps (files of megabytes)."""
+        loras = self.engine.loras
+        try:
+            if loras is None:
+                raise LoraError("LoRA is not enabled; start the scheduler with --enable-lora")
+            if call.action == "load":
+                if not call.name or not call.uri:
+                    raise LoraError("Both 'lora_name' and 'lora_path' must be provided.")
+                loras.add(call.name, call.uri)
+            else:
+                loras.unload(call.name)  # its requests in flight finish first
+        except LoraError as exc:
+            code, status, message = exc.code, exc.http_status, str(exc)
+        except Exception as exc:  # a corrupt file: the adapter is refused, the stage goes on
+            log.exception("loading LoRA adapter %s from %s failed", call.name, call.uri)
+            code, status = "invalid_request_error", 400
+            message = f"Loading lora {call.name} failed: {exc}"
+        else:
+            log.info("LoRA adapter %s %sed", call.name, call.action)
+            return protocol.LoraAnswer(uid=call.uid, adapters=loras.names)
+        return protocol.Failed(
+            uid=call.uid, code=code, message=message, http_status=status, stage=self.stage
+        )
+
+    def _apply_lora_changes(self) -> None:
+        """--lora-config: apply what changed in the file (loads of a name still draining
+        wait for it to be gone)."""
+        loras = self.engine.loras
+        changes, self._lora_pending = [*self._lora_pending, *self.lora_changes.poll()], []
+        for change in changes:
+            try:
+                if change.action == "unload":
+                    if loras.known(change.name):
+                        loras.unload(change.name)
+                elif change.name in loras.draining:
+                    self._lora_pending.append(change)
+                elif change.name not in loras.uris:
+                    loras.add(change.name, change.uri)
+            except Exception as exc:  # logged: the file's other adapters still load
+                log.error("--lora-config: %s %s failed: %s", change.action, change.name, exc)
 
     def poll_ms(self) -> int:
         """How long the loop may wait for messages when there is no step to run: a grammar
@@ -186,7 +266,20 @@ class SchedulerStage:
             kv_usage=pool.usage,
             block_size=pool.block_size,
             num_blocks=pool.num_blocks - 1,  # block 0 is reserved; usage counts the rest
+            **self._lora_status(),
         )
+
+    def _lora_status(self) -> dict:
+        loras = self.engine.loras
+        if loras is None:
+            return {}
+        running, waiting = self.engine.lora_usage()
+        return {
+            "max_loras": loras.max_loras,
+            "lora_running": running,
+            "lora_waiting": waiting,
+            "lora_adapters": loras.names,
+        }
 
     def fail(self, uid: str) -> list[msgspec.Struct]:
         self.engine.drop(uid)
@@ -205,6 +298,11 @@ class SchedulerStage:
         self._prefix_queries.inc(queries - self._prefix_counted[0])
         self._prefix_hits.inc(hits - self._prefix_counted[1])
         self._prefix_counted = (queries, hits)
+        if self.engine.loras is not None:
+            if self.lora_changes is not None:
+                self._apply_lora_changes()
+            for state, count in self.engine.loras.counts().items():
+                LORA_ADAPTERS.labels(state=state).set(count)
         return []
 
     def shutdown(self) -> list[msgspec.Struct]:
@@ -233,13 +331,23 @@ def run(settings: Settings) -> int:
     limits = EngineLimits(
         source.max_model_len(settings.max_model_len), settings.max_num_seqs, budget
     )
+    lora = None
+    if settings.enable_lora:
+        lora = LoraOptions(
+            settings.max_loras,
+            settings.max_lora_rank,
+            settings.max_cpu_loras,
+            settings.model_cache_dir,
+        )
     engine = Engine(
         runner,
         limits,
         source.eos_token_ids(),
         prefix_caching=not settings.no_prefix_caching,
         grammars=GrammarCompiler(source.load_tokenizer()),
+        lora=lora,
     )
+    lora_changes = _start_loras(settings, engine)
     kv_events = attach(settings, engine.pool, runner.device.type)
     ring = SyncRing("scheduler", settings.endpoints, settings.ring_security)
     log.info(
@@ -248,5 +356,32 @@ def run(settings: Settings) -> int:
         runner.num_blocks,
         "on" if engine.prefix_caching else "off",
     )
-    serve_stage(SchedulerStage(engine, settings.model_name, kv_events), ring, drain)
+    stage = SchedulerStage(engine, settings.model_name, kv_events, lora_changes)
+    serve_stage(stage, ring, drain)
     return 0
+
+
+def _start_loras(settings: Settings, engine: Engine) -> LoraChanges | None:
+    """Load --lora-modules (a bad one stops the stage: it was asked for at start) and return
+    --lora-config's watcher, polled between steps."""
+    if engine.loras is None:
+        if settings.lora_modules or settings.lora_config:
+            log.warning("--lora-modules/--lora-config ignored: --enable-lora is off")
+        return None
+    for module in settings.lora_modules or []:
+        name, sep, uri = module.partition("=")
+        if not sep or not name or not uri:
+            raise SystemExit(f"--lora-modules {module!r}: expected NAME=PATH_OR_URI")
+        try:
+            engine.loras.add(name, uri)
+        except LoraError as exc:
+            raise SystemExit(f"--lora-modules {name}: {exc}") from exc
+        log.info("LoRA adapter %s loaded from %s", name, uri)
+    if not settings.lora_config:
+        return None
+    try:
+        from tokenline.scheduler.lora_config import LoraConfigWatcher
+    except ImportError:  # TODO(issue 27): lora_config.py lands from the lora-ops branch
+        log.error("--lora-config %s: this build has no LoRA config watcher", settings.lora_config)
+        return None
+    return LoraConfigWatcher(settings.lora_config)

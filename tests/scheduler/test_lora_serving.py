@@ -244,3 +244,33 @@ def test_lora_config_changes_apply_between_steps(make_engine, adapter_dirs, prom
     assert seen.tokens["r"] == expected["a"]
     handler.housekeeping(time.monotonic())
     assert engine.loras.names == ["x"] and engine.loras.uris["x"] == b
+
+
+def test_the_lora_config_file_drives_loads_and_unloads(make_engine, adapter_dirs, tmp_path):
+    """--lora-config end to end in the stage: the operator's ConfigMap file, watched for real."""
+    import json
+    import os
+
+    from tokenline.scheduler.stage import _start_loras
+    from tokenline.settings import Settings
+
+    config = tmp_path / "adapters.json"
+
+    def write(adapters: dict[str, str], stamp: int) -> None:
+        body = {"adapters": [{"name": n, "uri": str(u)} for n, u in adapters.items()]}
+        config.write_text(json.dumps(body))
+        os.utime(config, (stamp, stamp))  # a new mtime even within the clock's resolution
+
+    write({"a": adapter_dirs["a"]}, 1_000)
+    engine = lora_engine(make_engine, {})
+    watcher = _start_loras(Settings(enable_lora=True, lora_config=str(config)), engine)
+    handler = SchedulerStage(engine, "tiny", lora_changes=watcher)
+    handler.housekeeping(time.monotonic())
+    assert engine.loras.names == ["a"]
+    write({"b": adapter_dirs["b"]}, 2_000)
+    handler.housekeeping(time.monotonic())
+    assert engine.loras.names == ["b"]
+    config.write_text("{not json")  # a bad file changes nothing
+    os.utime(config, (3_000, 3_000))
+    handler.housekeeping(time.monotonic())
+    assert engine.loras.names == ["b"]

@@ -44,6 +44,7 @@ from tokenline.scheduler.engine import (
 from tokenline.scheduler.grammar import GrammarCompiler
 from tokenline.scheduler.kv_events import KVEventPublisher, attach
 from tokenline.scheduler.lora.adapters import LoraError
+from tokenline.scheduler.lora_config import LoraConfigWatcher
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.settings import Settings
 from tokenline.stage_runtime import serve_stage
@@ -378,10 +379,5 @@ def _start_loras(settings: Settings, engine: Engine) -> LoraChanges | None:
             raise SystemExit(f"--lora-modules {name}: {exc}") from exc
         log.info("LoRA adapter %s loaded from %s", name, uri)
     if not settings.lora_config:
-        return None
-    try:
-        from tokenline.scheduler.lora_config import LoraConfigWatcher
-    except ImportError:  # TODO(issue 27): lora_config.py lands from the lora-ops branch
-        log.error("--lora-config %s: this build has no LoRA config watcher", settings.lora_config)
         return None
     return LoraConfigWatcher(settings.lora_config)

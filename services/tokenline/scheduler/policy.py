@@ -161,6 +161,7 @@ class BatchPolicy:
     # ── one step ───────────────────────────────────────────────────────────────────────────────
     def schedule(self) -> list[Chunk]:
         budget = self.max_num_batched_tokens
+        block_size = self.pool.block_size
         chunks: list[Chunk] = []
         for seq in list(self.running):
             if budget <= 0:
@@ -168,9 +169,13 @@ class BatchPolicy:
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(seq.num_uncomputed, budget)
-            if n <= 0 or not self._make_room(seq, n):
+            if n <= 0:
                 continue
-            self.pool.grow(seq, n)
+            # most decode steps land in a block the sequence holds: nothing to make room for
+            if seq.num_computed + n > len(seq.block_table) * block_size:
+                if not self._make_room(seq, n):
+                    continue
+                self.pool.grow(seq, n)
             chunks.append(Chunk(seq, seq.num_computed, n))
             budget -= n
         # sequences whose adapter finds no free slot wait, in order, behind later ones

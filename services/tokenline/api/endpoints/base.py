@@ -41,9 +41,10 @@ class Endpoint:
         """The adapter serving ``model`` ("" for the base model, also when None is sent); a
         request for a model that is neither the served one nor an adapter the scheduler
         serves now is a 404 in OpenAI's shape."""
-        self.lora = "" if model is None or model == self.pipeline.model else model
-        if self.lora and self.lora not in self.request.app.state.adapters:
-            raise model_not_found(self.lora, self.pipeline.model)
+        if model is not None and model != self.pipeline.model:
+            if model not in self.request.app.state.adapters:
+                raise model_not_found(model, self.pipeline.model)
+            self.lora = model
         return self.lora
 
     @property

@@ -339,6 +339,32 @@ def test_heartbeats_keep_the_adapters_current(monkeypatch):
     assert model_ids(client) == ["tiny", "y"]
 
 
+def test_a_second_change_of_an_adapter_on_its_way_is_refused(monkeypatch):
+    app, pipeline, scheduler = ring_app(monkeypatch)
+    client = client_for(app)
+    with app.state.adapters.changing("a"):  # a load of "a" still travelling
+        response = client.post("/v1/load_lora_adapter", json=LOAD)
+        assert response.status_code == 400
+        assert "in progress" in response.json()["error"]["message"]
+    assert scheduler.calls == [] and nothing_held(pipeline)
+    assert client.post("/v1/load_lora_adapter", json=LOAD).status_code == 200
+    with app.state.adapters.changing("a"):
+        response = client.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
+        assert response.status_code == 400
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 200
+
+
+def test_models_shows_no_secret_of_the_uri_an_adapter_came_from(monkeypatch):
+    app, _, scheduler = ring_app(monkeypatch)
+    client = client_for(app)
+    uri = "https://user:hunter2@bucket.example/adapters/a?X-Amz-Signature=abc&X-Amz-Credential=k"
+    response = client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": uri})
+    assert response.status_code == 200
+    assert scheduler.calls[-1].uri == uri  # the scheduler needs all of it
+    (card,) = [c for c in client.get("/v1/models").json()["data"] if c["id"] == "a"]
+    assert card["root"] == "https://bucket.example/adapters/a"
+
+
 def test_tokenize_takes_an_adapter_name_as_model(monkeypatch):
     app, pipeline, _ = ring_app(monkeypatch)
     client = client_for(app)

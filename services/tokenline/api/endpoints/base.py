@@ -49,7 +49,8 @@ class Endpoint:
 
     @property
     def model_name(self) -> str:
-        """The model answers name: the adapter asked for, or the served model (as vLLM)."""
+        """What answers give as ``model``: the adapter asked for, else the served model (as
+        vLLM does)."""
         return self.lora or self.pipeline.model
 
     async def call(self, build: Callable[[str], protocol.TokenizeCall]) -> protocol.TokenizerAnswer:

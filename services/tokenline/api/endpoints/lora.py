@@ -20,7 +20,7 @@ from tokenline import protocol
 from tokenline.api.endpoints.base import Endpoint
 from tokenline.api.http.errors import ApiError, invalid
 from tokenline.api.openai.lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
-from tokenline.api.ring.adapters import name_problem
+from tokenline.api.ring.adapters import ChangeInProgress, name_problem, shown_uri
 from tokenline.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,13 @@ def runtime_updates_allowed(settings: Settings, environ: dict[str, str] | None =
     env = os.environ if environ is None else environ
     from_env = env.get(RUNTIME_UPDATES_ENV, "0").strip().lower() in ("1", "true")
     return bool(settings.allow_runtime_lora_updates) or from_env
+
+
+def _in_progress(name: str) -> ApiError:
+    return invalid(
+        "lora_name",
+        f"a load or unload of the lora adapter '{name}' is in progress; retry once it is answered",
+    )
 
 
 def _not_found(name: str) -> ApiError:
@@ -65,11 +72,15 @@ class LoraAdapters(Endpoint):
         adapters = self.request.app.state.adapters
         if name in adapters:
             raise invalid("lora_name", f"The lora adapter '{name}' has already been loaded.")
-        await self.pipeline.lora_call(
-            lambda uid: protocol.LoraCall(uid=uid, action="load", name=name, uri=path)
-        )
+        try:
+            with adapters.changing(name):
+                await self.pipeline.lora_call(
+                    lambda uid: protocol.LoraCall(uid=uid, action="load", name=name, uri=path)
+                )
+        except ChangeInProgress:
+            raise _in_progress(name) from None
         adapters.loaded(name, path)
-        log.info("loaded LoRA adapter %r from %s", name, path)
+        log.info("loaded LoRA adapter %r from %s", name, shown_uri(path))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload(self, body: UnloadLoraAdapterRequest) -> PlainTextResponse:
@@ -77,11 +88,16 @@ class LoraAdapters(Endpoint):
         name = body.lora_name
         if not name and body.lora_int_id is None:
             raise invalid(None, "either 'lora_name' and 'lora_int_id' needs to be provided.")
-        if name not in self.request.app.state.adapters:
+        adapters = self.request.app.state.adapters
+        if name not in adapters:
             raise _not_found(name)
         # The scheduler lets the adapter's requests in flight finish; its answer comes at once.
-        await self.pipeline.lora_call(
-            lambda uid: protocol.LoraCall(uid=uid, action="unload", name=name)
-        )
+        try:
+            with adapters.changing(name):
+                await self.pipeline.lora_call(
+                    lambda uid: protocol.LoraCall(uid=uid, action="unload", name=name)
+                )
+        except ChangeInProgress:
+            raise _in_progress(name) from None
         log.info("unloaded LoRA adapter %r", name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

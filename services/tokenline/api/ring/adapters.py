@@ -13,7 +13,9 @@ shows its name there instead.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
+from urllib.parse import urlsplit, urlunsplit
 
 from tokenline import protocol
 
@@ -33,6 +35,23 @@ def name_problem(name: str) -> str | None:
     return None
 
 
+def shown_uri(uri: str) -> str:
+    """``uri`` as /v1/models and the logs may show it: without a password in it or a query
+    (a presigned URL's signature lives there), which would hand out access to whoever reads."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return uri
+    if not parts.scheme or not parts.netloc:
+        return uri  # a path
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+class ChangeInProgress(Exception):
+    """A load or unload of the same adapter is already on its way around the ring."""
+
+
 class Adapters:
     """Adapter names the scheduler serves now, and the paths of those loaded through here."""
 
@@ -42,6 +61,7 @@ class Adapters:
         self.base_root = base_root  # what the base was loaded from (--model)
         self._names: list[str] = []
         self._roots: dict[str, str] = {}  # name → the path or URI it was loaded from
+        self._changing: set[str] = set()  # names with a load or unload on its way
 
     # ── inputs (the pipeline's listener) ───────────────────────────────────────────────────────
     def on_status(self, scheduler: protocol.StageStatus | None) -> None:
@@ -56,7 +76,19 @@ class Adapters:
     def loaded(self, name: str, uri: str) -> None:
         """``name`` was loaded from ``uri`` (its answer came): remember where it came from."""
         if name in self._names:
-            self._roots[name] = uri
+            self._roots[name] = shown_uri(uri)
+
+    @contextlib.contextmanager
+    def changing(self, name: str) -> Iterator[None]:
+        """Hold ``name`` while its load or unload travels: a second change of the same adapter
+        meanwhile raises `ChangeInProgress`, so two loads never race to the scheduler."""
+        if name in self._changing:
+            raise ChangeInProgress(name)
+        self._changing.add(name)
+        try:
+            yield
+        finally:
+            self._changing.discard(name)
 
     def _set(self, names: Iterable[str]) -> None:
         self._names = [n for n in dict.fromkeys(names) if n and n != self.base]

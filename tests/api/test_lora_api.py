@@ -17,6 +17,7 @@ from api_testkit import ADMITTED, app_with, client_for
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
+from test_lora_e2e import COLON_LINT, promtool_problems
 
 from tokenline import protocol
 from tokenline.api.app import create_app
@@ -452,6 +453,7 @@ def test_the_api_port_shows_the_schedulers_lora_state_from_heartbeats(monkeypatc
     labels = 'max_lora="2",running_lora_adapters="a",waiting_lora_adapters="b"'
     assert line.startswith("vllm:lora_requests_info{" + labels + "} ")
     assert before <= float(line.rsplit(" ", 1)[1]) <= time.time()
+    assert promtool_problems(text) == [COLON_LINT]  # vLLM's name: the one lint it must break
     pipeline.route(
         protocol.Heartbeat(seq=1, origin=pipeline._origin, statuses=[scheduler_status()])
     )

@@ -308,7 +308,9 @@ def test_a_load_never_answered_times_out_and_leaves_nothing(monkeypatch):
     before = late._value.get()
     response = client.post("/v1/load_lora_adapter", json={"lora_name": "s", "lora_path": "/slow/s"})
     assert response.status_code == 504
-    assert response.json()["error"]["code"] == "request_timeout"
+    error = response.json()["error"]
+    assert error["code"] == "request_timeout"
+    assert "the load of the lora adapter 's' was not answered" in error["message"]
     assert nothing_held(pipeline)
     # The answer that comes after all is no late reply, and its adapters count from then on.
     (call,) = scheduler.unanswered

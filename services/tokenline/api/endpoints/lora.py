@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 
+import msgspec
 from fastapi.responses import PlainTextResponse
 
 from tokenline import protocol
@@ -51,6 +52,23 @@ def _not_found(name: str) -> ApiError:
 
 
 class LoraAdapters(Endpoint):
+    async def _send(self, call: protocol.LoraCall) -> None:
+        """Send ``call`` around the ring and wait for the scheduler's answer."""
+        try:
+            await self.pipeline.lora_call(lambda uid: msgspec.structs.replace(call, uid=uid))
+        except ApiError as exc:
+            if exc.code != "request_timeout":
+                raise
+            # The generic deadline message speaks of tokens; this one says what is known: the
+            # scheduler may still carry the change out, and /v1/models will show it if so.
+            raise ApiError(
+                504,
+                f"the {call.action} of the lora adapter '{call.name}' was not answered within "
+                f"--request-timeout ({self.settings.request_timeout:g}s); it may still take "
+                "effect: see /v1/models",
+                "request_timeout",
+            ) from None
+
     def _require_lora(self) -> None:
         if not self.settings.enable_lora:
             raise invalid(
@@ -74,9 +92,7 @@ class LoraAdapters(Endpoint):
             raise invalid("lora_name", f"The lora adapter '{name}' has already been loaded.")
         try:
             with adapters.changing(name):
-                await self.pipeline.lora_call(
-                    lambda uid: protocol.LoraCall(uid=uid, action="load", name=name, uri=path)
-                )
+                await self._send(protocol.LoraCall(uid="", action="load", name=name, uri=path))
         except ChangeInProgress:
             raise _in_progress(name) from None
         adapters.loaded(name, path)
@@ -94,9 +110,7 @@ class LoraAdapters(Endpoint):
         # The scheduler lets the adapter's requests in flight finish; its answer comes at once.
         try:
             with adapters.changing(name):
-                await self.pipeline.lora_call(
-                    lambda uid: protocol.LoraCall(uid=uid, action="unload", name=name)
-                )
+                await self._send(protocol.LoraCall(uid="", action="unload", name=name))
         except ChangeInProgress:
             raise _in_progress(name) from None
         log.info("unloaded LoRA adapter %r", name)

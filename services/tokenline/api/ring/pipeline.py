@@ -3,10 +3,11 @@
 One listener task routes replies by uid into each request's `Exchange`, and the answers to
 calls (the tokenizer's to /tokenize and /detokenize, the scheduler's to LoRA loads and unloads)
 into the waiting `call`. Whether the ring can take a request is `RingHealth`'s one answer,
-shared by `/ready` and admission, so the two never disagree. A stage that dies (its connections drop) or hangs (heartbeats stop coming back)
-fails every in-flight request at once with ``stage_failure`` instead of letting it hang;
-after a restart, aborts the dead stage may have swallowed go again (`AbortLog`). A watchdog
-enforces deadlines and slow-client limits and sweeps the leak ledger.
+shared by `/ready` and admission, so the two never disagree. A stage that dies (its
+connections drop) or hangs (heartbeats stop coming back) fails every in-flight request at once
+with ``stage_failure`` instead of letting it hang; after a restart, aborts the dead stage may
+have swallowed go again (`AbortLog`). A watchdog enforces deadlines and slow-client limits and
+sweeps the leak ledger.
 """
 
 from __future__ import annotations

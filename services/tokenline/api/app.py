@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
+from tokenline.api.endpoints.lora import runtime_updates_allowed
 from tokenline.api.http.auth import ApiKeyAuth, ApiKeys
 from tokenline.api.http.cors import OpenAIShapedCORS, RefuseWebSockets
 from tokenline.api.http.errors import (
@@ -23,8 +24,9 @@ from tokenline.api.http.errors import (
 )
 from tokenline.api.http.head import HeadAsGet
 from tokenline.api.http.limits import BodySizeLimit
+from tokenline.api.ring.adapters import Adapters
 from tokenline.api.ring.pipeline import Pipeline
-from tokenline.api.routes import router
+from tokenline.api.routes import lora_router, router
 from tokenline.lifecycle import freeze_startup_heap
 from tokenline.settings import Settings
 from tokenline.transport import AsyncRing
@@ -36,7 +38,7 @@ def create_app(settings: Settings, heartbeat_timeout: float = 5.0) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         ring = AsyncRing(settings.endpoints, settings.ring_security)
-        pipeline = Pipeline(settings, ring, heartbeat_timeout)
+        pipeline = Pipeline(settings, ring, heartbeat_timeout, app.state.adapters)
         app.state.pipeline = pipeline
         await pipeline.start()
         freeze_startup_heap()
@@ -48,7 +50,12 @@ def create_app(settings: Settings, heartbeat_timeout: float = 5.0) -> FastAPI:
     app = FastAPI(title="tokenline", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.started = int(time.time())
     app.state.settings = settings
+    # The LoRA adapters requests may name: the endpoints read them, the pipeline keeps them
+    app.state.adapters = Adapters(settings.enable_lora, settings.model_name, settings.model)
     app.include_router(router)
+    if runtime_updates_allowed(settings):
+        # Not served otherwise, as in vLLM: a 404 like any unknown route, not a refusal
+        app.include_router(lora_router)
     app.add_exception_handler(ApiError, lambda request, exc: exc.response())
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)

@@ -1,5 +1,6 @@
 """Every HTTP route: each one hands its validated body to its endpoint (api/endpoints/), or
-answers from the pipeline's state (health, readiness, metrics)."""
+answers from the pipeline's state (health, readiness, metrics). The LoRA load and unload routes
+are a router of their own, served only when runtime LoRA updates are allowed (app.py)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenline.api.endpoints.chat import Chat
 from tokenline.api.endpoints.completions import Completions
+from tokenline.api.endpoints.lora import LoraAdapters
 from tokenline.api.endpoints.models import Models
 from tokenline.api.endpoints.responses import Responses, not_stored
 from tokenline.api.endpoints.tokenize import Tokenize
 from tokenline.api.openai.chat import ChatCompletionRequest
 from tokenline.api.openai.completions import CompletionRequest
+from tokenline.api.openai.lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from tokenline.api.openai.responses import ResponsesRequest
 from tokenline.api.openai.tokenize import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter()
+lora_router = APIRouter()  # vLLM's runtime LoRA updates, off unless allowed
 
 
 # ── the process and the ring ───────────────────────────────────────────────────────────────────
@@ -102,3 +106,14 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     return await Tokenize(request).detokenize(body)
+
+
+# ── vLLM's runtime LoRA updates ────────────────────────────────────────────────────────────────
+@lora_router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> Response:
+    return await LoraAdapters(request).load(body)
+
+
+@lora_router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> Response:
+    return await LoraAdapters(request).unload(body)

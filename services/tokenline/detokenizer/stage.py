@@ -84,7 +84,8 @@ class Detokenizer(StepFreeHandler):
                 deadline=arrived + message.timeout_s,
             )
             return []
-        if isinstance(message, protocol.TokenizerAnswer):  # the tokenizer's, for the api
+        if isinstance(message, protocol.TokenizerAnswer | protocol.LoraAnswer):
+            # the tokenizer's or the scheduler's answer to an api call: no uid held here
             return [message]
         # Failed, Abort: the end of a uid; free it if held, pass the message on
         self.live.pop(message.uid, None)

@@ -2,7 +2,8 @@
 
 It holds no per-request state between batches: every message is forwarded, in order, in the
 same loop iteration that received it, so aborts can never overtake their request here. It also
-answers the api's `protocol.TokenizeCall`s (/tokenize, /detokenize) itself.
+answers the api's `protocol.TokenizeCall`s (/tokenize, /detokenize) itself, and passes the
+api's `protocol.LoraCall`s on to the scheduler, which answers them.
 """
 
 from __future__ import annotations
@@ -199,6 +200,7 @@ class Tokenizer:
             prompt_ids=ids,
             sampling=sampling,
             timeout_s=request.timeout_s,
+            lora=request.lora,  # the scheduler picks the adapter's weights by it
         )
 
 
@@ -228,7 +230,7 @@ class TokenizerStage(StepFreeHandler):
                 out.append(result)
             elif isinstance(message, protocol.TokenizeCall):
                 out.append(next(answers))
-            else:  # Abort, Pause, Resume: nothing held here, pass them on
+            else:  # Abort, Pause, Resume, LoraCall: nothing held here, pass them on
                 out.append(message)
         return out
 

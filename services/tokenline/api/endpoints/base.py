@@ -34,12 +34,24 @@ class Endpoint:
         self.request = request
         self.pipeline: Pipeline = request.app.state.pipeline
         self.settings = request.app.state.settings
+        self.lora = ""  # the LoRA adapter the request names ("" the base model), once checked
 
     # ── what every endpoint checks ─────────────────────────────────────────────────────────────
-    def check_model(self, model: str | None) -> None:
-        """A request for another model is a 404 in OpenAI's shape; None means "the one served"."""
+    def check_model(self, model: str | None) -> str:
+        """The adapter serving ``model`` ("" for the base model, also when None is sent); a
+        request for a model that is neither the served one nor an adapter the scheduler
+        serves now is a 404 in OpenAI's shape."""
         if model is not None and model != self.pipeline.model:
-            raise model_not_found(model, self.pipeline.model)
+            if model not in self.request.app.state.adapters:
+                raise model_not_found(model, self.pipeline.model)
+            self.lora = model
+        return self.lora
+
+    @property
+    def model_name(self) -> str:
+        """What answers give as ``model``: the adapter asked for, else the served model (as
+        vLLM does)."""
+        return self.lora or self.pipeline.model
 
     async def call(self, build: Callable[[str], protocol.TokenizeCall]) -> protocol.TokenizerAnswer:
         """A call the tokenizer answers alone (`Pipeline.call`)."""
@@ -68,7 +80,7 @@ class Endpoint:
         self.check_model(body.model)
         check_request(body, self.settings)
         try:
-            ex = pipeline.open(n, self.build)
+            ex = pipeline.open(n, self._build_for_adapter)
         except (OverflowError, UnicodeError) as exc:
             # The schemas bound every field, so this is a gap in them; open() has already let
             # go of the request's uids.
@@ -90,7 +102,7 @@ class Endpoint:
             meta = {
                 "id": self.id_prefix + ex.uids[0],
                 "created": int(time.time()),
-                "model": pipeline.model,
+                "model": self.model_name,
             }
             if body.stream:
                 handed_over = True
@@ -108,6 +120,12 @@ class Endpoint:
         finally:
             if not handed_over:
                 close()
+
+    def _build_for_adapter(self, uid: str, index: int) -> protocol.Generate:
+        """`build`, served by the adapter the request named (one place, for every endpoint)."""
+        message = self.build(uid, index)
+        message.lora = self.lora
+        return message
 
     async def _watch_disconnect(self, ex: Exchange) -> None:
         """Turn a client disconnect into an abort the moment it happens, even mid-wait."""

@@ -1,4 +1,4 @@
-"""``GET /v1/models``: the one model this server serves, as OpenAI lists models."""
+"""``GET /v1/models``: the served model and each LoRA adapter on it, as vLLM lists them."""
 
 from __future__ import annotations
 
@@ -6,17 +6,12 @@ from tokenline.api.endpoints.base import Endpoint
 
 
 class Models(Endpoint):
-    def card(self) -> dict:
-        return {
-            "id": self.pipeline.model,
-            "object": "model",
-            "created": self.request.app.state.started,
-            "owned_by": "tokenline",
-        }
+    def cards(self) -> list[dict]:
+        return self.request.app.state.adapters.cards(self.request.app.state.started)
 
     def list(self) -> dict:
-        return {"object": "list", "data": [self.card()]}
+        return {"object": "list", "data": self.cards()}
 
     def get(self, model_id: str) -> dict:
         self.check_model(model_id)
-        return self.card()
+        return next(c for c in self.cards() if c["id"] == self.model_name)

@@ -1,4 +1,5 @@
-"""Calls the tokenizer answers alone (/tokenize, /detokenize): one future per uid.
+"""Calls one stage answers alone (/tokenize and /detokenize by the tokenizer, LoRA loads and
+unloads by the scheduler): one future per uid.
 
 No stage holds state for a call, so a call the api stops waiting for (its client went away,
 its deadline passed) needs no abort: its uid is only remembered, in a bounded set, so that the
@@ -16,13 +17,15 @@ from tokenline import protocol
 from tokenline.api.http.errors import ApiError
 from tokenline.bounded import ExpiringSet
 
+Answer = protocol.TokenizerAnswer | protocol.LoraAnswer
+
 
 class Calls:
     def __init__(self, abandoned_capacity: int = 4096, horizon_s: float = 630.0) -> None:
-        self._pending: dict[str, asyncio.Future[protocol.TokenizerAnswer]] = {}
+        self._pending: dict[str, asyncio.Future[Answer]] = {}
         self.abandoned = ExpiringSet(abandoned_capacity, horizon_s)
 
-    def open(self, uid: str) -> asyncio.Future[protocol.TokenizerAnswer]:
+    def open(self, uid: str) -> asyncio.Future[Answer]:
         future = asyncio.get_running_loop().create_future()
         self._pending[uid] = future
         return future
@@ -40,7 +43,7 @@ class Calls:
         # Unanswered or failed here (the ring went down): an answer may still be on its way.
         self.abandoned.add(uid)
 
-    def answer(self, message: protocol.TokenizerAnswer) -> bool:
+    def answer(self, message: Answer) -> bool:
         """Hand the answer to its waiting call; False when no call ever had this uid."""
         return self._settle(message.uid, lambda f: f.set_result(message))
 

@@ -1,12 +1,13 @@
 """The api's side of the ring: admission, reply routing, and the loops that keep both honest.
 
-One listener task routes replies by uid into each request's `Exchange`, and the tokenizer's
-answers to /tokenize and /detokenize into the waiting `call`. Whether the ring can
-take a request is `RingHealth`'s one answer, shared by `/ready` and admission, so the two never
-disagree. A stage that dies (its connections drop) or hangs (heartbeats stop coming back)
-fails every in-flight request at once with ``stage_failure`` instead of letting it hang;
-after a restart, aborts the dead stage may have swallowed go again (`AbortLog`). A watchdog
-enforces deadlines and slow-client limits and sweeps the leak ledger.
+One listener task routes replies by uid into each request's `Exchange`, and the answers to
+calls (the tokenizer's to /tokenize and /detokenize, the scheduler's to LoRA loads and unloads)
+into the waiting `call`. Whether the ring can take a request is `RingHealth`'s one answer,
+shared by `/ready` and admission, so the two never disagree. A stage that dies (its
+connections drop) or hangs (heartbeats stop coming back) fails every in-flight request at once
+with ``stage_failure`` instead of letting it hang; after a restart, aborts the dead stage may
+have swallowed go again (`AbortLog`). A watchdog enforces deadlines and slow-client limits and
+sweeps the leak ledger.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import msgspec
 from tokenline import protocol
 from tokenline.api.http.endpoint_metrics import EndpointMetrics
 from tokenline.api.http.errors import ApiError, abort_error
+from tokenline.api.http.lora_metrics import LoraInfo
 from tokenline.api.ring.abort_log import AbortLog
+from tokenline.api.ring.adapters import Adapters
 from tokenline.api.ring.calls import Calls
 from tokenline.api.ring.exchange import Exchange
 from tokenline.api.ring.health import RingHealth
@@ -42,13 +45,23 @@ WATCHDOG_INTERVAL_S = 0.25
 
 
 class Pipeline:
-    def __init__(self, settings: Settings, ring: AsyncRing, heartbeat_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        ring: AsyncRing,
+        heartbeat_timeout: float = 5.0,
+        adapters: Adapters | None = None,
+    ) -> None:
         self.settings = settings
         self.ring = ring
         self.model = settings.model_name
+        # LoRA adapters a request may name, kept current from heartbeats and load answers
+        self.adapters = adapters or Adapters(settings.enable_lora, self.model, settings.model)
+        self.lora_info = LoraInfo()
         self.exchanges: dict[str, Exchange] = {}  # uid → exchange
         horizon = settings.request_timeout + LEAK_GRACE_S
-        # /tokenize and /detokenize, answered by the tokenizer alone
+        # /tokenize and /detokenize, answered by the tokenizer alone; LoRA loads and unloads,
+        # answered by the scheduler
         self.calls = Calls(horizon_s=horizon)
         self.draining = False
         self.ledger = Ledger("api")
@@ -198,11 +211,22 @@ class Pipeline:
             self.abort(ex, reason)
         self.calls.fail_all(abort_error(reason))
 
-    # ── calls the tokenizer answers alone ──────────────────────────────────────────────────────
+    # ── calls a stage answers alone ────────────────────────────────────────────────────────────
     async def call(self, build: Callable[[str], protocol.TokenizeCall]) -> protocol.TokenizerAnswer:
         """Send the call ``build(uid)`` makes and wait for the tokenizer's answer, at most the
         request timeout. Raises `ApiError`: the call's own failure, a 503 when the ring is
         down (at once, or when it goes down meanwhile), a 504 past the deadline."""
+        return await self._call(build)
+
+    async def lora_call(self, build: Callable[[str], protocol.LoraCall]) -> protocol.LoraAnswer:
+        """Send the LoRA load or unload ``build(uid)`` makes and wait for the scheduler's
+        answer, as `call` waits; the adapters it reports are requestable from then on."""
+        answer = await self._call(build)
+        if not isinstance(answer, protocol.LoraAnswer):  # a uid is answered by its own kind
+            raise ApiError(500, "the ring answered a LoRA call with another kind", "server_error")
+        return answer
+
+    async def _call(self, build: Callable[[str], msgspec.Struct]):
         self._refuse_unless_admissible()
         uid = self.new_uid()
         frame = self.ring.encode(build(uid))  # before any state: a failure leaves none
@@ -244,7 +268,10 @@ class Pipeline:
                 self._route_reply(reply, now)
         elif isinstance(message, protocol.Failed):
             self._route_failed(message)
-        elif isinstance(message, protocol.TokenizerAnswer):
+        elif isinstance(message, protocol.TokenizerAnswer | protocol.LoraAnswer):
+            if isinstance(message, protocol.LoraAnswer):
+                # before the caller wakes, and even when it no longer waits: the newest set
+                self.adapters.on_answer(message)
             if not self.calls.answer(message):
                 self._late.inc()
         elif isinstance(message, protocol.Heartbeat):
@@ -304,6 +331,11 @@ class Pipeline:
             return  # another replica's
         restarted = self.health.on_heartbeat(heartbeat, time.monotonic())
         self.endpoint_metrics.update(self.health.statuses.get("scheduler"))
+        # From this heartbeat's own status, not `health.statuses` (which keeps an older one
+        # while the ring is distrusted): it passed the scheduler after every load answered so far.
+        scheduler = next((s for s in heartbeat.statuses if s.stage == "scheduler"), None)
+        self.adapters.on_status(scheduler)
+        self.lora_info.update(scheduler)
         if restarted:
             log.error("api: stage(s) %s restarted", ", ".join(restarted))
             self.health.on_restart()

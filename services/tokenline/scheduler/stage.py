@@ -38,6 +38,7 @@ from tokenline.scheduler.engine import (
 )
 from tokenline.scheduler.grammar import GrammarCompiler
 from tokenline.scheduler.kv_events import KVEventPublisher, attach
+from tokenline.scheduler.parallel import stage as parallel_stage
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.settings import Settings
 from tokenline.stage_runtime import serve_stage
@@ -216,19 +217,24 @@ class SchedulerStage:
 def run(settings: Settings) -> int:
     drain = Drain(settings.drain_timeout)
     source = resolve(settings.model, settings.model_cache_dir, settings.revision)
+    if settings.tensor_parallel_size > 1 and settings.node_rank > 0:
+        return parallel_stage.run_worker_node(settings, source)
     if settings.metrics_port:
         serve_metrics(settings.metrics_port)
-    runner = ModelRunner(
-        source,
-        settings.device,
-        settings.dtype,
-        settings.block_size,
-        settings.kv_cache_memory,
-        settings.gpu_memory_utilization,
-        settings.torch_threads,
-        compile_layers=settings.compile,
-        attention_backend=settings.attention_backend,
-    )
+    if settings.tensor_parallel_size > 1:
+        runner = parallel_stage.driver_runner(settings, source)
+    else:
+        runner = ModelRunner(
+            source,
+            settings.device,
+            settings.dtype,
+            settings.block_size,
+            settings.kv_cache_memory,
+            settings.gpu_memory_utilization,
+            settings.torch_threads,
+            compile_layers=settings.compile,
+            attention_backend=settings.attention_backend,
+        )
     budget = settings.max_num_batched_tokens or default_token_budget(runner.device.type)
     limits = EngineLimits(
         source.max_model_len(settings.max_model_len), settings.max_num_seqs, budget

@@ -16,7 +16,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import inference_pool, manifests, model, model_status, names, spec, status
+from . import inference_pool, manifests, model, model_status, names, parallel, spec, status
 from .kube import Kube, KubeError
 from .metrics import OperatorMetrics
 from .network import service_url
@@ -231,7 +231,10 @@ async def _apply_children(
     for kind in manifests.OPTIONAL_KINDS:
         if kind not in desired:
             await _remove(ctx, owner, kind)
-    return live["Deployment"], await _apply_routing(ctx, owner, parsed, caps)
+    if "Deployment" not in desired:  # a multi-node model runs as a LeaderWorkerSet
+        await _remove(ctx, owner, "Deployment")
+    workload = live.get("Deployment") or parallel.as_deployment(live.get("LeaderWorkerSet"))
+    return workload, await _apply_routing(ctx, owner, parsed, caps)
 
 
 async def reconcile(ctx: Context, namespace: str, name: str, *, trigger: str) -> Result | None:
@@ -363,6 +366,10 @@ async def _capabilities_or_none(ctx: Context) -> Capabilities:
 
 async def _read_deployment(ctx: Context, owner: Owner) -> dict[str, Any] | None:
     try:
-        return await ctx.kube.get("Deployment", owner.namespace, owner.name)
+        found = await ctx.kube.get("Deployment", owner.namespace, owner.name)
+        if found is None and await ctx.kube.serves("LeaderWorkerSet"):
+            lws = await ctx.kube.get("LeaderWorkerSet", owner.namespace, owner.name)
+            return parallel.as_deployment(lws)
+        return found
     except KubeError:
         return None

@@ -217,10 +217,10 @@ class SchedulerStage:
 def run(settings: Settings) -> int:
     drain = Drain(settings.drain_timeout)
     source = resolve(settings.model, settings.model_cache_dir, settings.revision)
+    if settings.metrics_port:  # a worker node's too: its pod's probes read it
+        serve_metrics(settings.metrics_port)
     if settings.tensor_parallel_size > 1 and settings.node_rank > 0:
         return parallel_stage.run_worker_node(settings, source)
-    if settings.metrics_port:
-        serve_metrics(settings.metrics_port)
     if settings.tensor_parallel_size > 1:
         runner = parallel_stage.driver_runner(settings, source)
     else:

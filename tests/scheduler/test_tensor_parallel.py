@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from scheduler_testkit import PROMPTS, assert_idle, collect, drain, greedy
+from scheduler_testkit import COMMON, PROMPTS, Drained, assert_idle, collect, drain, greedy
 
 from tokenline import model_source, tiny_model
 from tokenline.scheduler.engine import Engine, EngineLimits
@@ -30,11 +30,31 @@ SERVICES = Path(__file__).resolve().parents[2] / "services"
 pytestmark = pytest.mark.timeout(240)
 
 
-@pytest.fixture(scope="module", params=[2, 1], ids=["kv2", "kv1"])
+# Qwen2: q/k/v biases, and a vocabulary (301) that two ranks split unevenly (one pad row);
+# Qwen3: per-head q and k norms, head_dim apart from hidden / heads.
+FAMILIES = {
+    "qwen2-odd-vocab": ("Qwen2Config", "Qwen2ForCausalLM", {"vocab_size": 301}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+}
+
+
+@pytest.fixture(scope="module", params=["kv2", "kv1", *FAMILIES])
 def source(request, tiny_source, tmp_path_factory):
-    if request.param == 2:
+    if request.param == "kv2":
         return tiny_source
-    path = tiny_model.build(tmp_path_factory.mktemp("tiny-kv1"), num_key_value_heads=1)
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "kv1":
+        return model_source.resolve(str(tiny_model.build(path, num_key_value_heads=1)))
+    import transformers
+
+    config_name, model_name, extra = FAMILIES[request.param]
+    config = getattr(transformers, config_name)(**{**COMMON, **extra})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config)
+    with torch.no_grad():  # larger weights, so that a wrong shard changes greedy tokens
+        for param in model.parameters():
+            param.mul_(3.0)
+    model.save_pretrained(path)
     return model_source.resolve(str(path))
 
 
@@ -75,13 +95,16 @@ def driver(source):
 
 
 def test_tp2_matches_tp1_tokens_and_logits(source, driver, encode, eos_ids):
-    prompts = {f"p{i}": encode(text) for i, text in enumerate(PROMPTS)}
     single = Engine(ModelRunner(source, **_kw(source)), LIMITS, eos_ids, True)
+    vocab = single.runner.vocab_size
+    prompts = {f"p{i}": [t % vocab for t in encode(text)] for i, text in enumerate(PROMPTS)}
     expected, expected_logits = _run(single, prompts)
     engine = Engine(driver.runner, LIMITS, eos_ids, True)
     runner = driver.runner
-    assert runner.num_heads == 2 and runner.vocab_size == single.runner.vocab_size
-    assert runner.num_kv_heads == 1  # kv2: one KV head each; kv1: the one head on both ranks
+    assert runner.num_heads == single.runner.num_heads // 2
+    assert runner.vocab_size == vocab  # the logits are whole again
+    # 2 KV heads: one each; 1 KV head: the one head on both ranks
+    assert runner.num_kv_heads == max(1, single.runner.num_kv_heads // 2)
     got, logits = _run(engine, prompts)
     assert got.tokens == expected.tokens
     assert len(logits) == len(expected_logits)
@@ -97,10 +120,12 @@ def _kw(source) -> dict:
 
 def test_concurrent_requests_with_aborts_leak_nothing(driver, encode, eos_ids):
     engine = Engine(driver.runner, LIMITS, eos_ids, True)
+    vocab = driver.runner.vocab_size
     uids = [f"c{i}" for i in range(8)]
     for i, uid in enumerate(uids):
-        engine.add(uid, encode(PROMPTS[i % len(PROMPTS)]), greedy(MAX_TOKENS, ignore_eos=True))
-    seen = collect(engine.step(), drain.__globals__["Drained"]())
+        ids = [t % vocab for t in encode(PROMPTS[i % len(PROMPTS)])]
+        engine.add(uid, ids, greedy(MAX_TOKENS, ignore_eos=True))
+    seen = collect(engine.step(), Drained())
     collect(engine.step(), seen)
     for uid in uids[::3]:  # mid-prefill or mid-decode
         engine.abort(uid)
@@ -110,6 +135,15 @@ def test_concurrent_requests_with_aborts_leak_nothing(driver, encode, eos_ids):
     assert {seen.reasons[u] for u in uids[::3]} == {"abort"}
     assert_idle(engine)
     driver.runner.release_decode_contexts()  # an idle engine's call, mirrored to the worker
+
+
+def test_rank_0_exports_every_rank_s_step_and_collective_time(driver):
+    from prometheus_client import REGISTRY
+
+    for rank in ("0", "1"):
+        for name in ("tokenline_collective_seconds", "tokenline_tp_rank_step_seconds"):
+            count = REGISTRY.get_sample_value(f"{name}_count", {"rank": rank})
+            assert count and count > 0, (name, rank)
 
 
 _STAGE = textwrap.dedent(
@@ -182,3 +216,32 @@ def _alive(pid: int) -> bool:
             return stat.read().split(") ")[-1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize(
+    ("world", "kv_heads", "starts"),
+    [(2, 2, [0, 1]), (4, 2, [0, 0, 1, 1]), (2, 1, [0, 0]), (4, 8, [0, 2, 4, 6])],
+)
+def test_each_rank_reads_the_kv_heads_its_query_heads_need(world, kv_heads, starts):
+    """With fewer KV heads than ranks, rank r's query heads (r * H/N ...) belong to KV head
+    r // (N / KV) in GQA's grouping, and that is the head it holds."""
+    from tokenline.scheduler.parallel.shard import ShardPlan
+
+    plans = [ShardPlan(r, world, 8, kv_heads, 16, 64, 301) for r in range(world)]
+    assert [p.kv_head_start for p in plans] == starts
+    for plan in plans:  # query head q reads KV head q // (8 / kv_heads)
+        first_query = plan.rank * plan.local_heads
+        assert first_query // (8 // kv_heads) in range(
+            plan.kv_head_start, plan.kv_head_start + plan.local_kv_heads
+        )
+    assert sum(p.rows("embed_tokens", 301).stop - p.rows("embed_tokens", 301).start
+               for p in plans) == 301  # fmt: skip
+
+
+def test_sizes_the_ranks_cannot_split_are_refused():
+    from tokenline.scheduler.parallel.shard import ShardPlan
+
+    with pytest.raises(ValueError, match="3 attention heads"):
+        ShardPlan(0, 2, 3, 3, 16, 64, 300)
+    with pytest.raises(ValueError, match="KV heads"):
+        ShardPlan(0, 4, 12, 3, 16, 64, 300)

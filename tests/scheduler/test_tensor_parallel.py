@@ -105,6 +105,11 @@ def test_tp2_matches_tp1_tokens_and_logits(source, driver, encode, eos_ids):
     assert runner.vocab_size == vocab  # the logits are whole again
     # 2 KV heads: one each; 1 KV head: the one head on both ranks
     assert runner.num_kv_heads == max(1, single.runner.num_kv_heads // 2)
+    # the shard was loaded as a shard: half the rows of q and of the MLP, half the vocabulary
+    mine, whole = runner.model.model.layers[0], single.runner.model.model.layers[0]
+    assert mine.self_attn.q_proj.weight.numel() * 2 == whole.self_attn.q_proj.weight.numel()
+    assert mine.mlp.down_proj.weight.numel() * 2 == whole.mlp.down_proj.weight.numel()
+    assert runner.model.lm_head.weight.shape[0] == -(-vocab // 2)
     got, logits = _run(engine, prompts)
     assert got.tokens == expected.tokens
     assert len(logits) == len(expected_logits)

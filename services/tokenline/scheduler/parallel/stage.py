@@ -40,6 +40,9 @@ def ranks_per_node(settings) -> int:
 
 def driver_runner(settings, source: ModelSource):
     """Rank 0's runner, with this node's other ranks spawned and watched."""
+    if getattr(settings, "enable_lora", False):
+        # the adapters' weights and calls are not sharded nor mirrored to the workers yet
+        raise SystemExit("--enable-lora is not supported with --tensor-parallel-size > 1 yet")
     if settings.compile:
         log.warning("--compile is ignored with --tensor-parallel-size > 1")
     driver = start(

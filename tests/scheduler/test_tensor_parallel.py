@@ -250,3 +250,32 @@ def test_sizes_the_ranks_cannot_split_are_refused():
         ShardPlan(0, 2, 3, 3, 16, 64, 300)
     with pytest.raises(ValueError, match="KV heads"):
         ShardPlan(0, 4, 12, 3, 16, 64, 300)
+
+
+def test_a_worker_node_joins_the_leader_from_the_command_line(tiny_source, eos_ids, encode):
+    """Two "nodes" on this machine: `tokenline scheduler --node-rank 1` (what a
+    LeaderWorkerSet worker pod runs) holds rank 1; the leader holds rank 0 alone. The group
+    gives TP=1's tokens, and the worker node exits 0 when the leader stops it."""
+    from tokenline.scheduler.parallel.group import free_port
+
+    port, metrics = free_port(), free_port()
+    flags = ["--model", tiny_source.path, "--device", "cpu", "--dtype", "float32",
+             "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
+             "--master-addr", "127.0.0.1", "--master-port", str(port), "--kv-cache-memory",
+             "4MiB", "--torch-threads", "1", "--metrics-port", str(metrics)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(SERVICES)}
+    node = subprocess.Popen([sys.executable, "-m", "tokenline.cli", "scheduler", *flags], env=env)
+    try:
+        deaths: list[str] = []
+        driver = start(_args(tiny_source), 2, 60, deaths.append, master_port=port, local_ranks=1)
+        prompts = {"a": encode(PROMPTS[0]), "b": encode(PROMPTS[1])}
+        single = Engine(ModelRunner(tiny_source, **_kw(tiny_source)), LIMITS, eos_ids, True)
+        expected, _ = _run(single, prompts)
+        got, _ = _run(Engine(driver.runner, LIMITS, eos_ids, True), prompts)
+        assert got.tokens == expected.tokens
+        driver.close()
+        assert node.wait(timeout=30) == 0
+        assert not deaths
+    finally:
+        node.kill()
+        node.wait()

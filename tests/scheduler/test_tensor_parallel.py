@@ -279,3 +279,18 @@ def test_a_worker_node_joins_the_leader_from_the_command_line(tiny_source, eos_i
     finally:
         node.kill()
         node.wait()
+
+
+def test_idle_workers_outlive_the_collective_timeout(tiny_source, eos_ids, encode):
+    """An idle engine sends nothing; rank 0's heartbeat keeps the waiting worker inside its
+    collective timeout, so a long idle spell is not mistaken for a dead rank."""
+    deaths: list[str] = []
+    driver = start(_args(tiny_source), 2, timeout_s=2, on_death=deaths.append)
+    try:
+        time.sleep(5)  # idle for 2.5 timeouts
+        engine = Engine(driver.runner, LIMITS, eos_ids, True)
+        engine.add("late", encode(PROMPTS[0]), greedy(4))
+        assert drain(engine).reasons["late"] in ("stop", "length")
+        assert not deaths
+    finally:
+        driver.close()

@@ -40,6 +40,11 @@ RANK_STEP_TIME = Histogram(
 )
 
 
+# How long ranks wait for each other to load their shards (the pod's startup probe bounds
+# loading too); a step's collectives have the shorter --distributed-timeout.
+STARTUP_TIMEOUT_S = 3600.0
+
+
 def free_port() -> int:
     """A TCP port free on this host now, for the group's rendezvous store."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -90,6 +95,13 @@ class TensorParallel:
     def take_collective_time(self) -> float:
         spent, self.collective_s = self.collective_s, 0.0
         return spent
+
+    def wait_for_all(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Wait, up to ``timeout_s``, until every rank gets here: ranks load their shards at
+        different speeds, longer than a step's collective may take (a rank that dies while
+        loading is the watchdog's)."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.monitored_barrier(group=self.control_group, timeout=timeout, wait_all_ranks=True)
 
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's ``value`` (the KV pool every rank can hold)."""

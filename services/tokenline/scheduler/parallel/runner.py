@@ -74,6 +74,7 @@ class ShardedModelRunner(ModelRunner):
 
     def _size_pool(self, kv_cache_memory: int | None, utilization: float) -> int:
         # Every rank must have the same blocks, as rank 0's block tables address them all.
+        self.tp.wait_for_all()  # every shard loaded: from here, collectives are a step's
         return self.tp.agree_min(super()._size_pool(kv_cache_memory, utilization))
 
     # ── rank 0: mirror each model call to the workers ───────────────────────────────────────

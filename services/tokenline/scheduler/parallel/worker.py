@@ -10,6 +10,7 @@ a waiting worker's collective timeout only fires when rank 0 really stopped.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
@@ -170,6 +171,9 @@ def start(
                      timeout_s)  # fmt: skip
     processes = spawn(args, spec, range(1, local), first_local=1)
     stopping = threading.Event()
+    # A stage that exits on its own (drained) ends its daemonic workers at exit: that death
+    # is expected. Registered after multiprocessing's own exit hook, so it runs before it.
+    atexit.register(stopping.set)
     watch(processes, on_death, stopping)
     runner = build_runner(args, spec, 0, 0)
     heartbeat(runner, timeout_s, stopping)

@@ -221,20 +221,18 @@ def run(settings: Settings) -> int:
         serve_metrics(settings.metrics_port)
     if settings.tensor_parallel_size > 1 and settings.node_rank > 0:
         return parallel_stage.run_worker_node(settings, source)
-    if settings.tensor_parallel_size > 1:
-        runner = parallel_stage.driver_runner(settings, source)
-    else:
-        runner = ModelRunner(
-            source,
-            settings.device,
-            settings.dtype,
-            settings.block_size,
-            settings.kv_cache_memory,
-            settings.gpu_memory_utilization,
-            settings.torch_threads,
-            compile_layers=settings.compile,
-            attention_backend=settings.attention_backend,
-        )
+    # With --tensor-parallel-size > 1: rank 0's sharded runner, its workers started.
+    runner = parallel_stage.runner_type(settings, source, ModelRunner)(
+        source,
+        settings.device,
+        settings.dtype,
+        settings.block_size,
+        settings.kv_cache_memory,
+        settings.gpu_memory_utilization,
+        settings.torch_threads,
+        compile_layers=settings.compile,
+        attention_backend=settings.attention_backend,
+    )
     budget = settings.max_num_batched_tokens or default_token_budget(runner.device.type)
     limits = EngineLimits(
         source.max_model_len(settings.max_model_len), settings.max_num_seqs, budget

@@ -4,6 +4,8 @@ a worker node of a multi-node group runs instead of the stage."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from tokenline.model_source import ModelSource
 from tokenline.scheduler.parallel.worker import RunnerArgs, serve_node, start
@@ -54,6 +56,15 @@ def driver_runner(settings, source: ModelSource):
         local_ranks=ranks_per_node(settings),
     )
     return driver.runner
+
+
+def runner_type(settings, source: ModelSource, single: Callable[..., Any]) -> Callable[..., Any]:
+    """What the stage calls to build its runner: ``single`` (ModelRunner) for one device;
+    with tensor parallelism, a builder of rank 0's runner from ``settings`` (the runner's
+    arguments are the same settings, read once here for every rank)."""
+    if settings.tensor_parallel_size == 1:
+        return single
+    return lambda *_args, **_kwargs: driver_runner(settings, source)
 
 
 def run_worker_node(settings, source: ModelSource) -> int:

@@ -107,6 +107,26 @@ ENGINE = {
         ),
         **setting_fields("engine"),
     },
+    # Tensor parallelism (parallel.py): ranks spread evenly over the nodes, and a node holds
+    # at most as many as the gpus field allows (8).
+    "x-kubernetes-validations": [
+        {
+            "rule": "self.tensorParallelSize % self.nodes == 0",
+            "message": "tensorParallelSize must be a multiple of nodes (each node holds "
+            "tensorParallelSize / nodes ranks)",
+        },
+        {
+            "rule": "self.tensorParallelSize <= 8 * self.nodes",
+            "message": "at most 8 GPUs per node: tensorParallelSize / nodes must not exceed 8; "
+            "add nodes",
+        },
+        {
+            "rule": "self.tensorParallelSize == 1 || self.gpus <= 1 || "
+            "self.gpus == self.tensorParallelSize / self.nodes",
+            "message": "gpus, when set above 1, must equal tensorParallelSize / nodes (the GPUs "
+            "of one pod)",
+        },
+    ],
 }
 
 SERVER = {

@@ -28,6 +28,7 @@ WATCHED_CHILDREN = (
     "ConfigMap",
     "Service",
     "Deployment",
+    "LeaderWorkerSet",  # spec.engine.nodes > 1
     "PodDisruptionBudget",
     "HorizontalPodAutoscaler",
     "ScaledObject",

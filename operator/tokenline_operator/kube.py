@@ -47,6 +47,7 @@ KINDS: dict[str, Kind] = {
         Kind("v1", "ConfigMap", "configmaps"),
         Kind("v1", "Service", "services"),
         Kind("apps/v1", "Deployment", "deployments"),
+        Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets"),
         Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
         Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
         Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),

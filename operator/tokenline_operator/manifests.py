@@ -12,6 +12,7 @@ from .inference_pool import routing_enabled
 from .monitoring import pod_monitor
 from .network import network_policy, service
 from .objects import Capabilities, Manifest, Owner
+from .parallel import leader_worker_set, multi_node
 from .pods import deployment
 from .scaling import (
     autoscaler_kind,
@@ -35,6 +36,7 @@ OPTIONAL_KINDS = (
     "ScaledObject",
     "PodMonitor",
     "NetworkPolicy",
+    "LeaderWorkerSet",  # spec.engine.nodes > 1, in place of the Deployment
 )
 
 
@@ -56,6 +58,8 @@ def children(owner: Owner, spec: Spec, caps: Capabilities) -> dict[str, Manifest
         ),
         "Service": service(owner, spec),
     }
+    if multi_node(spec):  # one LeaderWorkerSet group of pods per replica
+        result["LeaderWorkerSet"] = leader_worker_set(owner, spec, result.pop("Deployment"))
     if wants_disruption_budget(spec):
         result["PodDisruptionBudget"] = pod_disruption_budget(owner, spec)
     if autoscaler == "ScaledObject":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import names, router
+from . import names, parallel, router
 from .objects import Manifest, Owner, metadata, picker_selector
 from .spec import Spec, selector_labels, tls_enabled
 
@@ -27,7 +27,7 @@ def service(owner: Owner, spec: Spec) -> Manifest:
         "metadata": meta,
         "spec": {
             "type": svc["type"],
-            "selector": selector_labels(owner.name),
+            "selector": _serving(owner, spec),
             "ports": [
                 {
                     "name": "http",
@@ -60,6 +60,14 @@ def network_peer(peer: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _serving(owner: Owner, spec: Spec) -> dict[str, str]:
+    """The pods that serve the api: all of them, or a multi-node group's leaders."""
+    selected = selector_labels(owner.name)
+    if parallel.multi_node(spec):
+        selected[parallel.LABEL_ROLE] = "leader"
+    return selected
+
+
 def _ports(*numbers: int) -> list[dict[str, Any]]:
     return [{"protocol": "TCP", "port": number} for number in numbers]
 
@@ -88,6 +96,10 @@ def network_policy(owner: Owner, spec: Spec, routing: bool = False) -> Manifest:
         if subscribers:  # a rule without peers would admit everyone
             ports = _ports(*names.KV_EVENTS_PORT_NAMES)
             ingress.append({"from": subscribers, "ports": ports})
+    if parallel.multi_node(spec):
+        # the ranks of a group meet at the leader's rendezvous port, then talk over ports
+        # NCCL picks: every port, between this service's own pods only
+        ingress.append({"from": [{"podSelector": _selector(selector_labels(owner.name))}]})
     metrics_peers = [network_peer(p) for p in policy["metricsFrom"]]
     # A rule without peers would admit everyone: an empty metricsFrom adds no rule.
     if metrics_peers:

@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any
 
-from . import lora, model, names, router
+from . import lora, model, names, parallel, router
 from .config import STAGE_SETTINGS, config_hash, config_map_data, env_name
 from .objects import Manifest, Owner, config_map_name, labels, metadata
 from .spec import Spec, desired_replicas, selector_labels, tls_enabled
@@ -163,7 +163,7 @@ def _container(
         liveness = _http_probe("/metrics", port_name, period=10, failures=3)
 
     resources = json.loads(json.dumps(spec["resources"][stage]))  # a deep copy of plain data
-    gpus = spec["engine"]["gpus"]
+    gpus = parallel.gpus_per_pod(spec)
     if stage == "scheduler" and gpus > 0:
         resources.setdefault("limits", {})["nvidia.com/gpu"] = gpus
         resources.setdefault("requests", {})["nvidia.com/gpu"] = gpus
@@ -236,7 +236,8 @@ def _volumes(
         {"name": "tmp", "emptyDir": {}},
         # Socket files take no space; memory keeps them off the node's disk.
         {"name": "ring", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+        # NCCL's buffers between the ranks of a pod live in /dev/shm
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": parallel.shm_size(spec)}},
         {"name": "compile-cache", "emptyDir": {}},
     ]
     if delivery is not None:

@@ -38,6 +38,8 @@ RULES: list[dict[str, Any]] = [
     # The endpoint picker's ConfigMap, Service and Deployment are deleted when routing is off.
     _managed("", "configmaps", "services"),
     _managed("apps", "deployments"),
+    # spec.engine.nodes > 1: a LeaderWorkerSet in place of the Deployment.
+    _managed("leaderworkerset.x-k8s.io", "leaderworkersets"),
     # spec.routing.inferencePool: the pool, and the picker's identity and Role.
     _managed(names.INFERENCE_POOL_GROUP, "inferencepools"),
     _managed("", "serviceaccounts"),

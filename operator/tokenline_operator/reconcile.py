@@ -16,7 +16,17 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import inference_pool, lora, manifests, model, model_status, names, spec, status
+from . import (
+    inference_pool,
+    lora,
+    manifests,
+    model,
+    model_status,
+    names,
+    parallel,
+    spec,
+    status,
+)
 from .kube import Kube, KubeError
 from .metrics import OperatorMetrics
 from .network import service_url
@@ -234,7 +244,10 @@ async def _apply_children(
             await _remove(ctx, owner, kind)
     if manifests.LORA_CONFIG_MAP not in desired:
         await _remove(ctx, owner, "ConfigMap", lora.config_map_name(owner))
-    return live["Deployment"], await _apply_routing(ctx, owner, parsed, caps)
+    if "Deployment" not in desired:  # a multi-node model runs as a LeaderWorkerSet
+        await _remove(ctx, owner, "Deployment")
+    workload = live.get("Deployment") or parallel.as_deployment(live.get("LeaderWorkerSet"))
+    return workload, await _apply_routing(ctx, owner, parsed, caps)
 
 
 async def reconcile(ctx: Context, namespace: str, name: str, *, trigger: str) -> Result | None:
@@ -366,6 +379,10 @@ async def _capabilities_or_none(ctx: Context) -> Capabilities:
 
 async def _read_deployment(ctx: Context, owner: Owner) -> dict[str, Any] | None:
     try:
-        return await ctx.kube.get("Deployment", owner.namespace, owner.name)
+        found = await ctx.kube.get("Deployment", owner.namespace, owner.name)
+        if found is None and await ctx.kube.serves("LeaderWorkerSet"):
+            lws = await ctx.kube.get("LeaderWorkerSet", owner.namespace, owner.name)
+            return parallel.as_deployment(lws)
+        return found
     except KubeError:
         return None

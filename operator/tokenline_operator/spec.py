@@ -59,6 +59,9 @@ def _check_rules(spec: Spec) -> list[str]:
     if autoscaling["minReplicas"] > autoscaling["maxReplicas"]:
         problems.append("spec.autoscaling: minReplicas must not exceed maxReplicas")
     problems.extend(_model_problems(spec["model"]))
+    from .parallel import engine_problems  # imported here: parallel builds on objects, on spec
+
+    problems.extend(engine_problems(spec["engine"]))
     policy = spec["networkPolicy"]
     for field in ("apiFrom", "metricsFrom", "kvEventsFrom"):
         for index, peer in enumerate(policy.get(field) or []):

@@ -106,8 +106,11 @@ def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     return fast
 
 
-def build(out_dir: str | os.PathLike) -> Path:
-    """Write the tiny model to ``out_dir`` (created); the same bytes on every run."""
+def build(out_dir: str | os.PathLike, num_key_value_heads: int = 2) -> Path:
+    """Write the tiny model to ``out_dir`` (created); the same bytes on every run.
+
+    ``num_key_value_heads`` (a divisor of its 4 attention heads) makes GQA variants, for the
+    tensor-parallel tests: 1 KV head is fewer than 2 ranks, and must be replicated."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -122,7 +125,7 @@ def build(out_dir: str | os.PathLike) -> Path:
         intermediate_size=640,
         num_hidden_layers=4,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=num_key_value_heads,
         head_dim=64,
         max_position_embeddings=MAX_POSITIONS,
         rms_norm_eps=1e-5,

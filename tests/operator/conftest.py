@@ -20,7 +20,7 @@ from tokenline_operator.metrics import OperatorMetrics
 @pytest.fixture
 def optional_apis() -> set[str]:
     """Optional APIs the emulated cluster serves; tests override it (keda, monitoring,
-    inferencepool)."""
+    inferencepool, lws)."""
     return set()
 
 
@@ -53,6 +53,10 @@ async def cluster(
     if "inferencepool" in optional_apis:
         kmock.resources["inference.networking.k8s.io/v1/inferencepools"] = kmock.ResourceInfo(
             kind="InferencePool", namespaced=True, verbs=verbs, subresources={"status"}
+        )
+    if "lws" in optional_apis:
+        kmock.resources["leaderworkerset.x-k8s.io/v1/leaderworkersets"] = kmock.ResourceInfo(
+            kind="LeaderWorkerSet", namespaced=True, verbs=verbs, subresources={"status"}
         )
     kubeconfig = tmp_path / "kubeconfig"
     write_kubeconfig(kubeconfig, str(kmock.servers[0].url).rstrip("/"))

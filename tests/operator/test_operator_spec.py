@@ -77,6 +77,8 @@ def test_defaults_come_from_the_crd_and_leave_the_input_alone():
         "maxNumSeqs": 256,
         "compile": False,
         "prefixCaching": True,
+        "tensorParallelSize": 1,
+        "nodes": 1,
     }
     assert parsed["server"]["drainTimeoutSeconds"] == 30
     assert parsed["resources"]["scheduler"]["requests"] == {"cpu": "2", "memory": "8Gi"}

@@ -96,17 +96,13 @@ class ModelRunner:
         compile_layers: bool = False,
         attention_backend: str = "auto",
     ) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.device = pick_device(device)
         if self.device.type == "cpu":
             # On CPU the model shares the machine with three other stages; threads that spin
             # against them cost more than they bring (see benchmarks/README.md).
             torch.set_num_threads(torch_threads or max(1, (os.cpu_count() or 2) - 1))
         self.dtype = pick_dtype(dtype, self.device)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            source.path, revision=source.revision, dtype=self.dtype
-        ).to(self.device)
+        self.model = self._load_model(source)
         self.model.eval()
         config = self.model.config
         self.config = config
@@ -193,6 +189,14 @@ class ModelRunner:
             self.lora_shape.dims, self.num_layers, max_loras, max_rank, self.dtype, self.device
         )
         return self.lora
+
+    def _load_model(self, source: ModelSource) -> torch.nn.Module:
+        """The whole model on the device (parallel/runner.py loads a rank's shard instead)."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(
+            source.path, revision=source.revision, dtype=self.dtype
+        ).to(self.device)
 
     @property
     def compiled_layers(self) -> bool:

@@ -45,6 +45,7 @@ from tokenline.scheduler.grammar import GrammarCompiler
 from tokenline.scheduler.kv_events import KVEventPublisher, attach
 from tokenline.scheduler.lora.adapters import LoraError
 from tokenline.scheduler.lora_config import LoraConfigWatcher
+from tokenline.scheduler.parallel import stage as parallel_stage
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.settings import Settings
 from tokenline.stage_runtime import serve_stage
@@ -315,9 +316,12 @@ class SchedulerStage:
 def run(settings: Settings) -> int:
     drain = Drain(settings.drain_timeout)
     source = resolve(settings.model, settings.model_cache_dir, settings.revision)
-    if settings.metrics_port:
+    if settings.metrics_port:  # a worker node's too: its pod's probes read it
         serve_metrics(settings.metrics_port)
-    runner = ModelRunner(
+    if settings.tensor_parallel_size > 1 and settings.node_rank > 0:
+        return parallel_stage.run_worker_node(settings, source)
+    # With --tensor-parallel-size > 1: rank 0's sharded runner, its workers started.
+    runner = parallel_stage.runner_type(settings, source, ModelRunner)(
         source,
         settings.device,
         settings.dtype,

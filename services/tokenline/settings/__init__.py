@@ -28,7 +28,7 @@ from tokenline.settings.declaration import (
     settings_dataclass,
     stage_settings,
 )
-from tokenline.settings.engine import ENGINE
+from tokenline.settings.engine import ENGINE, TENSOR_PARALLEL
 from tokenline.settings.every_stage import EVERY_STAGE
 from tokenline.settings.kv_events import KV_EVENTS
 from tokenline.settings.lora import LORA
@@ -59,6 +59,7 @@ SETTINGS: tuple[Setting, ...] = (
     *API_SERVER,
     *METRICS_PORT,
     *ENGINE,
+    *TENSOR_PARALLEL,
     *KV_EVENTS,
     *LORA,
 )

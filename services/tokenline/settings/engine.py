@@ -131,3 +131,68 @@ ENGINE: tuple[Setting, ...] = (
         choices=("auto", "sdpa", "dense-cpu"),
     ),
 )
+
+# Tensor parallelism (scheduler/parallel/): vLLM's flag names. One pod holds
+# tensor-parallel-size / nnodes ranks; with nnodes > 1 the operator makes a LeaderWorkerSet
+# and sets the last three on each pod from LWS_LEADER_ADDRESS and LWS_WORKER_INDEX.
+TENSOR_PARALLEL: tuple[Setting, ...] = (
+    Setting(
+        "tensor-parallel-size",
+        int,
+        1,
+        help="devices the model is split over (attention heads, MLP and vocabulary split "
+        "across ranks; rank 0 schedules); must divide the model's heads and MLP width",
+        stages=SCHEDULER,
+        crd=CrdField(
+            "engine.tensorParallelSize",
+            "Devices (GPUs) the model is split over, one process each; the scheduler "
+            "container requests this many GPUs per node (tensorParallelSize / nodes).",
+            {"minimum": 1, "maximum": 64},
+        ),
+    ),
+    Setting(
+        "nnodes",
+        int,
+        1,
+        help="nodes the tensor-parallel group spans (each holds tensor-parallel-size / nnodes "
+        "ranks)",
+        stages=SCHEDULER,
+        crd=CrdField(
+            "engine.nodes",
+            "Nodes one replica spans: above 1 the operator runs each replica as a "
+            "LeaderWorkerSet group of this size.",
+            {"minimum": 1, "maximum": 16},
+        ),
+    ),
+    Setting(
+        "node-rank",
+        int,
+        0,
+        help="this node's place in a multi-node group (0: the leader, which runs the ring)",
+        stages=SCHEDULER,
+        serve=False,
+    ),
+    Setting(
+        "master-addr",
+        default="127.0.0.1",
+        help="the leader's address, where the tensor-parallel group meets (multi-node)",
+        stages=SCHEDULER,
+        serve=False,
+    ),
+    Setting(
+        "master-port",
+        int,
+        help="the port of the group's rendezvous on the leader (default: a free port; "
+        "multi-node groups need a fixed one)",
+        stages=SCHEDULER,
+        serve=False,
+    ),
+    Setting(
+        "distributed-timeout",
+        float,
+        300.0,
+        help="seconds a collective may wait for another rank before the stage gives up and "
+        "exits (a dead rank is noticed at once; this bounds a stuck one)",
+        stages=SCHEDULER,
+    ),
+)

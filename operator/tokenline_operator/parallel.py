@@ -1,0 +1,151 @@
+"""Tensor parallelism in the pods: GPUs per pod, /dev/shm for NCCL, and, for a model that
+spans nodes, a LeaderWorkerSet in place of the Deployment.
+
+``spec.engine.tensorParallelSize`` ranks spread over ``spec.engine.nodes`` pods of a group.
+With one node the Deployment's pod requests tensorParallelSize GPUs. With more, each replica
+is a LeaderWorkerSet group (leaderworkerset.x-k8s.io, the Kubernetes SIG project vLLM and llm-d
+use): the leader pod runs the api, tokenizer, detokenizer and the scheduler with ranks
+0..k-1; each worker pod runs only the scheduler, holding ranks i*k..i*k+k-1, joined to the
+leader's group through ``LWS_LEADER_ADDRESS``; ``LWS_GROUP_SIZE`` is the node count and
+``LWS_WORKER_INDEX`` the node's rank. A pod that fails restarts its whole group.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from .objects import Manifest, Owner, metadata
+
+Spec = dict[str, Any]  # spec.Spec, which imports this module for its rules
+
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+#: the leader's rendezvous port for the group (the scheduler's --master-port)
+MASTER_PORT = 29500
+#: /dev/shm per rank: NCCL's intra-node buffers live there; Docker's 64 MiB default fails
+SHM_PER_RANK_GI = 2
+LABEL_ROLE = "tokenline.dev/role"
+
+
+def nodes(spec: Spec) -> int:
+    return int(spec["engine"].get("nodes", 1))
+
+
+def tensor_parallel_size(spec: Spec) -> int:
+    return int(spec["engine"].get("tensorParallelSize", 1))
+
+
+def multi_node(spec: Spec) -> bool:
+    return nodes(spec) > 1
+
+
+def ranks_per_pod(spec: Spec) -> int:
+    return max(1, tensor_parallel_size(spec) // nodes(spec))
+
+
+def gpus_per_pod(spec: Spec) -> int:
+    """The scheduler container's nvidia.com/gpu: 0 keeps it on the CPU; with tensor
+    parallelism, one per rank of the pod."""
+    gpus = spec["engine"]["gpus"]
+    if gpus == 0:
+        return 0
+    return ranks_per_pod(spec) if tensor_parallel_size(spec) > 1 else gpus
+
+
+def shm_size(spec: Spec) -> str:
+    return (
+        f"{max(1, SHM_PER_RANK_GI * ranks_per_pod(spec))}Gi"
+        if tensor_parallel_size(spec) > 1
+        else "1Gi"
+    )
+
+
+def engine_problems(engine: dict[str, Any]) -> list[str]:
+    """The CRD's CEL rules on spec.engine (crd.ENGINE), for where no API server ran them."""
+    size, count, gpus = engine["tensorParallelSize"], engine["nodes"], engine["gpus"]
+    problems = []
+    if size % count:
+        problems.append(
+            "spec.engine: tensorParallelSize must be a multiple of nodes (each node holds "
+            "tensorParallelSize / nodes ranks)"
+        )
+    if size > 8 * count:
+        problems.append(
+            "spec.engine: at most 8 GPUs per node: tensorParallelSize / nodes must not exceed "
+            "8; add nodes"
+        )
+    if size > 1 and gpus > 1 and size % count == 0 and gpus != size // count:
+        problems.append(
+            "spec.engine: gpus, when set above 1, must equal tensorParallelSize / nodes (the "
+            "GPUs of one pod)"
+        )
+    return problems
+
+
+def _group_args() -> list[str]:
+    """Flags of every pod's scheduler in a group; $(VAR) is expanded by the kubelet from the
+    variables the LeaderWorkerSet controller injects."""
+    return [
+        "--nnodes", "$(LWS_GROUP_SIZE)",
+        "--master-addr", "$(LWS_LEADER_ADDRESS)",
+        "--master-port", str(MASTER_PORT),
+    ]  # fmt: skip
+
+
+def leader_worker_set(owner: Owner, spec: Spec, deployment: Manifest) -> Manifest:
+    """The LeaderWorkerSet that replaces ``deployment`` when the model spans nodes: the
+    Deployment's pod as the leader, and a scheduler-only pod as each worker."""
+    template = copy.deepcopy(deployment["spec"]["template"])
+    leader = copy.deepcopy(template)
+    leader["metadata"]["labels"][LABEL_ROLE] = "leader"
+    for container in leader["spec"]["containers"]:
+        if container["name"] == "scheduler":
+            container["args"] = [*container["args"], *_group_args()]
+            container["ports"] = [
+                *container["ports"],
+                {"name": "tp-rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"},
+            ]
+    worker = copy.deepcopy(template)
+    worker["metadata"]["labels"][LABEL_ROLE] = "worker"
+    scheduler = next(c for c in worker["spec"]["containers"] if c["name"] == "scheduler")
+    scheduler["args"] = [*scheduler["args"], *_group_args(), "--node-rank", "$(LWS_WORKER_INDEX)"]
+    worker["spec"]["containers"] = [scheduler]
+    body: dict[str, Any] = {
+        "leaderWorkerTemplate": {
+            "size": nodes(spec),
+            # a rank that dies leaves its peers in a broken group: restart them together
+            "restartPolicy": "RecreateGroupOnPodRestart",
+            "leaderTemplate": leader,
+            "workerTemplate": worker,
+        },
+        "startupPolicy": "LeaderCreated",
+        "rolloutStrategy": {
+            "type": "RollingUpdate",
+            "rollingUpdateConfiguration": {
+                "maxUnavailable": spec["rollout"]["maxUnavailable"],
+                "maxSurge": spec["rollout"]["maxSurge"],
+            },
+        },
+    }
+    if "replicas" in deployment["spec"]:
+        body["replicas"] = deployment["spec"]["replicas"]
+    return {
+        "apiVersion": LWS_API_VERSION,
+        "kind": "LeaderWorkerSet",
+        "metadata": metadata(owner, owner.name),
+        "spec": body,
+    }
+
+
+def as_deployment(lws: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A LeaderWorkerSet read as the Deployment the status code knows: its groups are the
+    replicas; a group counts as available once ready (LWS has no separate availability)."""
+    if lws is None:
+        return None
+    view = copy.deepcopy(lws)
+    status = view.setdefault("status", {})
+    status.setdefault("availableReplicas", status.get("readyReplicas", 0))
+    if any(c.get("type") == "Available" for c in status.get("conditions") or []):
+        # LWS does not report observedGeneration; a reported state is taken as current
+        status.setdefault("observedGeneration", view.get("metadata", {}).get("generation"))
+    return view

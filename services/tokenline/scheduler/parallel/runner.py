@@ -1,0 +1,194 @@
+"""The sharded runner: the same forward as `ModelRunner`, over one rank's shard.
+
+Every rank holds a `ShardedModelRunner`. Rank 0 (the driver) is the engine's runner: each call
+that runs the model (`execute`, `logits`, `release_decode_contexts`) is first sent to the
+workers as a command on the control group, so every rank runs the same forward in lockstep;
+the workers (``worker.py``) only follow. A failed collective cannot be undone (the ranks are
+out of step), so any error inside a mirrored call ends the process at once: the watchdog and
+the supervisor above it turn that into a restart, never a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokenline.model_source import ModelSource
+from tokenline.scheduler.parallel.group import COLLECTIVE_TIME, RANK_STEP_TIME, TensorParallel
+from tokenline.scheduler.parallel.loading import load_sharded_model
+from tokenline.scheduler.parallel.shard import (
+    ParallelLMHead,
+    ShardPlan,
+    VocabParallelEmbedding,
+    plan_for,
+    shard_layer,
+)
+from tokenline.scheduler.runner import ModelRunner, PreparedStep
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ChunkShape:
+    """What `ModelRunner.execute` reads of a chunk on a worker: its row count."""
+
+    num_tokens: int
+
+
+def fatal(message: str, *args: object) -> None:
+    """End the process now: a rank out of step cannot recover, and exit handlers could wait
+    on a collective that will never complete."""
+    log.critical(message, *args, exc_info=True)
+    logging.shutdown()
+    os._exit(1)
+
+
+class ShardedModelRunner(ModelRunner):
+    def __init__(self, source: ModelSource, tp: TensorParallel, *args: Any, **kwargs: Any) -> None:
+        self.tp = tp
+        if kwargs.pop("compile_layers", False):
+            log.warning("--compile is not supported with tensor parallelism yet; running eagerly")
+        self._plan: ShardPlan | None = None  # set by _load_model, before the layers are read
+        super().__init__(source, *args, **kwargs)
+        assert self._plan is not None
+        plan = self._plan
+        self.vocab_size = plan.vocab_size  # the whole vocabulary: logits are gathered
+        self._layers = [shard_layer(layer, tp) for layer in self._layers]
+        self._embed = VocabParallelEmbedding(self._embed, plan, tp)
+        self._lm_head = ParallelLMHead(self._lm_head, plan.vocab_size, tp)
+        self._lock = threading.RLock()  # one command (and its collectives) at a time
+        self._last_command = time.monotonic()
+        self._rank_labels = [str(r) for r in range(tp.world_size)]
+
+    def _load_model(self, source: ModelSource) -> torch.nn.Module:
+        self._plan = plan_for(source.load_config(), self.tp)
+        return load_sharded_model(source, self._plan, self.dtype, self.device)
+
+    def _size_pool(self, kv_cache_memory: int | None, utilization: float) -> int:
+        # Every rank must have the same blocks, as rank 0's block tables address them all.
+        self.tp.wait_for_all()  # every shard loaded: from here, collectives are a step's
+        return self.tp.agree_min(super()._size_pool(kv_cache_memory, utilization))
+
+    # ── rank 0: mirror each model call to the workers ───────────────────────────────────────
+    def execute(
+        self, prepared: PreparedStep, spans: Sequence[tuple[int, int, int]] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._lock:
+            try:
+                self._send("execute", _step_message(prepared), list(spans))
+                return self._timed_execute(prepared, spans)
+            except Exception:
+                fatal("tensor parallel: a step failed on rank 0; the stage exits")
+                raise  # unreachable
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            try:
+                self._send("logits", tuple(hidden.shape))
+                dist.broadcast(hidden.contiguous(), src=0, group=self.tp.device_group)
+                return super().logits(hidden)
+            except Exception:
+                fatal("tensor parallel: logits failed on rank 0; the stage exits")
+                raise
+
+    def release_decode_contexts(self) -> None:
+        with self._lock:
+            try:
+                self._send("release")
+            except Exception:
+                fatal("tensor parallel: a worker did not answer; the stage exits")
+            super().release_decode_contexts()
+
+    def heartbeat(self, idle_s: float, stopping: threading.Event) -> None:
+        """Keep waiting workers inside their collective timeout while the engine is idle."""
+        with self._lock:
+            if not stopping.is_set() and time.monotonic() - self._last_command >= idle_s:
+                try:
+                    self._send("noop")
+                except Exception:
+                    fatal("tensor parallel: a worker did not answer; the stage exits")
+
+    def stop_workers(self) -> None:
+        with self._lock:
+            self._send("stop")
+
+    def _send(self, *command: Any) -> None:
+        self._last_command = time.monotonic()
+        dist.broadcast_object_list([command], src=0, group=self.tp.control_group)
+
+    # ── every rank ───────────────────────────────────────────────────────────────────────────
+    def _timed_execute(
+        self, prepared: PreparedStep, spans: Sequence[tuple[int, int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        start = time.perf_counter()
+        out = super().execute(prepared, spans)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        timings = torch.tensor([time.perf_counter() - start, self.tp.take_collective_time()])
+        # Each rank's step and collective time reach rank 0, which exports them; one small
+        # gather on the control group per step.
+        world = self.tp.world_size
+        gathered = [torch.empty(2) for _ in range(world)] if self.tp.is_driver else None
+        dist.gather(timings, gathered, dst=0, group=self.tp.control_group)
+        if gathered is not None:
+            for label, (step_s, collective_s) in zip(self._rank_labels, gathered, strict=True):
+                RANK_STEP_TIME.labels(rank=label).observe(float(step_s))
+                COLLECTIVE_TIME.labels(rank=label).observe(float(collective_s))
+        return out
+
+    # ── workers: follow rank 0's commands ───────────────────────────────────────────────────
+    def receive(self) -> tuple[Any, ...]:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.tp.control_group)
+        return box[0]
+
+    @torch.inference_mode()
+    def follow(self, command: tuple[Any, ...]) -> bool:
+        """Run one of rank 0's commands; False when told to stop."""
+        kind = command[0]
+        if kind == "execute":
+            _, message, spans = command
+            self._timed_execute(self._rebuild(message), spans)
+        elif kind == "logits":
+            hidden = torch.empty(command[1], dtype=self.dtype, device=self.device)
+            dist.broadcast(hidden, src=0, group=self.tp.device_group)
+            super().logits(hidden)
+        elif kind == "release":
+            super().release_decode_contexts()
+        elif kind == "stop":
+            return False
+        return True
+
+    def _rebuild(self, message: dict[str, Any]) -> PreparedStep:
+        """The driver's PreparedStep, rebuilt as `ModelRunner.prepare` builds it from the flat
+        batch (the attention metadata and rotary tables are computed here, not sent)."""
+        step = _to_device(message["step"], self.device)
+        chunks = [_ChunkShape(n) for n in message["chunk_tokens"]]
+        cos, sin = self._rotary.at(step.positions, step.max_position)
+        return PreparedStep(chunks, step, self.attention.prepare(step), cos, sin)
+
+
+def _step_message(prepared: PreparedStep) -> dict[str, Any]:
+    """The flat batch on the CPU (every field, whatever step_inputs adds) and the chunks'
+    row counts: all a worker needs to run the same forward."""
+    return {
+        "step": _to_device(prepared.step, torch.device("cpu")),
+        "chunk_tokens": [chunk.num_tokens for chunk in prepared.chunks],
+    }
+
+
+def _to_device(step: Any, device: torch.device) -> Any:
+    moved = {
+        f.name: getattr(step, f.name).to(device)
+        for f in dataclasses.fields(step)
+        if isinstance(getattr(step, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(step, **moved)

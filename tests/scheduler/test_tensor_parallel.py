@@ -1,0 +1,252 @@
+"""Tensor parallelism on gloo: two ranks give TP=1's greedy tokens and logits (within float32
+rounding of a sum split in two), on the tiny model (2 KV heads, one per rank) and on a GQA
+variant with 1 KV head (replicated on both ranks); under load with aborts nothing leaks; a
+dead rank ends the stage fast."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from scheduler_testkit import COMMON, PROMPTS, Drained, assert_idle, collect, drain, greedy
+
+from tokenline import model_source, tiny_model
+from tokenline.scheduler.engine import Engine, EngineLimits
+from tokenline.scheduler.parallel.worker import RunnerArgs, start
+from tokenline.scheduler.runner import ModelRunner
+
+MiB = 2**20
+MAX_TOKENS = 12
+LIMITS = EngineLimits(tiny_model.MAX_POSITIONS, 256, 7)  # 7-token steps: prefill is chunked
+SERVICES = Path(__file__).resolve().parents[2] / "services"
+
+pytestmark = pytest.mark.timeout(240)
+
+
+# Qwen2: q/k/v biases, and a vocabulary (301) that two ranks split unevenly (one pad row);
+# Qwen3: per-head q and k norms, head_dim apart from hidden / heads.
+FAMILIES = {
+    "qwen2-odd-vocab": ("Qwen2Config", "Qwen2ForCausalLM", {"vocab_size": 301}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+}
+
+
+@pytest.fixture(scope="module", params=["kv2", "kv1", *FAMILIES])
+def source(request, tiny_source, tmp_path_factory):
+    if request.param == "kv2":
+        return tiny_source
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "kv1":
+        return model_source.resolve(str(tiny_model.build(path, num_key_value_heads=1)))
+    import transformers
+
+    config_name, model_name, extra = FAMILIES[request.param]
+    config = getattr(transformers, config_name)(**{**COMMON, **extra})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config)
+    with torch.no_grad():  # larger weights, so that a wrong shard changes greedy tokens
+        for param in model.parameters():
+            param.mul_(3.0)
+    model.save_pretrained(path)
+    return model_source.resolve(str(path))
+
+
+def _args(source) -> RunnerArgs:
+    return RunnerArgs(source, device="cpu", dtype="float32", kv_cache_memory=4 * MiB,
+                      torch_threads=1)  # fmt: skip
+
+
+def _recording(engine: Engine) -> list[torch.Tensor]:
+    """Every step's logits, as the engine's runner returns them."""
+    seen: list[torch.Tensor] = []
+    execute = engine.runner.execute
+
+    def record(prepared, spans=()):
+        logits, hidden = execute(prepared, spans)
+        seen.append(logits.clone())
+        return logits, hidden
+
+    engine.runner.execute = record
+    return seen
+
+
+def _run(engine: Engine, prompts: dict[str, list[int]]):
+    logits = _recording(engine)
+    for uid, ids in prompts.items():
+        engine.add(uid, ids, greedy(MAX_TOKENS, ignore_eos=True, prompt_logprobs=2))
+    run = drain(engine)
+    return run, logits
+
+
+@pytest.fixture(scope="module")
+def driver(source):
+    deaths: list[str] = []
+    d = start(_args(source), 2, timeout_s=60, on_death=deaths.append)
+    yield d
+    assert not deaths
+    d.close()
+
+
+def test_tp2_matches_tp1_tokens_and_logits(source, driver, encode, eos_ids):
+    single = Engine(ModelRunner(source, **_kw(source)), LIMITS, eos_ids, True)
+    vocab = single.runner.vocab_size
+    prompts = {f"p{i}": [t % vocab for t in encode(text)] for i, text in enumerate(PROMPTS)}
+    expected, expected_logits = _run(single, prompts)
+    engine = Engine(driver.runner, LIMITS, eos_ids, True)
+    runner = driver.runner
+    assert runner.num_heads == single.runner.num_heads // 2
+    assert runner.vocab_size == vocab  # the logits are whole again
+    # 2 KV heads: one each; 1 KV head: the one head on both ranks
+    assert runner.num_kv_heads == max(1, single.runner.num_kv_heads // 2)
+    # the shard was loaded as a shard: half the rows of q and of the MLP, half the vocabulary
+    mine, whole = runner.model.model.layers[0], single.runner.model.model.layers[0]
+    assert mine.self_attn.q_proj.weight.numel() * 2 == whole.self_attn.q_proj.weight.numel()
+    assert mine.mlp.down_proj.weight.numel() * 2 == whole.mlp.down_proj.weight.numel()
+    assert runner.model.lm_head.weight.shape[0] == -(-vocab // 2)
+    got, logits = _run(engine, prompts)
+    assert got.tokens == expected.tokens
+    assert len(logits) == len(expected_logits)
+    for mine, theirs in zip(logits, expected_logits, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    assert_idle(engine)
+
+
+def _kw(source) -> dict:
+    args = _args(source)
+    return {"device": args.device, "dtype": args.dtype, "kv_cache_memory": 2 * MiB}
+
+
+def test_concurrent_requests_with_aborts_leak_nothing(driver, encode, eos_ids):
+    engine = Engine(driver.runner, LIMITS, eos_ids, True)
+    vocab = driver.runner.vocab_size
+    uids = [f"c{i}" for i in range(8)]
+    for i, uid in enumerate(uids):
+        ids = [t % vocab for t in encode(PROMPTS[i % len(PROMPTS)])]
+        engine.add(uid, ids, greedy(MAX_TOKENS, ignore_eos=True))
+    seen = collect(engine.step(), Drained())
+    collect(engine.step(), seen)
+    for uid in uids[::3]:  # mid-prefill or mid-decode
+        engine.abort(uid)
+    drain(engine, into=seen)
+    assert set(seen.terminals) == set(uids)
+    assert all(count == 1 for count in seen.terminals.values())
+    assert {seen.reasons[u] for u in uids[::3]} == {"abort"}
+    assert_idle(engine)
+    driver.runner.release_decode_contexts()  # an idle engine's call, mirrored to the worker
+
+
+def test_rank_0_exports_every_rank_s_step_and_collective_time(driver):
+    from prometheus_client import REGISTRY
+
+    for rank in ("0", "1"):
+        for name in ("tokenline_collective_seconds", "tokenline_tp_rank_step_seconds"):
+            count = REGISTRY.get_sample_value(f"{name}_count", {"rank": rank})
+            assert count and count > 0, (name, rank)
+
+
+_STAGE = textwrap.dedent(
+    """
+    import os, sys, time
+    from tokenline import model_source
+    from tokenline.scheduler.parallel.worker import RunnerArgs, start
+
+    if __name__ == "__main__":
+        source = model_source.resolve(sys.argv[1])
+        args = RunnerArgs(source, device="cpu", dtype="float32", kv_cache_memory=2**21,
+                          torch_threads=1)
+        driver = start(args, 2, timeout_s=30)
+        print("READY", driver.processes[0].pid, flush=True)
+        time.sleep(120)
+    """
+)
+
+
+def test_a_dead_worker_ends_the_stage_fast(tiny_source, tmp_path):
+    script = tmp_path / "stage.py"
+    script.write_text(_STAGE)
+    env = {**os.environ, "PYTHONPATH": str(SERVICES)}
+    stage = subprocess.Popen(
+        [sys.executable, str(script), tiny_source.path], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = stage.stdout.readline()  # the model loads on both ranks first
+        assert line.startswith("READY"), line
+        worker = int(line.split()[1])
+        os.kill(worker, signal.SIGKILL)
+        killed = time.monotonic()
+        assert stage.wait(timeout=10) != 0
+        assert time.monotonic() - killed < 5
+    finally:
+        stage.kill()
+        stage.wait()
+
+
+def test_a_dead_rank_0_ends_its_workers(tiny_source, tmp_path):
+    script = tmp_path / "stage.py"
+    script.write_text(_STAGE)
+    env = {**os.environ, "PYTHONPATH": str(SERVICES)}
+    stage = subprocess.Popen(
+        [sys.executable, str(script), tiny_source.path], env=env, stdout=subprocess.PIPE, text=True
+    )
+    worker = None
+    try:
+        line = stage.stdout.readline()
+        assert line.startswith("READY"), line
+        worker = int(line.split()[1])
+        stage.kill()  # SIGKILL: no exit handler stops the worker; its collective must fail
+        stage.wait()
+        deadline = time.monotonic() + 10
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker)
+    finally:
+        stage.kill()
+        stage.wait()
+        if worker is not None and _alive(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, reparented to init and not yet reaped, counts as
+    gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("world", "kv_heads", "starts"),
+    [(2, 2, [0, 1]), (4, 2, [0, 0, 1, 1]), (2, 1, [0, 0]), (4, 8, [0, 2, 4, 6])],
+)
+def test_each_rank_reads_the_kv_heads_its_query_heads_need(world, kv_heads, starts):
+    """With fewer KV heads than ranks, rank r's query heads (r * H/N ...) belong to KV head
+    r // (N / KV) in GQA's grouping, and that is the head it holds."""
+    from tokenline.scheduler.parallel.shard import ShardPlan
+
+    plans = [ShardPlan(r, world, 8, kv_heads, 16, 64, 301) for r in range(world)]
+    assert [p.kv_head_start for p in plans] == starts
+    for plan in plans:  # query head q reads KV head q // (8 / kv_heads)
+        first_query = plan.rank * plan.local_heads
+        assert first_query // (8 // kv_heads) in range(
+            plan.kv_head_start, plan.kv_head_start + plan.local_kv_heads
+        )
+    assert sum(p.rows("embed_tokens", 301).stop - p.rows("embed_tokens", 301).start
+               for p in plans) == 301  # fmt: skip
+
+
+def test_sizes_the_ranks_cannot_split_are_refused():
+    from tokenline.scheduler.parallel.shard import ShardPlan
+
+    with pytest.raises(ValueError, match="3 attention heads"):
+        ShardPlan(0, 2, 3, 3, 16, 64, 300)
+    with pytest.raises(ValueError, match="KV heads"):
+        ShardPlan(0, 4, 12, 3, 16, 64, 300)

@@ -54,6 +54,10 @@ LORA_METRICS = {
     "tokenline_lora_adapters",
 }
 LORA_INFO_METRIC = "vllm:lora_requests_info"
+# Issue 32: the engine step's phases and batch, which every scheduler exports once a step ran.
+STEP_METRICS = {"tokenline_step_phase_seconds", "tokenline_step_sequences"}
+# Issue 28: exported by rank 0 with --tensor-parallel-size above 1 only.
+TENSOR_PARALLEL_METRICS = {"tokenline_collective_seconds", "tokenline_tp_rank_step_seconds"}
 HISTOGRAM_SERIES = re.compile(r"_(bucket|sum|count)$")
 
 

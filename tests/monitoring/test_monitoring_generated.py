@@ -20,6 +20,8 @@ from monitoring_support import (
     FILTERS,
     LORA_INFO_METRIC,
     LORA_METRICS,
+    STEP_METRICS,
+    TENSOR_PARALLEL_METRICS,
     metric_names,
 )
 
@@ -92,7 +94,7 @@ def test_every_query_uses_the_datasource_variable_and_all_filters():
 
 
 def test_dashboards_read_every_contract_metric_and_nothing_else():
-    known = CONTRACT_METRICS | LORA_METRICS
+    known = CONTRACT_METRICS | LORA_METRICS | STEP_METRICS | TENSOR_PARALLEL_METRICS
     used: dict[str, set[str]] = {}
     for uid, dashboard in load_dashboards().items():
         used[uid] = set().union(*(metric_names(t["expr"]) for _, t in targets(dashboard)))

@@ -123,6 +123,53 @@ def pipeline() -> dash.Dashboard:
             width=8,
         ),
     ]
+    engine_step = [
+        PanelSpec(
+            "Engine step time by phase (stacked)",
+            "Mean time of an engine step that ran the model, by phase: schedule, inputs (flat "
+            "batch, attention metadata), forward, sample, outputs. Everything but forward is "
+            "host work: on a GPU, time the device waits.",
+            "s",
+            (Query(mean("tokenline_step_phase_seconds", ("phase",)), "{{phase}}"),),
+            stacked=True,
+            width=8,
+        ),
+        PanelSpec(
+            "Engine step phase p99",
+            "99th percentile of each phase's time per step: a phase whose tail grows "
+            "while the mean does not is a stall (a grammar, a pool reallocation).",
+            "s",
+            (
+                Query(
+                    promql.quantile(0.99, "tokenline_step_phase_seconds", ("phase",)),
+                    "{{phase}}",
+                ),
+            ),
+            width=8,
+        ),
+        PanelSpec(
+            "Sequences per step",
+            "Mean batch of the engine's steps: what each forward is shared by.",
+            "short",
+            (Query(mean("tokenline_step_sequences", ()), "mean batch"),),
+            width=8,
+        ),
+        PanelSpec(
+            "Tensor-parallel collective time by rank",
+            "With --tensor-parallel-size above 1: mean time per step each rank spends in "
+            "collectives. A rank far from the others is slow (or its peers wait for it).",
+            "s",
+            (Query(mean("tokenline_collective_seconds", ("rank",)), "rank {{rank}}"),),
+            width=12,
+        ),
+        PanelSpec(
+            "Tensor-parallel step time by rank",
+            "With --tensor-parallel-size above 1: mean time of each rank's step.",
+            "s",
+            (Query(mean("tokenline_tp_rank_step_seconds", ("rank",)), "rank {{rank}}"),),
+            width=12,
+        ),
+    ]
     builder = dashboard(
         "tokenline-pipeline",
         "tokenline / Pipeline",
@@ -130,5 +177,10 @@ def pipeline() -> dash.Dashboard:
     )
     return with_rows(
         builder,
-        [("Where time goes", where_time_goes), ("What stages hold", held), ("Failures", failures)],
+        [
+            ("Where time goes", where_time_goes),
+            ("Engine step", engine_step),
+            ("What stages hold", held),
+            ("Failures", failures),
+        ],
     )

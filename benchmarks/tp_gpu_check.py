@@ -22,19 +22,9 @@ import time
 
 import torch
 
-QWEN3_0_6B = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-)
+# the shapes gpu_check.py measures (a sibling script: run from anywhere, benchmarks/ is on the path)
+from gpu_check import QWEN3_0_6B, SMALL
+
 QWEN3_8B = dict(
     QWEN3_0_6B,
     hidden_size=4096,
@@ -42,16 +32,6 @@ QWEN3_8B = dict(
     num_hidden_layers=36,
     num_attention_heads=32,
     tie_word_embeddings=False,
-)
-SMALL = dict(
-    QWEN3_0_6B,
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
 )
 
 

@@ -281,7 +281,8 @@ def test_chat_top_logprobs_0_gives_empty_alternatives_as_openai_does(client, sta
         else:
             entries = reply.choices[0].logprobs.content
         assert len(entries) == 4
-        assert all(e.top_logprobs == [] and e.logprob <= 0 and e.token for e in entries)
+        # (a sampled special token, EOS among them with ignore_eos, has empty text: not checked)
+        assert all(e.top_logprobs == [] and e.logprob <= 0 for e in entries)
 
 
 def test_the_prompt_logprobs_of_n_choices_are_computed_once_and_shared():

@@ -1,10 +1,7 @@
 """LoRA through the whole stack, as a client sees it: an adapter written by peft for the tiny
 model is loaded at runtime, listed by /v1/models, served when a request names it (OpenAI's own
-client), reported in vllm:lora_requests_info, and unloaded.
-
-It needs the scheduler's side of LoRA (loading the adapter, answering `protocol.LoraCall`,
-reporting adapters in its heartbeat status): until that lands, every test here but the first
-fails, the load timing out at the api (the scheduler does not answer the call).
+client), reported in vllm:lora_requests_info, and unloaded; and adapters loaded and unloaded
+while streams run on the base and on other adapters, with nothing lost or failed.
 """
 
 from __future__ import annotations
@@ -58,6 +55,14 @@ def adapter_dir(model_cache, tmp_path_factory) -> Path:
 
     base = resolve("tiny", cache_dir=str(model_cache)).path
     return write_adapter(base, tmp_path_factory.mktemp("adapters") / ADAPTER)
+
+
+@pytest.fixture(scope="module")
+def second_adapter_dir(model_cache, tmp_path_factory) -> Path:
+    from tokenline.model_source import resolve
+
+    base = resolve("tiny", cache_dir=str(model_cache)).path
+    return write_adapter(base, tmp_path_factory.mktemp("adapters") / "other", rank=8, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +179,62 @@ def test_a_path_that_holds_no_adapter_is_refused_with_a_json_error(lora_stack, h
     assert response.status_code in (400, 404), response.text
     assert response.json()["error"]["message"]
     assert "empty" not in [c[0] for c in cards(http)]
+
+
+def test_loading_and_unloading_under_load_loses_nothing(
+    lora_stack, http, client, adapter_dir, second_adapter_dir
+):
+    """Streams on the base and on one adapter run throughout while another adapter is loaded,
+    streamed from and unloaded mid-stream, three times: every request ends normally (the
+    unloaded adapter's stream finishes: requests in flight are let finish)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    load = {"lora_name": ADAPTER, "lora_path": str(adapter_dir)}
+    assert http.post("/v1/load_lora_adapter", json=load).status_code == 200
+    stop = threading.Event()
+
+    def finish_reason(stream) -> str | None:
+        return [c.choices[0].finish_reason for c in stream if c.choices][-1]
+
+    def background(model: str) -> list[str | None]:
+        ends = []
+        while not stop.is_set():
+            stream = client.completions.create(
+                model=model,
+                prompt="the old river",
+                max_tokens=24,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            ends.append(finish_reason(stream))
+        return ends
+
+    with ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(background, m) for m in ("tiny", ADAPTER, "tiny", ADAPTER)]
+        for _ in range(3):
+            body = {"lora_name": "other", "lora_path": str(second_adapter_dir)}
+            loaded = http.post("/v1/load_lora_adapter", json=body)
+            assert loaded.status_code == 200, loaded.text
+            stream = iter(
+                client.completions.create(
+                    model="other",
+                    prompt="a long way",
+                    max_tokens=32,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+            )
+            first = next(stream)  # admitted and decoding: now unload it
+            unloaded = http.post("/v1/unload_lora_adapter", json={"lora_name": "other"})
+            assert unloaded.status_code == 200, unloaded.text
+            assert finish_reason([first, *stream]) == "length"
+            with pytest.raises(openai.NotFoundError):
+                client.completions.create(model="other", prompt="x", max_tokens=1)
+        stop.set()
+        ends = [end for future in running for end in future.result()]
+    assert ends and set(ends) == {"length"}, ends
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": ADAPTER}).status_code == 200
 
 
 def test_nothing_is_held_after_lora_calls(lora_stack, http):

@@ -14,6 +14,7 @@ import atexit
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -81,6 +82,13 @@ def worker_main(args: RunnerArgs, spec: GroupSpec, rank: int, local_rank: int) -
     except Exception:
         fatal("tensor parallel rank %d failed; exiting so the group restarts", rank)
     leave()
+    # Skip the interpreter's teardown: gloo's threads, destroyed with the process's statics
+    # while still joinable, abort it ("terminate called without an active exception", -6),
+    # which a worker node would report as a failed rank.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(args: RunnerArgs, spec: GroupSpec, ranks: range, first_local: int = 0):

@@ -14,7 +14,7 @@ PORT ?= 8000
 IMAGE ?= localhost/tokenline:cpu
 export IMAGE
 
-.PHONY: serve setup test lint format bench dashboards image image-test clean
+.PHONY: serve setup test pytest lint format bench dashboards image image-test clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -42,9 +42,12 @@ format: $(VENV)/.test
 setup:
 	tools/image setup image
 
-# The image test is its own target, run last, so `make image-test` alone is what CI runs too.
-test: setup lint
+# Everything but the image test; `make test` runs it, then the image test (CI runs the two
+# targets as its two steps).
+pytest: setup lint
 	$(PY) -m pytest --ignore=tests/image
+
+test: pytest
 	$(MAKE) image-test
 
 image: setup $(VENV)/.base

@@ -17,8 +17,9 @@ import torch
 
 from tokenline.model_source import resolve
 from tokenline.protocol import SamplingParams
-from tokenline.scheduler.engine import STEP_PHASES, Engine, EngineLimits
+from tokenline.scheduler.engine import Engine, EngineLimits
 from tokenline.scheduler.runner import ModelRunner
+from tokenline.scheduler.step_times import STEP_PHASES
 
 
 def main() -> None:

@@ -66,8 +66,9 @@ def run_engine(
     ``forward`` is the time to queue the kernels; waiting for them shows in ``sample``)."""
     from tokenline.model_source import ModelSource
     from tokenline.protocol import SamplingParams
-    from tokenline.scheduler.engine import STEP_PHASES, Engine, EngineLimits, default_token_budget
+    from tokenline.scheduler.engine import Engine, EngineLimits, default_token_budget
     from tokenline.scheduler.runner import ModelRunner
+    from tokenline.scheduler.step_times import STEP_PHASES
 
     source = ModelSource(spec="qwen3-shape", path=path)
     runner = ModelRunner(source, device=device, compile_layers=compile_layers)

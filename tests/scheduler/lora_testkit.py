@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from tokenline.scheduler.engine import Engine, LoraOptions
+from tokenline.scheduler.engine import Engine
+from tokenline.scheduler.lora.options import LoraOptions
 
 MAX_TOKENS = 12
 

@@ -156,7 +156,8 @@ def test_adapters_on_other_families_match_peft(family, tmp_path):
     deltas where PEFT adds them: on the linear's output, before anything else."""
     from scheduler_testkit import FAMILIES, family_runner, saved_family_model
 
-    from tokenline.scheduler.engine import EngineLimits, LoraOptions
+    from tokenline.scheduler.engine import EngineLimits
+    from tokenline.scheduler.lora.options import LoraOptions
 
     saved_family_model(FAMILIES[family], tmp_path / "base")
     adapter = write_adapter(str(tmp_path / "base"), tmp_path / "lora", 3, 8, 16, ALL, False)

@@ -8,8 +8,8 @@ import time
 from prometheus_client import REGISTRY
 
 from tokenline import protocol
-from tokenline.scheduler.engine import STEP_PHASES, StepTimes
 from tokenline.scheduler.stage import SchedulerStage
+from tokenline.scheduler.step_times import STEP_PHASES, StepTimes
 from tokenline.stage_runtime import StageRuntime
 
 

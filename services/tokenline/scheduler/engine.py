@@ -16,23 +16,14 @@ from tokenline.protocol import SamplingParams, TokenOutput
 from tokenline.scheduler import prompt_logprobs
 from tokenline.scheduler.grammar import GrammarCompiler, GrammarError
 from tokenline.scheduler.kv_cache import BlockPool
-from tokenline.scheduler.lora.adapters import LoraAdapter, load_adapter, local_path
+from tokenline.scheduler.lora.options import LoraOptions, lora_slots
 from tokenline.scheduler.lora.slots import LoraSlots
 from tokenline.scheduler.policy import BatchPolicy, Chunk, StepOutput
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.scheduler.sampler import sample_with_logprobs
 from tokenline.scheduler.sequence import Sequence
+from tokenline.scheduler.step_times import StepTimes, lap
 from tokenline.settings import BY_FLAG
-
-
-@dataclass
-class LoraOptions:
-    """--enable-lora's sizes: device slots, highest rank, adapters kept in host memory."""
-
-    max_loras: int = BY_FLAG["max-loras"].default
-    max_rank: int = BY_FLAG["max-lora-rank"].default
-    max_cpu_loras: int = BY_FLAG["max-cpu-loras"].default
-    cache_dir: str | None = None  # where adapters named by URI are fetched to
 
 
 @dataclass
@@ -43,27 +34,6 @@ class EngineLimits:
 
 
 DEADLINE_MARGIN_S = 2.0
-STEP_PHASES = ("schedule", "inputs", "forward", "sample", "outputs")
-
-
-@dataclass
-class StepTimes:
-    """Where one step's time went, in seconds, phase by phase (`STEP_PHASES`).
-
-    On a GPU ``forward`` is the time to queue the step's kernels: waiting for them shows in
-    ``sample``, whose tokens are the step's first copy back to the host."""
-
-    schedule: float = 0.0
-    inputs: float = 0.0
-    forward: float = 0.0
-    sample: float = 0.0
-    outputs: float = 0.0
-    sequences: int = 0  # the step's batch: sequences computed
-
-    @property
-    def host(self) -> float:
-        """Everything but the forward."""
-        return self.schedule + self.inputs + self.sample + self.outputs
 
 
 def default_token_budget(device_type: str) -> int:
@@ -137,7 +107,7 @@ class Engine:
         # LoRA (None: off): adapters by name, in host memory and in the runner's device slots
         self.loras: LoraSlots | None = None
         if lora is not None:
-            self.loras = _lora_slots(runner, lora)
+            self.loras = lora_slots(runner, lora)
         self.policy = BatchPolicy(
             self.pool,
             limits.max_num_seqs,
@@ -334,7 +304,7 @@ class Engine:
         (`update_from_output`), and its account of each sequence becomes the outputs."""
         mark = time.perf_counter()
         prepared = self.runner.prepare(chunks)
-        times.inputs, mark = _lap(mark)
+        times.inputs, mark = lap(mark)
         spans = prompt_logprobs.spans(chunks)
         scored = []
         if spans:
@@ -343,7 +313,7 @@ class Engine:
             scored = prompt_logprobs.score(self.runner, hidden, spans)
         else:
             logits = self.runner.execute(prepared)[0]
-        times.forward, mark = _lap(mark)
+        times.forward, mark = lap(mark)
         sampling_seqs = [c.seq for c in chunks if c.samples]
         # max_tokens 0: the prompt is only read (for its logprobs); nothing is sampled
         read_only = [seq for seq in sampling_seqs if seq.sampling.max_tokens == 0]
@@ -361,7 +331,7 @@ class Engine:
                 masks = self.grammars.masks(matchers, logits.shape[1], logits.device)
                 allowed = (constrained, masks)
             tokens, logprobs = sample_with_logprobs(logits, sampling_seqs, self.eos_ids, allowed)
-        times.sample, mark = _lap(mark)
+        times.sample, mark = lap(mark)
         step = StepOutput(
             chunks=chunks,
             sampled=list(zip(sampling_seqs, tokens, strict=True)),
@@ -414,21 +384,3 @@ class Engine:
         for uid in late:
             self.abort(uid)
         return late
-
-
-def _lora_slots(runner: ModelRunner, options: LoraOptions) -> LoraSlots:
-    """The adapter bookkeeping over the runner's device slots, reading adapters from disk
-    (or fetching them) checked against this model and ``max_rank``."""
-    weights = runner.enable_lora(options.max_loras, options.max_rank)
-
-    def load(name: str, uri: str) -> LoraAdapter:
-        path = local_path(name, uri, options.cache_dir)
-        return load_adapter(name, path, runner.lora_shape, options.max_rank)
-
-    return LoraSlots(options.max_loras, options.max_cpu_loras, load, weights.set_slot)
-
-
-def _lap(mark: float) -> tuple[float, float]:
-    """Seconds since ``mark``, and the new mark."""
-    now = time.perf_counter()
-    return now - mark, now

@@ -34,19 +34,19 @@ from tokenline.metrics import (
 )
 from tokenline.model_source import resolve
 from tokenline.scheduler.engine import (
-    STEP_PHASES,
     Engine,
     EngineLimits,
     InvalidRequest,
-    LoraOptions,
     default_token_budget,
 )
 from tokenline.scheduler.grammar import GrammarCompiler
 from tokenline.scheduler.kv_events import KVEventPublisher, attach
 from tokenline.scheduler.lora.adapters import LoraError
+from tokenline.scheduler.lora.options import LoraOptions
 from tokenline.scheduler.lora_config import LoraConfigWatcher
 from tokenline.scheduler.parallel import stage as parallel_stage
 from tokenline.scheduler.runner import ModelRunner
+from tokenline.scheduler.step_times import STEP_PHASES
 from tokenline.settings import Settings
 from tokenline.stage_runtime import serve_stage
 from tokenline.transport import SyncRing

@@ -212,21 +212,11 @@ class Pipeline:
         self.calls.fail_all(abort_error(reason))
 
     # ── calls a stage answers alone ────────────────────────────────────────────────────────────
-    async def call(self, build: Callable[[str], protocol.TokenizeCall]) -> protocol.TokenizerAnswer:
-        """Send the call ``build(uid)`` makes and wait for the tokenizer's answer, at most the
-        request timeout. Raises `ApiError`: the call's own failure, a 503 when the ring is
-        down (at once, or when it goes down meanwhile), a 504 past the deadline."""
-        return await self._call(build)
-
-    async def lora_call(self, build: Callable[[str], protocol.LoraCall]) -> protocol.LoraAnswer:
-        """Send the LoRA load or unload ``build(uid)`` makes and wait for the scheduler's
-        answer, as `call` waits; the adapters it reports are requestable from then on."""
-        answer = await self._call(build)
-        if not isinstance(answer, protocol.LoraAnswer):  # a uid is answered by its own kind
-            raise ApiError(500, "the ring answered a LoRA call with another kind", "server_error")
-        return answer
-
-    async def _call(self, build: Callable[[str], msgspec.Struct]):
+    async def call(self, build: Callable[[str], msgspec.Struct]):
+        """Send the call ``build(uid)`` makes (a `TokenizeCall` or a `LoraCall`) and wait for
+        its stage's answer, at most the request timeout. Raises `ApiError`: the call's own
+        failure, a 503 when the ring is down (at once, or when it goes down meanwhile), a 504
+        past the deadline."""
         self._refuse_unless_admissible()
         uid = self.new_uid()
         frame = self.ring.encode(build(uid))  # before any state: a failure leaves none
@@ -242,6 +232,14 @@ class Pipeline:
         finally:
             self.calls.close(uid)
             self.ledger.close(uid)
+
+    async def lora_call(self, build: Callable[[str], protocol.LoraCall]) -> protocol.LoraAnswer:
+        """Send the LoRA load or unload ``build(uid)`` makes and wait for the scheduler's
+        answer, as `call` waits; the adapters it reports are requestable from then on."""
+        answer = await self.call(build)
+        if not isinstance(answer, protocol.LoraAnswer):  # a uid is answered by its own kind
+            raise ApiError(500, "the ring answered a LoRA call with another kind", "server_error")
+        return answer
 
     # ── flow control (called by exchanges) ─────────────────────────────────────────────────────
     def pause(self, ex: Exchange) -> None:

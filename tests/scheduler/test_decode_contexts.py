@@ -52,6 +52,9 @@ class FakeRunner:
             held = self.contexts.buffer[:, row, :, : n + 1]
             expected = torch.tensor([value(uid, p) for p in range(n + 1)])
             assert torch.equal(held, expected[None, None, :, None].expand_as(held)), uid
+            if plan.mask is None:  # nothing to hide: every context is the longest
+                assert n + 1 == plan.length, uid
+                continue
             mask = plan.mask[row, 0, 0]
             assert torch.all(mask[: n + 1] == 0) and torch.all(mask[n + 1 :] == -torch.inf)
         if plan.order is not None:
@@ -87,6 +90,18 @@ def test_a_row_out_of_step_with_the_pool_is_refilled():
     runner = FakeRunner()
     runner.step({"u0": 4})
     lens = {"u0": 2}
+    runner.assert_holds(runner.step(lens), lens)
+
+
+def test_the_mask_is_left_out_only_when_every_context_is_the_longest():
+    runner = FakeRunner()
+    assert runner.step({"u0": 7}).mask is None  # one row
+    assert runner.step({"u0": 8, "u1": 8}).mask is None
+    lens = {"u0": 9, "u1": 9, "u2": 3}
+    plan = runner.step(lens)
+    assert plan.mask is not None
+    runner.assert_holds(plan, lens)
+    lens = {"u1": 10, "u2": 4}  # u0 left: its row is refilled by u2's, mask row included
     runner.assert_holds(runner.step(lens), lens)
 
 

@@ -41,7 +41,9 @@ class DecodePlan:
     order: torch.Tensor | None  # [B] step index of each row; None when rows are in step order
     num_rows: int
     length: int  # columns attention reads: the longest context including this step's token
-    mask: torch.Tensor  # [rows, 1, 1, length] additive: 0 inside a row's context, -inf past it
+    # [rows, 1, 1, length] additive: 0 inside a row's context, -inf past it; None when every
+    # row's context is ``length`` long (nothing to hide: always so for a single row)
+    mask: torch.Tensor | None
     window_mask: torch.Tensor | None = None  # the same, also -inf before a sliding window
 
 
@@ -66,6 +68,9 @@ class DecodeContexts:
         self._shape = (num_layers, kv_width, head_dim)
         self.dtype = dtype
         self.buffer = torch.empty(num_layers, 0, kv_width, 0, head_dim, dtype=dtype)
+        # [rows, capacity] additive mask of what each row holds, kept step by step like the
+        # rows themselves: built afresh it was a quarter of a batch-1 step's host work
+        self._mask = torch.empty(0, 0, dtype=dtype)
         self._row_of: dict[str, int] = {}
         self._uids: list[str] = []  # by row
         self._lens: list[int] = []  # tokens held, by row
@@ -78,6 +83,7 @@ class DecodeContexts:
         """Drop every row and the memory behind them (the engine has gone idle)."""
         num_layers, kv_width, head_dim = self._shape
         self.buffer = torch.empty(num_layers, 0, kv_width, 0, head_dim, dtype=self.dtype)
+        self._mask = torch.empty(0, 0, dtype=self.dtype)
         self._row_of.clear()
         self._uids.clear()
         self._lens.clear()
@@ -105,7 +111,14 @@ class DecodeContexts:
         for row in rows:
             lens[row] += 1
         num_rows = len(self._uids)
-        mask, window_mask = decode_masks(lens, longest, window, self.dtype)
+        row_index, positions = long_tensor(rows), long_tensor(starts)
+        self._mask.index_put_((row_index, positions), torch.zeros((), dtype=self.dtype))
+        mask = None
+        if min(lens) < longest:
+            mask = self._mask[:num_rows, None, None, :longest]
+        window_mask = None
+        if window is not None and longest > window:
+            window_mask = decode_masks(lens, longest, window, self.dtype)[1]
         order = None
         if rows != list(range(num_rows)):  # attention runs in row order
             by_row = [0] * num_rows
@@ -113,8 +126,8 @@ class DecodeContexts:
                 by_row[row] = i
             order = long_tensor(by_row)
         return DecodePlan(
-            rows=long_tensor(rows),
-            positions=long_tensor(starts),
+            rows=row_index,
+            positions=positions,
             order=order,
             num_rows=num_rows,
             length=longest,
@@ -139,6 +152,8 @@ class DecodeContexts:
                 self._row_of[uid] = row
                 self._uids.append(uid)
                 self._lens.append(start)
+                self._mask[row, :start] = 0
+                self._mask[row, start:] = -torch.inf
                 if start:
                     self.buffer[:, row, :, :start] = fill(i, start).transpose(1, 2)
 
@@ -148,6 +163,7 @@ class DecodeContexts:
         if row != last:
             moved = self._uids[last]
             self.buffer[:, row] = self.buffer[:, last]
+            self._mask[row] = self._mask[last]
             self._uids[row], self._lens[row] = moved, self._lens[last]
             self._row_of[moved] = row
         self._uids.pop()
@@ -170,6 +186,9 @@ class DecodeContexts:
         used, kept = len(self._uids), min(capacity, new_capacity)
         resized[:, :used, :, :kept] = self.buffer[:, :used, :, :kept]
         self.buffer = resized
+        mask = torch.full((new_rows, new_capacity), -torch.inf, dtype=self.dtype)
+        mask[:used, :kept] = self._mask[:used, :kept]
+        self._mask = mask
 
 
 def _resize(have: int, need: int, floor: int) -> int:

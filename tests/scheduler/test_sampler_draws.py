@@ -88,3 +88,14 @@ def test_the_last_token_is_drawn_at_its_rate_and_a_zero_last_token_never():
 def test_rows_with_the_same_seed_draw_the_same_token():
     counts = draw(LOGITS, count=64, seed=7)
     assert int((counts > 0).sum()) == 1
+
+
+def test_a_uniform_number_at_the_very_top_draws_the_last_token_of_nonzero_probability(
+    monkeypatch,
+):
+    """``u * total`` that reaches ``total`` (u at its largest, or a rounding up) passes no
+    running sum: the draw stays on the last token that can be drawn, never past the vocabulary
+    or onto a cut token."""
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.ones(*shape))
+    counts = draw([0.0, 1.0, 0.5, -math.inf, -math.inf], count=8)
+    assert counts.tolist() == [0, 0, 8, 0, 0]

@@ -6,8 +6,10 @@ import torch
 
 from tokenline.protocol import TokenLogprobs
 from tokenline.scheduler.sequence import Sequence
+from tokenline.scheduler.step_inputs import float_tensor, long_tensor
 
 _NEG_INF = float("-inf")
+_LARGEST_UNDER_ONE = 1 - 2**-24  # in float32
 # reduce_logprobs' result: (chosen [rows], top values [rows, n], top ids [rows, n])
 Reduced = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -121,12 +123,16 @@ def _sample(
         logits[index] = logits[index].masked_fill(~mask, _NEG_INF)
 
     temperatures = [s.sampling.temperature for s in seqs]
-    tokens = torch.argmax(logits, dim=-1)
     sampled = [i for i, t in enumerate(temperatures) if t > 0]
+    # the greedy rows' tokens; no argmax over the batch when no row is greedy
+    tokens = torch.argmax(logits, dim=-1) if len(sampled) < len(seqs) else None
     if not sampled:
         return tokens
 
-    temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=logits.device)
+    device = logits.device
+    # a tensor even when every row shares one temperature: a GPU multiplies by the inverse of
+    # a plain number, and a seeded row's bits must not depend on what shares its batch
+    temps = float_tensor([t if t > 0 else 1.0 for t in temperatures]).to(device)
     logits = logits / temps.unsqueeze(1)
     top_k = [s.sampling.top_k for s in seqs]
     top_p = [s.sampling.top_p for s in seqs]
@@ -135,23 +141,20 @@ def _sample(
     probs = torch.softmax(logits, dim=-1)
     min_p = [s.sampling.min_p for s in seqs]
     if any(m > 0 for m in min_p):
-        floor = torch.tensor(min_p, device=logits.device).unsqueeze(1)
+        floor = float_tensor(min_p).to(device).unsqueeze(1)
         keep = probs >= floor * probs.max(dim=-1, keepdim=True).values
         probs = torch.where(keep, probs, torch.zeros_like(probs))
 
-    if len(sampled) < len(seqs):
-        rows = torch.tensor(sampled, device=logits.device)
-        drawn = _draw(probs.index_select(0, rows), [seqs[i] for i in sampled])
-        # past the last token: a rounding edge of probability ~2**-24; keep the likeliest
-        tokens[rows] = torch.where(drawn < probs.shape[1], drawn, tokens.index_select(0, rows))
-    else:
-        drawn = _draw(probs, seqs)
-        tokens = torch.where(drawn < probs.shape[1], drawn, tokens)
+    if tokens is None:
+        return _draw(probs, seqs)
+    rows = long_tensor(sampled).to(device)
+    tokens[rows] = _draw(probs.index_select(0, rows), [seqs[i] for i in sampled])
     return tokens
 
 
 def _draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """One token per row of ``probs`` ([rows, vocab], unnormalised, >= 0) by inverse CDF.
+    """One token per row of ``probs`` ([rows, vocab], unnormalised, >= 0, one > 0) by inverse
+    CDF.
 
     One uniform number per row instead of ``torch.multinomial``'s one per vocabulary entry:
     on CPU that was 0.4 ms of a 5 ms decode step for 16 rows of a 691-token vocabulary, and
@@ -165,7 +168,11 @@ def _draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     for i, seq in enumerate(seqs):
         if seq.generator is not None:
             uniform[i] = torch.rand(1, generator=seq.generator, device=probs.device)
-    # token t wins for u in [cdf[t-1], cdf[t]): the first running sum that passes u
+    # A point at total itself would pass no running sum (an index past the vocabulary). For
+    # u <= 1 - 2**-24, the largest float32 under 1, u * total rounds below total, so the draw
+    # lands on a token of nonzero probability whatever the generator returned.
+    uniform.clamp_(max=_LARGEST_UNDER_ONE)
+    # token t wins for u in [cdf[t-1], cdf[t]): the first running sum that passes u * total
     return torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
 
 

@@ -55,6 +55,11 @@ def long_tensor(values: list[int]) -> torch.Tensor:
     return torch.frombuffer(array("q", values), dtype=torch.long)
 
 
+def float_tensor(values: list[float]) -> torch.Tensor:
+    """``torch.tensor(values)`` (float32, on the CPU) the way `long_tensor` builds its ints."""
+    return torch.frombuffer(array("f", values), dtype=torch.float32) if values else torch.empty(0)
+
+
 def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
     """Pool slots of positions ``start..end-1`` of a sequence with this block table."""
     table = torch.tensor(block_table, dtype=torch.long)

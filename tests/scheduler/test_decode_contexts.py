@@ -164,3 +164,29 @@ def test_a_load_wavering_around_a_size_does_not_reallocate_every_step():
         runner.step({f"u{i}": 100 for i in range(live)} | {f"u{100 + n}": 1})
         buffers.add(runner.contexts.buffer.data_ptr())
     assert len(buffers) == 1
+
+
+def test_every_column_of_a_row_in_use_is_its_context_or_zero(monkeypatch):
+    """Attention reads masked columns too (0 x NaN would poison the row): the buffer is taken
+    uninitialised, here filled with NaN to show it, so a growth or a new row must zero what
+    its rows do not hold."""
+    real_empty = torch.empty
+
+    def nan_filled(*shape, **kwargs):
+        return real_empty(*shape, **kwargs).fill_(torch.nan)
+
+    monkeypatch.setattr(torch, "empty", nan_filled)
+    runner = FakeRunner()
+
+    def check(lens: dict[str, int]) -> None:
+        plan = runner.step(lens)
+        runner.assert_holds(plan, lens)
+        buffer = runner.contexts.buffer
+        for uid, n in lens.items():
+            tail = buffer[:, runner.row_of(plan, list(lens), uid), :, n + 1 :]
+            assert bool((tail == 0).all()), uid
+
+    check({"u0": 3})
+    check({"u0": 4, "u1": 2, "u2": 7})  # rows grow
+    check({"u0": 5, "u1": MIN_CAPACITY + 3, "u2": 8})  # u1 back from prefill, capacity grows
+    check({"u1": MIN_CAPACITY + 4, "u2": 9, "u3": 1})  # u0 left, u3 joins a row taken before

@@ -154,6 +154,7 @@ class DecodeContexts:
                 self._lens.append(start)
                 self._mask[row, :start] = 0
                 self._mask[row, start:] = -torch.inf
+                self.buffer[:, row, :, start:] = 0  # see _reserve
                 if start:
                     self.buffer[:, row, :, :start] = fill(i, start).transpose(1, 2)
 
@@ -179,12 +180,16 @@ class DecodeContexts:
         new_capacity = _resize(capacity, length, floor=MIN_CAPACITY)
         if new_rows == have_rows and new_capacity == capacity:
             return
-        # Zeroed: attention reads masked columns too, and 0 x NaN would poison a whole row.
-        resized = torch.zeros(
+        # Attention reads a row's masked columns too, and 0 x NaN would poison the whole row,
+        # so every column of a row in use holds K/V or zeros. Only those rows are written
+        # here (rows are zeroed as they are taken): zeroing the whole buffer first made a
+        # growth fault in and write every page of it, seconds at hundreds of rows.
+        resized = torch.empty(
             num_layers, new_rows, kv_width, new_capacity, head_dim, dtype=self.dtype
         )
         used, kept = len(self._uids), min(capacity, new_capacity)
         resized[:, :used, :, :kept] = self.buffer[:, :used, :, :kept]
+        resized[:, :used, :, kept:] = 0
         self.buffer = resized
         mask = torch.full((new_rows, new_capacity), -torch.inf, dtype=self.dtype)
         mask[:used, :kept] = self._mask[:used, :kept]

@@ -11,6 +11,18 @@ from tokenline.scheduler.attention.decode_contexts import MIN_CAPACITY, DecodeCo
 LAYERS, KV_WIDTH, HEAD_DIM = 2, 4, 3
 
 
+@pytest.fixture(autouse=True)
+def uninitialised_memory_is_nan(monkeypatch):
+    """The rows' buffer is taken uninitialised: filled with NaN here, so that a column
+    attention reads and nobody wrote shows (0 x NaN poisons a whole row of attention)."""
+    real_empty = torch.empty
+
+    def nan_filled(*shape, **kwargs):
+        return real_empty(*shape, **kwargs).fill_(torch.nan)
+
+    monkeypatch.setattr(torch, "empty", nan_filled)
+
+
 def value(uid: str, pos: int) -> float:
     """What the fake pool holds for ``uid`` at ``pos``: unique per (uid, position)."""
     return 1000.0 * (int(uid.removeprefix("u")) + 1) + pos
@@ -42,7 +54,8 @@ class FakeRunner:
         return int(plan.rows[uids.index(uid)])
 
     def assert_holds(self, plan, lens: dict[str, int]) -> None:
-        """Every uid's row holds its context plus this step's token, and the mask agrees."""
+        """Every uid's row holds its context plus this step's token and zeros after it, as far
+        as attention reads (the longest context), and the mask agrees."""
         uids = list(lens)
         assert plan.num_rows == len(uids)
         assert sorted(plan.rows.tolist()) == list(range(len(uids))), "rows are not packed"
@@ -52,6 +65,8 @@ class FakeRunner:
             held = self.contexts.buffer[:, row, :, : n + 1]
             expected = torch.tensor([value(uid, p) for p in range(n + 1)])
             assert torch.equal(held, expected[None, None, :, None].expand_as(held)), uid
+            tail = self.contexts.buffer[:, row, :, n + 1 : plan.length]
+            assert bool((tail == 0).all()), f"{uid}: a column past its context is not zero"
             if plan.mask is None:  # nothing to hide: every context is the longest
                 assert n + 1 == plan.length, uid
                 continue
@@ -95,13 +110,15 @@ def test_a_row_out_of_step_with_the_pool_is_refilled():
 
 def test_the_mask_is_left_out_only_when_every_context_is_the_longest():
     runner = FakeRunner()
-    assert runner.step({"u0": 7}).mask is None  # one row
-    assert runner.step({"u0": 8, "u1": 8}).mask is None
-    lens = {"u0": 9, "u1": 9, "u2": 3}
+    runner.assert_holds(runner.step({"u0": 7}), {"u0": 7})
+    assert runner.step({"u0": 8}).mask is None  # one row
+    assert runner.step({"u0": 9, "u1": 8}).mask is not None
+    assert runner.step({"u0": 10, "u1": 10}).mask is None
+    lens = {"u0": 11, "u1": 11, "u2": 3}
     plan = runner.step(lens)
     assert plan.mask is not None
     runner.assert_holds(plan, lens)
-    lens = {"u1": 10, "u2": 4}  # u0 left: its row is refilled by u2's, mask row included
+    lens = {"u1": 12, "u2": 4}  # u0 left: its row is refilled by u2's, mask row included
     runner.assert_holds(runner.step(lens), lens)
 
 
@@ -166,27 +183,24 @@ def test_a_load_wavering_around_a_size_does_not_reallocate_every_step():
     assert len(buffers) == 1
 
 
-def test_every_column_of_a_row_in_use_is_its_context_or_zero(monkeypatch):
-    """Attention reads masked columns too (0 x NaN would poison the row): the buffer is taken
-    uninitialised, here filled with NaN to show it, so a growth or a new row must zero what
-    its rows do not hold."""
-    real_empty = torch.empty
-
-    def nan_filled(*shape, **kwargs):
-        return real_empty(*shape, **kwargs).fill_(torch.nan)
-
-    monkeypatch.setattr(torch, "empty", nan_filled)
+def test_rows_joining_leaving_and_growing_keep_what_attention_reads_defined():
     runner = FakeRunner()
+    for lens in [
+        {"u0": 3},
+        {"u0": 4, "u1": 2, "u2": 7},  # rows grow
+        {"u0": 5, "u1": MIN_CAPACITY + 3, "u2": 8},  # u1 back from prefill: capacity grows
+        {"u1": MIN_CAPACITY + 4, "u2": 9, "u3": 1},  # u0 left, u3 takes a row used before
+        {"u1": MIN_CAPACITY + 5, "u2": 10, "u3": 2, "u4": 4 * MIN_CAPACITY},  # grows again
+        {"u2": 11, "u3": 3, "u4": 4 * MIN_CAPACITY + 1},
+    ]:
+        runner.assert_holds(runner.step(lens), lens)
 
-    def check(lens: dict[str, int]) -> None:
-        plan = runner.step(lens)
-        runner.assert_holds(plan, lens)
-        buffer = runner.contexts.buffer
-        for uid, n in lens.items():
-            tail = buffer[:, runner.row_of(plan, list(lens), uid), :, n + 1 :]
-            assert bool((tail == 0).all()), uid
 
-    check({"u0": 3})
-    check({"u0": 4, "u1": 2, "u2": 7})  # rows grow
-    check({"u0": 5, "u1": MIN_CAPACITY + 3, "u2": 8})  # u1 back from prefill, capacity grows
-    check({"u1": MIN_CAPACITY + 4, "u2": 9, "u3": 1})  # u0 left, u3 joins a row taken before
+def test_columns_given_back_by_a_cut_are_zeroed_again_when_the_rows_grow_back():
+    runner = FakeRunner()
+    runner.step({"u0": 300, "u1": 5})
+    lens = {"u1": 6, "u2": 3}  # the long context left: capacity is cut
+    runner.assert_holds(runner.step(lens), lens)
+    assert runner.contexts.buffer.shape[3] == MIN_CAPACITY
+    lens = {"u1": 7, "u2": 4, "u3": 200}  # a long one joins: capacity grows back
+    runner.assert_holds(runner.step(lens), lens)

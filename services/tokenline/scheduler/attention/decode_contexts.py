@@ -71,10 +71,11 @@ class DecodeContexts:
         # [rows, capacity] additive mask of what each row holds, kept step by step like the
         # rows themselves: built afresh it was a quarter of a batch-1 step's host work
         self._mask = torch.empty(0, 0, dtype=dtype)
-        # Attention reads a row's masked columns too, and 0 x NaN would poison the whole row;
-        # the buffer is taken uninitialised, so columns [len, _zeroed) of every row in use are
-        # kept zero, and _zeroed follows the longest context up, a column a step
-        self._zeroed = 0
+        # Attention reads a row's masked columns too, where a weight of 0 times NaN would
+        # poison the whole row: rows below _finite_rows hold K/V, zeros or a former row's
+        # K/V in every column. The buffer is taken uninitialised (see _reserve), so a row
+        # past them is zeroed when first taken: once per row per buffer, never per step.
+        self._finite_rows = 0
         self._row_of: dict[str, int] = {}
         self._uids: list[str] = []  # by row
         self._lens: list[int] = []  # tokens held, by row
@@ -88,7 +89,7 @@ class DecodeContexts:
         num_layers, kv_width, head_dim = self._shape
         self.buffer = torch.empty(num_layers, 0, kv_width, 0, head_dim, dtype=self.dtype)
         self._mask = torch.empty(0, 0, dtype=self.dtype)
-        self._zeroed = 0
+        self._finite_rows = 0
         self._row_of.clear()
         self._uids.clear()
         self._lens.clear()
@@ -118,11 +119,6 @@ class DecodeContexts:
         num_rows = len(self._uids)
         row_index, positions = long_tensor(rows), long_tensor(starts)
         self._mask.index_put_((row_index, positions), torch.zeros((), dtype=self.dtype))
-        if longest > self._zeroed:  # zero what the rows do not hold up to the longest context
-            start, region = self._zeroed, self.buffer[:, :num_rows, :, self._zeroed : longest]
-            outside = self._mask[:num_rows, start:longest] != 0
-            region.masked_fill_(outside[None, :, None, :, None], 0)
-            self._zeroed = longest
         mask = None
         if min(lens) < longest:
             mask = self._mask[:num_rows, None, None, :longest]
@@ -164,7 +160,9 @@ class DecodeContexts:
                 self._lens.append(start)
                 self._mask[row, :start] = 0
                 self._mask[row, start:] = -torch.inf
-                self.buffer[:, row, :, start : self._zeroed] = 0
+                if row >= self._finite_rows:  # rows are taken in order: row == _finite_rows
+                    self.buffer[:, row] = 0
+                    self._finite_rows = row + 1
                 if start:
                     self.buffer[:, row, :, :start] = fill(i, start).transpose(1, 2)
 
@@ -190,16 +188,17 @@ class DecodeContexts:
         new_capacity = _resize(capacity, length, floor=MIN_CAPACITY)
         if new_rows == have_rows and new_capacity == capacity:
             return
-        # Uninitialised, and only what the rows in use hold is copied (see _zeroed): zeroing
-        # the whole buffer made a growth fault in and write every page of it, seconds at
-        # hundreds of rows (benchmarks/README.md)
+        # Uninitialised: only the rows in use are written (their K/V copied, new columns
+        # zeroed; see _finite_rows). Zeroing the whole buffer made a growth fault in and write
+        # every page of it, seconds at hundreds of rows (benchmarks/README.md).
         resized = torch.empty(
             num_layers, new_rows, kv_width, new_capacity, head_dim, dtype=self.dtype
         )
         used, kept = len(self._uids), min(capacity, new_capacity)
         resized[:, :used, :, :kept] = self.buffer[:, :used, :, :kept]
+        resized[:, :used, :, kept:] = 0
         self.buffer = resized
-        self._zeroed = min(self._zeroed, kept)
+        self._finite_rows = used
         mask = torch.full((new_rows, new_capacity), -torch.inf, dtype=self.dtype)
         mask[:used, :kept] = self._mask[:used, :kept]
         self._mask = mask

@@ -170,8 +170,9 @@ class DecodeContexts:
         last = len(self._uids) - 1
         del self._row_of[self._uids[row]]
         if row != last:
-            moved = self._uids[last]
-            self.buffer[:, row] = self.buffer[:, last]
+            moved, held = self._uids[last], self._lens[last]
+            # only what the moved row holds: past that, the row's former K/V is finite
+            self.buffer[:, row, :, :held] = self.buffer[:, last, :, :held]
             self._mask[row] = self._mask[last]
             self._uids[row], self._lens[row] = moved, self._lens[last]
             self._row_of[moved] = row

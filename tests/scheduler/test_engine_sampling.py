@@ -20,8 +20,8 @@ def run_one(make_engine, prompt_ids, sampling, **engine_kw) -> list[int]:
     return drain(engine).tokens["x"]
 
 
-def sampled(seed: int | None = None, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=N, temperature=1.0, seed=seed, ignore_eos=True, **kw)
+def sampled(seed: int | None = None, temperature: float = 1.0, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=N, temperature=temperature, seed=seed, ignore_eos=True, **kw)
 
 
 def random_requests(rng: random.Random, count: int) -> list[tuple[str, list[int], SamplingParams]]:
@@ -91,8 +91,14 @@ def test_temperature_zero_is_greedy_beside_sampled_requests(make_engine, prompt_
 
 @pytest.mark.parametrize(
     "narrowing",
-    [{"top_k": 1}, {"top_k": 1, "seed": 3}, {"top_p": 1e-6}, {"min_p": 1.0}],
-    ids=["top_k=1", "top_k=1,seed", "top_p~0", "min_p=1"],
+    [
+        {"top_k": 1},
+        {"top_k": 1, "seed": 3},
+        {"top_p": 1e-6},
+        {"min_p": 1.0},
+        {"temperature": 1e-300},  # 0 in float32: the limit, not a division by zero
+    ],
+    ids=["top_k=1", "top_k=1,seed", "top_p~0", "min_p=1", "temperature~0"],
 )
 def test_sampling_narrowed_to_one_token_is_greedy(
     make_engine, prompt_ids, greedy_tokens, narrowing

@@ -99,3 +99,16 @@ def test_a_uniform_number_at_the_very_top_draws_the_last_token_of_nonzero_probab
     monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.ones(*shape))
     counts = draw([0.0, 1.0, 0.5, -math.inf, -math.inf], count=8)
     assert counts.tolist() == [0, 0, 8, 0, 0]
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-40, 1e-6])
+def test_a_temperature_too_small_for_float32_is_greedy(temperature):
+    """Logits over 1e-300 (0 in float32) are infinite or NaN: such a row takes its limit."""
+    counts = draw(LOGITS, count=64, temperature=temperature)
+    assert counts.tolist() == [0, 64, 0, 0, 0, 0, 0, 0]
+
+
+def test_a_row_with_every_token_banned_still_gets_an_id_inside_the_vocabulary():
+    counts = draw([0.0, 5.0, 1.0], count=16, min_tokens=4, stop_token_ids=[0, 1, 2])
+    assert counts.sum() == 16  # bincount would have grown past 3 for an id out of range
+    assert len(counts) == 3

@@ -10,6 +10,9 @@ from tokenline.scheduler.step_inputs import float_tensor, long_tensor
 
 _NEG_INF = float("-inf")
 _LARGEST_UNDER_ONE = 1 - 2**-24  # in float32
+# Temperatures under this are greedy, their limit: logits divided by less can overflow float32,
+# and a temperature under about 1e-45 is 0 there
+_GREEDY_BELOW = 1e-5
 # reduce_logprobs' result: (chosen [rows], top values [rows, n], top ids [rows, n])
 Reduced = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -123,7 +126,7 @@ def _sample(
         logits[index] = logits[index].masked_fill(~mask, _NEG_INF)
 
     temperatures = [s.sampling.temperature for s in seqs]
-    sampled = [i for i, t in enumerate(temperatures) if t > 0]
+    sampled = [i for i, t in enumerate(temperatures) if t >= _GREEDY_BELOW]
     # the greedy rows' tokens; no argmax over the batch when no row is greedy
     tokens = torch.argmax(logits, dim=-1) if len(sampled) < len(seqs) else None
     if not sampled:
@@ -132,7 +135,7 @@ def _sample(
     device = logits.device
     # a tensor even when every row shares one temperature: a GPU multiplies by the inverse of
     # a plain number, and a seeded row's bits must not depend on what shares its batch
-    temps = float_tensor([t if t > 0 else 1.0 for t in temperatures]).to(device)
+    temps = float_tensor([t if t >= _GREEDY_BELOW else 1.0 for t in temperatures]).to(device)
     logits = logits / temps.unsqueeze(1)
     top_k = [s.sampling.top_k for s in seqs]
     top_p = [s.sampling.top_p for s in seqs]
@@ -173,7 +176,10 @@ def _draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     # lands on a token of nonzero probability whatever the generator returned.
     uniform.clamp_(max=_LARGEST_UNDER_ONE)
     # token t wins for u in [cdf[t-1], cdf[t]): the first running sum that passes u * total
-    return torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+    drawn = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+    # A row with every token banned (all -inf, NaN probabilities) passes no sum either: it
+    # must still get an id the model can read next step
+    return drawn.clamp_(max=probs.shape[1] - 1)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -180,12 +180,7 @@ def problems(model_spec: dict[str, Any], served_name: str | None) -> list[str]:
         seen.add(name)
         if served_name is not None and name == served_name:
             found.append(f"{where}.name: {name!r} is the served model's name")
-        broken = model.crd_rule_violations(uri)
-        found.extend(f"{where}.uri: {message}" for message in broken)
-        if not broken:
-            refused = model.uri_problem(uri)
-            if refused:
-                found.append(f"{where}.uri: {refused}")
+        found.extend(f"{where}.uri: {message}" for message in model.uri_problems(uri))
     return found
 
 

@@ -171,6 +171,16 @@ def uri_problem(uri: str) -> str | None:
     return None
 
 
+def uri_problems(uri: str) -> list[str]:
+    """Everything refused in a model URI: the CRD's rules it breaks, or else, when it keeps
+    them all, what the parser refuses (`uri_problem`)."""
+    broken = crd_rule_violations(uri)
+    if broken:
+        return broken
+    refused = uri_problem(uri)
+    return [refused] if refused else []
+
+
 # --- the pod --------------------------------------------------------------------------------
 
 

@@ -362,10 +362,10 @@ def _invalid_model(raw_spec: Any) -> dict[str, Any] | None:
     uri = raw.get("uri") if isinstance(raw, dict) else None
     if not isinstance(uri, str) or not uri.strip():
         return None
-    broken = model.crd_rule_violations(uri.strip())
-    problem = "; ".join(broken) if broken else model.uri_problem(uri.strip())
-    if problem is None:
+    problems = model.uri_problems(uri.strip())
+    if not problems:
         return None
+    problem = "; ".join(problems)
     served = raw.get("servedName") if isinstance(raw.get("servedName"), str) else None
     return model_status.invalid(uri.strip(), served, problem)
 

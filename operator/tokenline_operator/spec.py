@@ -95,12 +95,7 @@ def _model_problems(model_spec: dict[str, Any]) -> list[str]:
         return problems
     if "revision" in model_spec:
         problems.append("spec.model: with uri, pin the revision in it: hf://ORG/NAME@REVISION")
-    broken = model.crd_rule_violations(uri)
-    problems.extend(f"spec.model.uri: {message}" for message in broken)
-    if not broken:
-        refused = model.uri_problem(uri)
-        if refused:
-            problems.append(f"spec.model.uri: {refused}")
+    problems.extend(f"spec.model.uri: {message}" for message in model.uri_problems(uri))
     return problems
 
 
@@ -109,7 +104,7 @@ def _served_name_if_valid(model_spec: dict[str, Any]) -> str | None:
     if model_spec.get("servedName") or model_spec.get("name"):
         return model_spec.get("servedName") or model_spec["name"]
     uri = model_spec.get("uri")
-    if not uri or model.crd_rule_violations(uri) or model.uri_problem(uri):
+    if not uri or model.uri_problems(uri):
         return None
     return model.default_served_name(model.parse_uri(uri.strip()))
 

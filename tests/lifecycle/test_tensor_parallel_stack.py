@@ -26,20 +26,14 @@ def tp_stack(launch_stack):
     stack.stop()
 
 
-def _spawned_children(pid: int) -> list[int]:
-    """``pid``'s children started by multiprocessing's spawn (not its resource tracker)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(") ", 1)[1].split()[1]) != pid:
-                continue
-            if b"spawn_main" in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-    return found
+def _spawned(stack) -> list[int]:
+    """The stack's processes started by multiprocessing's spawn (a tensor-parallel stack's
+    worker ranks; not the resource tracker)."""
+    return [
+        pid
+        for pid in stack.descendants()
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
 
 
 def test_concurrent_requests_with_disconnects_all_end_and_nothing_leaks(tp_stack, nothing_held):
@@ -61,7 +55,7 @@ def test_concurrent_requests_with_disconnects_all_end_and_nothing_leaks(tp_stack
 def test_a_killed_worker_rank_fails_requests_fast_and_serving_resumes(tp_stack, nothing_held):
     assert _wait_ready(tp_stack, True, 120)
     scheduler = tp_stack.pid_of("scheduler")
-    (worker,) = _spawned_children(scheduler)  # rank 1, spawned by the scheduler stage
+    (worker,) = _spawned(tp_stack)  # rank 1, spawned by the scheduler stage
     body = {**STREAM, "max_tokens": 1900}
 
     async def scenario() -> list[str]:

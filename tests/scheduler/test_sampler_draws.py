@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tokenline.protocol import SamplingParams
-from tokenline.scheduler.sampler import sample_with_logprobs
+from tokenline.scheduler.sampler import plain_sampling, sample_with_logprobs
 from tokenline.scheduler.sequence import Sequence
 
 DRAWS = 20_000
@@ -22,8 +22,10 @@ LOGITS = [-math.inf, 2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5]  # token 0 can never b
 
 def draw(logits: list[float], count: int = DRAWS, **params) -> torch.Tensor:
     sampling = SamplingParams(max_tokens=8, **params)
+    plain = plain_sampling(sampling)  # as the engine sets it
     seqs = [
-        Sequence(uid=f"r{i}", prompt_ids=[1], sampling=sampling, max_tokens=8) for i in range(count)
+        Sequence(uid=f"r{i}", prompt_ids=[1], sampling=sampling, max_tokens=8, plain_sampling=plain)
+        for i in range(count)
     ]
     if sampling.seed is not None:
         for seq in seqs:
@@ -112,3 +114,39 @@ def test_a_row_with_every_token_banned_still_gets_an_id_inside_the_vocabulary():
     counts = draw([0.0, 5.0, 1.0], count=16, min_tokens=4, stop_token_ids=[0, 1, 2])
     assert counts.sum() == 16  # bincount would have grown past 3 for an id out of range
     assert len(counts) == 3
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"temperature": 0.7},
+        {"temperature": 0.0},
+        {"top_p": 0.9},
+        {"top_k": 5},
+        {"min_p": 0.1},
+        {"seed": 3},
+        {"min_tokens": 2},
+        {"repetition_penalty": 1.1},
+        {"frequency_penalty": 0.5},
+        {"presence_penalty": -0.5},
+        {"logit_bias": {3: 5.0}},
+    ],
+)
+def test_any_sampling_field_off_its_default_takes_the_full_path(field):
+    assert plain_sampling(SamplingParams(max_tokens=8))
+    assert not plain_sampling(SamplingParams(max_tokens=8, **field))
+
+
+def test_the_shortcut_for_default_rows_draws_what_the_full_path_draws():
+    sampling = SamplingParams(max_tokens=8)
+    logits = torch.randn(64, 50)
+
+    def tokens(plain: bool) -> list[int]:
+        seqs = [
+            Sequence(f"r{i}", [1], sampling, 8, plain_sampling=plain) for i in range(len(logits))
+        ]
+        torch.manual_seed(7)
+        return sample_with_logprobs(logits.clone(), seqs, eos_ids=[])[0]
+
+    assert tokens(True) == tokens(False)
+    assert len(set(tokens(True))) > 10  # a draw, not one token repeated

@@ -20,7 +20,7 @@ from tokenline.scheduler.lora.options import LoraOptions, lora_slots
 from tokenline.scheduler.lora.slots import LoraSlots
 from tokenline.scheduler.policy import BatchPolicy, Chunk, StepOutput
 from tokenline.scheduler.runner import ModelRunner
-from tokenline.scheduler.sampler import sample_with_logprobs
+from tokenline.scheduler.sampler import plain_sampling, sample_with_logprobs
 from tokenline.scheduler.sequence import Sequence
 from tokenline.scheduler.step_times import StepTimes, lap
 from tokenline.settings import BY_FLAG
@@ -176,6 +176,7 @@ class Engine:
             deadline=time.monotonic() + timeout_s,
             arrival=time.monotonic() if arrival is None else arrival,
             lora=lora,
+            plain_sampling=plain_sampling(sampling),
         )
         if sampling.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # the first token has nothing before it
@@ -338,7 +339,10 @@ class Engine:
             read_only=read_only,
             prompt_logprobs=scored,
         )
-        logprob_of = dict(zip(map(id, sampling_seqs), logprobs, strict=True))
+        # only rows that asked carry logprobs: most steps have none to look up
+        logprob_of = {
+            id(s): lp for s, lp in zip(sampling_seqs, logprobs, strict=True) if lp is not None
+        }
         now = time.monotonic()
         for update in self.policy.update_from_output(step):
             seq = update.seq
@@ -351,9 +355,10 @@ class Engine:
                     out.error_code = "grammar_error"
             else:
                 out = TokenOutput(uid=seq.uid, token_ids=token_ids)
-            logprob = logprob_of.get(id(seq)) if update.token is not None else None
-            if logprob is not None:
-                out.logprobs = [logprob]
+            if logprob_of and update.token is not None:
+                logprob = logprob_of.get(id(seq))
+                if logprob is not None:
+                    out.logprobs = [logprob]
             if update.first:  # what a uid's first output carries
                 out.queue_s = (seq.first_scheduled or now) - seq.arrival
                 out.cached_tokens = seq.cached_tokens or 0

@@ -36,7 +36,7 @@ from tokenline.scheduler.lora.slots import LoraSlots
 from tokenline.scheduler.sequence import Sequence, Status
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     seq: Sequence
     start: int  # first token position fed this step
@@ -60,7 +60,7 @@ class StepOutput:
     prompt_logprobs: list[tuple[Sequence, list]] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceUpdate:
     """What changed for one sequence in a step, as the engine reports it."""
 

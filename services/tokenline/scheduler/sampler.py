@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenline.protocol import TokenLogprobs
+from tokenline.protocol import SamplingParams, TokenLogprobs
 from tokenline.scheduler.sequence import Sequence
 from tokenline.scheduler.step_inputs import float_tensor, long_tensor
 
@@ -15,6 +15,28 @@ _LARGEST_UNDER_ONE = 1 - 2**-24  # in float32
 _GREEDY_BELOW = 1e-5
 # reduce_logprobs' result: (chosen [rows], top values [rows, n], top ids [rows, n])
 Reduced = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# every field `_sample` reads from a row's SamplingParams (stop_token_ids and ignore_eos only
+# matter with min_tokens): a row with all of them at their defaults needs only the draw
+_SAMPLER_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "min_tokens",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+)
+_DEFAULTS = SamplingParams()
+
+
+def plain_sampling(sampling: SamplingParams) -> bool:
+    """True when every field the sampler reads has its default (temperature 1, no top-k,
+    top-p or min-p, no penalties, bias, min_tokens or seed): the row is drawn from the softmax
+    of its logits as they are. Set on a `Sequence` when it is made."""
+    return all(getattr(sampling, f) == getattr(_DEFAULTS, f) for f in _SAMPLER_FIELDS)
 
 
 def _apply_penalties(logits: torch.Tensor, row: int, seq: Sequence) -> None:
@@ -109,6 +131,9 @@ def _sample(
     eos_ids: list[int],
     allowed: tuple[list[int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    # the common case, every row at the defaults: one pass over the rows instead of ten
+    if allowed is None and all(seq.plain_sampling for seq in seqs):
+        return _draw(torch.softmax(logits, dim=-1), seqs)
     for row, seq in enumerate(seqs):
         s = seq.sampling
         if s.logit_bias:
@@ -133,10 +158,13 @@ def _sample(
         return tokens
 
     device = logits.device
-    # a tensor even when every row shares one temperature: a GPU multiplies by the inverse of
-    # a plain number, and a seeded row's bits must not depend on what shares its batch
-    temps = float_tensor([t if t >= _GREEDY_BELOW else 1.0 for t in temperatures]).to(device)
-    logits = logits / temps.unsqueeze(1)
+    # x / 1 is x exactly, so the common case of every row at temperature 1 needs no division
+    # (nor a copy of the logits). Otherwise a tensor even when every row shares one
+    # temperature: a GPU multiplies by the inverse of a plain number, and a seeded row's bits
+    # must not depend on what shares its batch.
+    if any(t != 1.0 for t in temperatures):
+        temps = float_tensor([t if t >= _GREEDY_BELOW else 1.0 for t in temperatures])
+        logits = logits / temps.to(device).unsqueeze(1)
     top_k = [s.sampling.top_k for s in seqs]
     top_p = [s.sampling.top_p for s in seqs]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):

@@ -16,7 +16,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     uid: str
     prompt_ids: list[int]
@@ -44,6 +44,8 @@ class Sequence:
     # slot its adapter sits in (-1: none; the runner reads this per token row)
     lora: str = ""
     lora_slot: int = -1
+    # sampler.plain_sampling(sampling), worked out once: the sampler's shortcut for the defaults
+    plain_sampling: bool = False
 
     @property
     def scores_prompt(self) -> bool:

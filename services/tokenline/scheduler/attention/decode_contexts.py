@@ -59,8 +59,16 @@ def decode_masks(
     mask = torch.zeros(len(lens), length, dtype=dtype).masked_fill_(columns >= held, -torch.inf)
     window_mask = None
     if window is not None and length > window:
-        window_mask = mask.masked_fill(columns < held - window, -torch.inf)[:, None, None, :]
+        window_mask = hide_before_window(mask, lens, window)
     return mask[:, None, None, :], window_mask
+
+
+def hide_before_window(mask: torch.Tensor, lens: list[int], window: int) -> torch.Tensor:
+    """``mask`` ([rows, length], additive) with -inf also before each row's sliding window,
+    as ``[rows, 1, 1, length]``."""
+    columns = torch.arange(mask.shape[1]).unsqueeze(0)
+    held = long_tensor(lens).unsqueeze(1)
+    return mask.masked_fill(columns < held - window, -torch.inf)[:, None, None, :]
 
 
 class DecodeContexts:
@@ -124,7 +132,7 @@ class DecodeContexts:
             mask = self._mask[:num_rows, None, None, :longest]
         window_mask = None
         if window is not None and longest > window:
-            window_mask = decode_masks(lens, longest, window, self.dtype)[1]
+            window_mask = hide_before_window(self._mask[:num_rows, :longest], lens, window)
         order = None
         if rows != list(range(num_rows)):  # attention runs in row order
             by_row = [0] * num_rows

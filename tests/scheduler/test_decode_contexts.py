@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenline.scheduler.attention.decode_contexts import MIN_CAPACITY, DecodeContexts
+from tokenline.scheduler.attention.decode_contexts import (
+    MIN_CAPACITY,
+    ZEROED_COLUMNS,
+    DecodeContexts,
+)
 
 LAYERS, KV_WIDTH, HEAD_DIM = 2, 4, 3
 
@@ -204,3 +208,30 @@ def test_columns_given_back_by_a_cut_are_zeroed_again_when_the_rows_grow_back():
     assert runner.contexts.buffer.shape[3] == MIN_CAPACITY
     lens = {"u1": 7, "u2": 4, "u3": 200}  # a long one joins: capacity grows back
     runner.assert_holds(runner.step(lens), lens)
+
+
+def test_steady_decoding_across_growths_reads_only_defined_columns():
+    """The same rows one token on each step (no rearrangement) while the longest context
+    doubles the capacity twice: every column attention reads is K/V or zero."""
+    runner = FakeRunner()
+    lens = {"u0": 5, "u1": MIN_CAPACITY - 20, "u2": 1}
+    for _ in range(3 * MIN_CAPACITY):
+        runner.assert_holds(runner.step(lens), lens)
+        lens = {uid: n + 1 for uid, n in lens.items()}
+    assert runner.contexts.buffer.shape[3] == 4 * MIN_CAPACITY
+
+
+def test_a_growth_writes_the_columns_in_use_not_the_new_capacity():
+    """Doubling the capacity copies what the rows hold and zeroes only the next few columns
+    attention reads; the rest of the new capacity is left for later steps to make finite
+    (under this file's fixture, untouched memory is NaN)."""
+    runner = FakeRunner()
+    lens = {"u0": MIN_CAPACITY - 1, "u1": 3}
+    runner.step(lens)
+    lens = {"u0": MIN_CAPACITY, "u1": 4}
+    runner.assert_holds(runner.step(lens), lens)
+    buffer = runner.contexts.buffer
+    assert buffer.shape[3] == 2 * MIN_CAPACITY
+    zeroed = MIN_CAPACITY + ZEROED_COLUMNS
+    assert bool(buffer[:, :2, :, :zeroed].isfinite().all())
+    assert bool(buffer[:, :2, :, zeroed:].isnan().all())

@@ -30,6 +30,9 @@ from tokenline.scheduler.step_inputs import long_tensor
 
 MIN_CAPACITY = 64  # tokens per row; capacity doubles when a context outgrows it, and halves
 # back to twice the longest context when that falls to a quarter of it
+ZEROED_COLUMNS = 16  # columns made finite at a time as the longest context reaches them: 16
+# fp32 columns of a 64-wide head are one 4 KiB page, so each page is first touched by the
+# step that needs it, not all at once when the capacity doubles
 
 
 @dataclass
@@ -81,9 +84,12 @@ class DecodeContexts:
         self._mask = torch.empty(0, 0, dtype=dtype)
         # Attention reads a row's masked columns too, where a weight of 0 times NaN would
         # poison the whole row: rows below _finite_rows hold K/V, zeros or a former row's
-        # K/V in every column. The buffer is taken uninitialised (see _reserve), so a row
-        # past them is zeroed when first taken: once per row per buffer, never per step.
+        # K/V in every column below _finite_columns. The buffer is taken uninitialised (see
+        # _reserve), so a row past them is zeroed when first taken (once per row per
+        # buffer), and columns are zeroed ZEROED_COLUMNS at a time as attention comes to
+        # read them (once per column per buffer): never the whole buffer in one step.
         self._finite_rows = 0
+        self._finite_columns = 0
         self._row_of: dict[str, int] = {}
         self._uids: list[str] = []  # by row
         self._lens: list[int] = []  # tokens held, by row
@@ -98,6 +104,7 @@ class DecodeContexts:
         self.buffer = torch.empty(num_layers, 0, kv_width, 0, head_dim, dtype=self.dtype)
         self._mask = torch.empty(0, 0, dtype=self.dtype)
         self._finite_rows = 0
+        self._finite_columns = 0
         self._row_of.clear()
         self._uids.clear()
         self._lens.clear()
@@ -121,6 +128,7 @@ class DecodeContexts:
             self._rearrange(uids, starts, fill)
         else:  # the same sequences, one token on: only capacity may need to grow
             self._reserve(len(uids), longest)
+            self._make_finite(longest)
         rows = [row_of[uid] for uid in uids]
         for row in rows:
             lens[row] += 1
@@ -159,7 +167,9 @@ class DecodeContexts:
             uid = self._uids[row]
             if wanted.get(uid) != self._lens[row]:  # not decoding now, or out of step
                 self._drop(row)
-        self._reserve(len(uids), max(starts) + 1)  # before the new rows are filled
+        longest = max(starts) + 1
+        self._reserve(len(uids), longest)  # before the new rows are filled
+        self._make_finite(longest)
         for i, (uid, start) in enumerate(zip(uids, starts, strict=True)):
             if uid not in self._row_of:
                 row = len(self._uids)
@@ -169,7 +179,7 @@ class DecodeContexts:
                 self._mask[row, :start] = 0
                 self._mask[row, start:] = -torch.inf
                 if row >= self._finite_rows:  # rows are taken in order: row == _finite_rows
-                    self.buffer[:, row] = 0
+                    self.buffer[:, row, :, : self._finite_columns] = 0
                     self._finite_rows = row + 1
                 if start:
                     self.buffer[:, row, :, :start] = fill(i, start).transpose(1, 2)
@@ -197,20 +207,31 @@ class DecodeContexts:
         new_capacity = _resize(capacity, length, floor=MIN_CAPACITY)
         if new_rows == have_rows and new_capacity == capacity:
             return
-        # Uninitialised: only the rows in use are written (their K/V copied, new columns
-        # zeroed; see _finite_rows). Zeroing the whole buffer made a growth fault in and write
-        # every page of it, seconds at hundreds of rows (benchmarks/README.md).
+        # Uninitialised: only the rows in use are copied, and only as far as they are finite;
+        # the new columns are zeroed later, as attention reaches them (_make_finite). Zeroing
+        # the whole buffer made a growth fault in and write every page of it, seconds at
+        # hundreds of rows, and zeroing the new columns of the rows in use was still about
+        # half of a growth (benchmarks/README.md).
         resized = torch.empty(
             num_layers, new_rows, kv_width, new_capacity, head_dim, dtype=self.dtype
         )
-        used, kept = len(self._uids), min(capacity, new_capacity)
+        used, kept = len(self._uids), min(self._finite_columns, new_capacity)
         resized[:, :used, :, :kept] = self.buffer[:, :used, :, :kept]
-        resized[:, :used, :, kept:] = 0
         self.buffer = resized
         self._finite_rows = used
+        self._finite_columns = kept
         mask = torch.full((new_rows, new_capacity), -torch.inf, dtype=self.dtype)
         mask[:used, :kept] = self._mask[:used, :kept]
         self._mask = mask
+
+    def _make_finite(self, length: int) -> None:
+        """Every row taken from this buffer finite in its first ``length`` columns."""
+        if length <= self._finite_columns:
+            return
+        start, capacity = self._finite_columns, self.buffer.shape[3]
+        end = min(capacity, -(-length // ZEROED_COLUMNS) * ZEROED_COLUMNS)
+        self.buffer[:, : self._finite_rows, :, start:end] = 0
+        self._finite_columns = end
 
 
 def _resize(have: int, need: int, floor: int) -> int:

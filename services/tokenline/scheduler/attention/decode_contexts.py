@@ -128,7 +128,6 @@ class DecodeContexts:
             self._rearrange(uids, starts, fill)
         else:  # the same sequences, one token on: only capacity may need to grow
             self._reserve(len(uids), longest)
-            self._make_finite(longest)
         rows = [row_of[uid] for uid in uids]
         for row in rows:
             lens[row] += 1
@@ -167,9 +166,7 @@ class DecodeContexts:
             uid = self._uids[row]
             if wanted.get(uid) != self._lens[row]:  # not decoding now, or out of step
                 self._drop(row)
-        longest = max(starts) + 1
-        self._reserve(len(uids), longest)  # before the new rows are filled
-        self._make_finite(longest)
+        self._reserve(len(uids), max(starts) + 1)  # before the new rows are filled
         for i, (uid, start) in enumerate(zip(uids, starts, strict=True)):
             if uid not in self._row_of:
                 row = len(self._uids)
@@ -198,15 +195,20 @@ class DecodeContexts:
         self._lens.pop()
 
     def _reserve(self, rows: int, length: int) -> None:
-        """Room for ``rows`` rows of ``length`` tokens. Each dimension doubles when outgrown
-        and halves back to twice the need when the need falls to a quarter of it, so memory
-        follows the load down while busy and a load that wavers around a size does not
-        reallocate every step (it must double or quarter again first)."""
-        num_layers, have_rows, kv_width, capacity, head_dim = self.buffer.shape
+        """Room for ``rows`` rows of ``length`` tokens, finite as far as attention reads.
+        Each dimension doubles when outgrown and halves back to twice the need when the need
+        falls to a quarter of it, so memory follows the load down while busy and a load that
+        wavers around a size does not reallocate every step (it must double or quarter again
+        first)."""
+        _, have_rows, _, capacity, _ = self.buffer.shape
         new_rows = _resize(have_rows, rows, floor=1)
         new_capacity = _resize(capacity, length, floor=MIN_CAPACITY)
-        if new_rows == have_rows and new_capacity == capacity:
-            return
+        if new_rows != have_rows or new_capacity != capacity:
+            self._reallocate(new_rows, new_capacity)
+        self._make_finite(length)
+
+    def _reallocate(self, new_rows: int, new_capacity: int) -> None:
+        num_layers, _, kv_width, _, head_dim = self.buffer.shape
         # Uninitialised: only the rows in use are copied, and only as far as they are finite;
         # the new columns are zeroed later, as attention reaches them (_make_finite). Zeroing
         # the whole buffer made a growth fault in and write every page of it, seconds at

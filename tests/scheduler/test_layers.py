@@ -1,8 +1,8 @@
-"""The runner's layer pieces give the bits of transformers' own modules.
+"""The shared layers give the bits of transformers' own modules.
 
-They replace module calls with fewer kernels (fused RMSNorm, rotary embeddings without
-slices, residuals inside ``addmm``, column-major weights); each is checked here against the
-module it stands in for, on small random models of every supported family.
+They replace module calls with fewer kernels (fused RMSNorm, rotary embeddings without slices,
+residuals inside ``addmm``, fused projections in column-major storage); each is checked here
+against the module it stands in for, on small random models of every native family.
 """
 
 from __future__ import annotations
@@ -13,9 +13,14 @@ import transformers
 from scheduler_testkit import COMMON, FAMILIES
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from tokenline.scheduler.layers import Rotary, column_major, prepare_layer, rms_norm, rotate
+from tokenline.scheduler.layers.embedding import VocabEmbedding
+from tokenline.scheduler.layers.linear import ColumnLinear, QKVLinear, RowLinear
+from tokenline.scheduler.layers.norm import GemmaRMSNorm, RMSNorm
+from tokenline.scheduler.layers.placement import Placement
+from tokenline.scheduler.layers.rotary import Rotary, rotate
 
 SMALL = {**COMMON, "num_hidden_layers": 1, "max_position_embeddings": 512}
+CPU = torch.device("cpu")
 
 
 def _model(family: str, **extra) -> torch.nn.Module:
@@ -29,38 +34,60 @@ def _model(family: str, **extra) -> torch.nn.Module:
     return model
 
 
+def _gemma3(**extra) -> torch.nn.Module:
+    config = transformers.Gemma3TextConfig(
+        **{**SMALL, "head_dim": 16, "num_hidden_layers": 2, **extra},
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.5)
+    return model
+
+
+def _norm_like(module: torch.nn.Module, kind: type[RMSNorm], dtype) -> RMSNorm:
+    eps = getattr(module, "variance_epsilon", None) or module.eps
+    norm = kind(module.weight.shape[0], eps, Placement(CPU, dtype))
+    norm.load_weight("weight", None, module.weight.detach())
+    return norm
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_gives_the_modules_bits(family, dtype):
     model = _model(family).to(dtype)
     attn = model.model.layers[0].self_attn
-    norms = [model.model.norm, model.model.layers[0].input_layernorm]
-    norms += [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else []
-    for module in norms:
-        norm = rms_norm(module)
-        assert norm is not module, f"{type(module).__name__} is not replaced"
+    modules = [model.model.norm, model.model.layers[0].input_layernorm]
+    modules += [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else []
+    for module in modules:
+        norm = _norm_like(module, RMSNorm, dtype)
         for rows in (1, 16, 300):
             x = (torch.randn(rows, module.weight.shape[0]) * 3).to(dtype)
             with torch.inference_mode():
                 assert torch.equal(norm(x), module(x))
 
 
-def test_rms_norm_calls_modules_of_other_kinds():
-    layer_norm = torch.nn.LayerNorm(8)
-    assert rms_norm(layer_norm) is layer_norm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_norm_gives_the_modules_bits(dtype):
+    """Gemma's weight is an offset from one, applied in float32 before rounding."""
+    model = _gemma3().to(dtype)
+    layer = model.model.layers[0]
+    for module in (model.model.norm, layer.pre_feedforward_layernorm, layer.self_attn.q_norm):
+        norm = _norm_like(module, GemmaRMSNorm, dtype)
+        x = (torch.randn(16, module.weight.shape[0]) * 3).to(dtype)
+        with torch.inference_mode():
+            assert torch.equal(norm(x), module(x))
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_rotation_gives_transformers_bits(family):
-    model = _model(family)
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // 4
-    rotary = Rotary(model.model.rotary_emb, torch.float32, torch.device("cpu"))
-    positions = torch.tensor([0, 1, 7, 255, 256, 300, 511])  # past the table's first size
+def _rotation_matches(module, positions, head_dim, layer_type=None) -> None:
+    rotary = Rotary(module, torch.float32, CPU, layer_type)
     q = torch.randn(len(positions), 4, head_dim)
     k = torch.randn(len(positions), 2, head_dim)
     with torch.inference_mode():
-        cos, sin = model.model.rotary_emb(q, positions.unsqueeze(0))
+        args = (q, positions.unsqueeze(0)) + ((layer_type,) if layer_type else ())
+        cos, sin = module(*args)
         want_q, want_k = apply_rotary_pos_emb(
             q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), cos, sin
         )
@@ -70,6 +97,28 @@ def test_rotation_gives_transformers_bits(family):
     assert torch.equal(got_k, want_k[0].transpose(0, 1))
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_rotation_gives_transformers_bits(family):
+    model = _model(family)
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // 4
+    positions = torch.tensor([0, 1, 7, 255, 256, 300, 511])  # past the table's first size
+    _rotation_matches(model.model.rotary_emb, positions, head_dim)
+
+
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
+def test_gemma3_rotation_of_each_layer_type_gives_transformers_bits(layer_type):
+    """Gemma 3's sliding layers rotate with base 10k, its full layers with base 1M scaled
+    linearly: one table per layer type."""
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+    }
+    model = _gemma3(rope_parameters=rope)
+    positions = torch.tensor([0, 3, 9, 300])
+    _rotation_matches(model.model.rotary_emb, positions, 16, layer_type)
+
+
 def test_dynamic_rotary_is_computed_for_each_step():
     """Dynamic NTK scaling changes the frequencies with the step's longest position, so no
     table of positions can stand for it."""
@@ -77,7 +126,7 @@ def test_dynamic_rotary_is_computed_for_each_step():
     model = _model("llama", rope_parameters=rope)
     model.config.max_position_embeddings = 64  # scaling starts past 64 positions
     model.model.rotary_emb.original_max_seq_len = 64
-    rotary = Rotary(model.model.rotary_emb, torch.float32, torch.device("cpu"))
+    rotary = Rotary(model.model.rotary_emb, torch.float32, CPU)
     x = torch.randn(3, 4, 16)
     for positions in (torch.tensor([1, 2, 3]), torch.tensor([1, 2, 200])):
         with torch.inference_mode():
@@ -90,45 +139,43 @@ def test_dynamic_rotary_is_computed_for_each_step():
     assert rotary._table.shape[0] == 0  # nothing was tabulated
 
 
-def test_a_rotary_type_per_layer_type_is_computed_for_each_step():
-    model = _model("llama")
-    model.model.rotary_emb.rope_type = {"full_attention": "default"}
-    rotary = Rotary(model.model.rotary_emb, torch.float32, torch.device("cpu"))
-    positions = torch.tensor([3, 9])
-    cos, _ = rotary.at(positions, 9)
-    want_cos, _ = model.model.rotary_emb(torch.empty(0), positions.unsqueeze(0))
-    assert torch.equal(cos[:, 0], want_cos[0])
-    assert rotary._table.shape[0] == 0
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("transposed", [False, True])
-def test_prepared_layer_gives_the_modules_results(family, transposed):
+def test_fused_projections_give_the_modules_results(family):
+    """q/k/v and gate/up load into one weight each, stored column-major on CPU (MKL's fast
+    layout for few rows); o and down add the residual in the same kernel."""
     model = _model(family)
-    layer = model.model.layers[0]
-    x = torch.randn(16, model.config.hidden_size)
-    attn_out = torch.randn(16, layer.self_attn.o_proj.in_features)
+    layer, config = model.model.layers[0], model.config
+    attn, mlp = layer.self_attn, layer.mlp
+    place = Placement(CPU, torch.float32)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // 4
+    qkv = QKVLinear(config.hidden_size, 4, 2, head_dim, attn.q_proj.bias is not None, place)
+    for shard, linear in zip("qkv", (attn.q_proj, attn.k_proj, attn.v_proj), strict=True):
+        qkv.load_weight("weight", shard, linear.weight.detach())
+        if linear.bias is not None:
+            qkv.load_weight("bias", shard, linear.bias.detach())
+    inter = config.intermediate_size
+    gate_up = ColumnLinear(config.hidden_size, [inter, inter], False, place, "MLP width")
+    gate_up.load_weight("weight", 0, mlp.gate_proj.weight.detach())
+    gate_up.load_weight("weight", 1, mlp.up_proj.weight.detach())
+    o = RowLinear(attn.o_proj.in_features, config.hidden_size, False, place, "heads")
+    o.load_weight("weight", None, attn.o_proj.weight.detach())
+    x = torch.randn(16, config.hidden_size)
+    attn_out = torch.randn(16, attn.o_proj.in_features)
     with torch.inference_mode():
-        want_attn = x + layer.self_attn.o_proj(attn_out)
-        want_mlp = want_attn + layer.mlp(layer.post_attention_layernorm(want_attn))
-        attn = layer.self_attn
         want_qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
-        prepared = prepare_layer(layer, transposed)
-        got_attn = prepared.attention_residual(x, attn_out)
-        got_mlp = prepared.mlp_residual(got_attn)
-        got_qkv = torch.nn.functional.linear(x, *prepared.qkv)
-    torch.testing.assert_close(got_attn, want_attn, rtol=0, atol=1e-5)
-    torch.testing.assert_close(got_mlp, want_mlp, rtol=0, atol=1e-5)
-    torch.testing.assert_close(got_qkv, want_qkv, rtol=0, atol=1e-5)
-    # the modules are views into the fused weights: nothing is held twice
-    weight = prepared.qkv[0]
-    assert attn.q_proj.weight.data_ptr() == weight.data_ptr()
-    for linear in (attn.q_proj, attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj):
-        assert (linear.weight.stride(0) == 1) is transposed  # column-major storage
+        want_gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
+        torch.testing.assert_close(qkv(x), want_qkv, rtol=0, atol=1e-5)
+        torch.testing.assert_close(gate_up(x), want_gate_up, rtol=0, atol=1e-5)
+        torch.testing.assert_close(o(attn_out, x), x + attn.o_proj(attn_out), rtol=0, atol=1e-5)
+    for linear in (qkv, gate_up, o):
+        assert linear.weight.stride(0) == 1  # column-major storage
 
 
-def test_column_major_keeps_shape_and_values():
-    weight = torch.randn(5, 3)
-    stored = column_major(weight)
-    assert stored.shape == (5, 3) and stored.stride() == (1, 5)
-    assert torch.equal(stored, weight)
+def test_gemma_embedding_scale_is_rounded_as_the_modules():
+    model = _gemma3().to(torch.bfloat16)
+    module = model.model.embed_tokens
+    embedding = VocabEmbedding(300, 64, Placement(CPU, torch.bfloat16), 64**0.5)
+    embedding.load_weight("weight", None, module.weight.detach())
+    ids = torch.tensor([0, 5, 299])
+    with torch.inference_mode():
+        assert torch.equal(embedding(ids), module(ids))

@@ -107,9 +107,9 @@ def test_tp2_matches_tp1_tokens_and_logits(source, driver, encode, eos_ids):
     assert runner.num_kv_heads == max(1, single.runner.num_kv_heads // 2)
     # the shard was loaded as a shard: half the rows of q and of the MLP, half the vocabulary
     mine, whole = runner.model.model.layers[0], single.runner.model.model.layers[0]
-    assert mine.self_attn.q_proj.weight.numel() * 2 == whole.self_attn.q_proj.weight.numel()
+    assert mine.self_attn.o_proj.weight.numel() * 2 == whole.self_attn.o_proj.weight.numel()
     assert mine.mlp.down_proj.weight.numel() * 2 == whole.mlp.down_proj.weight.numel()
-    assert runner.model.lm_head.weight.shape[0] == -(-vocab // 2)
+    assert runner.model.model.embed_tokens.weight.shape[0] == -(-vocab // 2)
     got, logits = _run(engine, prompts)
     assert got.tokens == expected.tokens
     assert len(logits) == len(expected_logits)
@@ -223,6 +223,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _place(rank: int, world: int):
+    from types import SimpleNamespace
+
+    from tokenline.scheduler.layers.placement import Placement
+
+    rank_of = SimpleNamespace(rank=rank, world_size=world, is_driver=rank == 0)
+    return Placement(torch.device("cpu"), torch.float32, rank_of)
+
+
 @pytest.mark.parametrize(
     ("world", "kv_heads", "starts"),
     [(2, 2, [0, 1]), (4, 2, [0, 0, 1, 1]), (2, 1, [0, 0]), (4, 8, [0, 2, 4, 6])],
@@ -230,23 +239,31 @@ def _alive(pid: int) -> bool:
 def test_each_rank_reads_the_kv_heads_its_query_heads_need(world, kv_heads, starts):
     """With fewer KV heads than ranks, rank r's query heads (r * H/N ...) belong to KV head
     r // (N / KV) in GQA's grouping, and that is the head it holds."""
-    from tokenline.scheduler.parallel.shard import ShardPlan
+    from tokenline.scheduler.layers.embedding import VocabEmbedding
+    from tokenline.scheduler.layers.linear import QKVLinear
 
-    plans = [ShardPlan(r, world, 8, kv_heads, 16, 64, 301) for r in range(world)]
-    assert [p.kv_head_start for p in plans] == starts
-    for plan in plans:  # query head q reads KV head q // (8 / kv_heads)
-        first_query = plan.rank * plan.local_heads
+    ranks = [QKVLinear(64, 8, kv_heads, 16, False, _place(r, world)) for r in range(world)]
+    assert [qkv.kv_start for qkv in ranks] == starts
+    for rank, qkv in enumerate(ranks):  # query head q reads KV head q // (8 / kv_heads)
+        first_query = rank * qkv.num_heads
         assert first_query // (8 // kv_heads) in range(
-            plan.kv_head_start, plan.kv_head_start + plan.local_kv_heads
+            qkv.kv_start, qkv.kv_start + qkv.num_kv_heads
         )
-    assert sum(p.rows("embed_tokens", 301).stop - p.rows("embed_tokens", 301).start
-               for p in plans) == 301  # fmt: skip
+    embeddings = [VocabEmbedding(301, 8, _place(r, world)) for r in range(world)]
+    assert sum(min(e.local, 301 - e.start) for e in embeddings) == 301
 
 
 def test_sizes_the_ranks_cannot_split_are_refused():
-    from tokenline.scheduler.parallel.shard import ShardPlan
+    from tokenline.scheduler.layers.linear import QKVLinear
+    from tokenline.scheduler.layers.mlp import GatedMLP
+    from tokenline.scheduler.layers.moe import Experts
+    from tokenline.scheduler.layers.placement import ModelRefused
 
-    with pytest.raises(ValueError, match="3 attention heads"):
-        ShardPlan(0, 2, 3, 3, 16, 64, 300)
-    with pytest.raises(ValueError, match="KV heads"):
-        ShardPlan(0, 4, 12, 3, 16, 64, 300)
+    with pytest.raises(ModelRefused, match=r"attention heads \(3\)"):
+        QKVLinear(64, 3, 3, 16, False, _place(0, 2))
+    with pytest.raises(ModelRefused, match="3 KV heads"):
+        QKVLinear(64, 12, 3, 16, False, _place(0, 4))
+    with pytest.raises(ModelRefused, match=r"MLP width \(66\)"):
+        GatedMLP(64, 66, "silu", _place(0, 4))
+    with pytest.raises(ModelRefused, match=r"experts' intermediate size \(30\)"):
+        Experts(8, 64, 30, "silu", _place(0, 4))

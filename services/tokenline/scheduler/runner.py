@@ -1,16 +1,13 @@
-"""The model runner: owns the weights, the paged KV cache and the forward pass.
+"""The model runner: owns the model, the paged KV cache and the step's forward pass.
 
-Weights and layer modules come from transformers (``AutoModelForCausalLM.from_pretrained``), so
-any Llama / Qwen2 / Qwen3 / Mistral style decoder loads as is. The forward is ours: it walks the
-model's own modules over a flat batch of tokens from many sequences; each layer's attention is
-the attention backend's (``attention/``), chosen once here at start: it writes the layer's keys
-and values into a preallocated pool of fixed-size blocks and attends over each sequence's
-context. The runner keeps loading, KV pool sizing and the layer loop. ``step_inputs.py`` turns
-a step's chunks into a flat batch; ``layers.py`` holds what a layer does around attention
-(norms, rotary, projections, MLP), with the weights laid out for the device. Layers with a
-sliding window (Mistral v0.1, Qwen2/Qwen3 with ``use_sliding_window``) make the same calls with
-the window added to their masks; their K/V stays in the pool for the whole context (blocks
-that fell out of every window are not given back early).
+The model is a family's own module (``models/``: the native ones, or transformers' modules with
+tokenline's attention for the rest), chosen and loaded once at start; the runner never reaches
+into a layer. It sizes the KV pool from the model's attention geometry, chooses the attention
+backend (``attention/``) that every layer calls, and runs a step: ``prepare`` turns the step's
+chunks into a flat batch of token rows and the backend's metadata (``step_inputs.py``), and
+``execute`` runs the model over them and returns the logits of the rows that sample. Layers with
+a sliding window keep their K/V in the pool for the whole context (blocks that fell out of every
+window are not given back early).
 
 LoRA (``enable_lora``): the runner holds every device slot's adapter weights stacked per
 layer (lora/apply.py) and reads one thing per step, the slot of each sequence; a step in which
@@ -25,23 +22,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from tokenline.model_source import ModelSource
-from tokenline.scheduler import attention
-from tokenline.scheduler.attention import AttentionLayer, AttentionShape
+from tokenline.scheduler import attention, models
+from tokenline.scheduler.attention import AttentionShape
 from tokenline.scheduler.attention.decode_contexts import DecodeContexts
-from tokenline.scheduler.layers import (
-    DecoderLayer,
-    Rotary,
-    fits_layer_tail,
-    layer_tail,
-    prepare_layer,
-    rms_norm,
-    rotate,
-)
+from tokenline.scheduler.layers.context import ForwardContext
+from tokenline.scheduler.layers.placement import ModelRefused, Placement
 from tokenline.scheduler.lora.adapters import ModelShape
-from tokenline.scheduler.lora.apply import LayerDelta, LoraStep, LoraWeights
+from tokenline.scheduler.lora.apply import LoraStep, LoraWeights
 from tokenline.scheduler.policy import Chunk
 from tokenline.scheduler.step_inputs import StepBatch, build_step_batch
 
@@ -55,8 +44,6 @@ class PreparedStep:
     chunks: list[Chunk]
     step: StepBatch
     metadata: object  # the attention backend's, for every layer
-    cos: torch.Tensor  # [T, 1, D]: rotary tables at the step's positions
-    sin: torch.Tensor
     lora: LoraStep | None = None  # each row's adapter slot; None: no row uses an adapter
 
 
@@ -72,16 +59,6 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
-def _layer_window(attention: torch.nn.Module, config) -> int | None:
-    """The layer's sliding attention window as its transformers module applies it; None: the
-    layer attends to the whole context."""
-    if hasattr(attention, "sliding_window"):  # Qwen2, Qwen3: set per layer type
-        return attention.sliding_window or None
-    if getattr(config, "model_type", None) == "mistral":  # every layer, from the config
-        return getattr(config, "sliding_window", None) or None
-    return None
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -95,6 +72,7 @@ class ModelRunner:
         dense_decode: bool = True,
         compile_layers: bool = False,
         attention_backend: str = "auto",
+        model_impl: str = "auto",
     ) -> None:
         self.device = pick_device(device)
         if self.device.type == "cpu":
@@ -102,15 +80,21 @@ class ModelRunner:
             # against them cost more than they bring (see benchmarks/README.md).
             torch.set_num_threads(torch_threads or max(1, (os.cpu_count() or 2) - 1))
         self.dtype = pick_dtype(dtype, self.device)
-        self.model = self._load_model(source)
+        self.source = source
+        try:
+            with torch.no_grad():
+                self.model = self._load_model(source, model_impl)
+            geometry = self.model.geometry
+            self.window = geometry.window
+        except ModelRefused as exc:
+            raise SystemExit(f"{source.spec}: {exc}") from None
         self.model.eval()
-        config = self.model.config
-        self.config = config
-        self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.vocab_size = config.vocab_size
+        self.config = self.model.config
+        self.num_layers = len(geometry.layers)
+        self.num_heads = geometry.num_heads  # this rank's
+        self.num_kv_heads = geometry.num_kv_heads
+        self.head_dim = geometry.head_dim
+        self.vocab_size = self.model.vocab_size
         self.block_size = block_size
         self.num_blocks = self._size_pool(kv_cache_memory, gpu_memory_utilization)
         slots = self.num_blocks * block_size
@@ -119,24 +103,7 @@ class ModelRunner:
         # Zeroed, not empty: batched decode reads masked padding slots, and a NaN there would
         # still poison the row (0 × NaN is NaN).
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        decoder = self.model.model
-        self._embed = decoder.embed_tokens
-        with torch.no_grad():
-            transposed = self.device.type == "cpu"  # see layers.column_major
-            self._layers = [prepare_layer(layer, transposed) for layer in decoder.layers]
-        windows = [_layer_window(layer.self_attn, config) for layer in decoder.layers]
-        if len({w for w in windows if w}) > 1:
-            raise SystemExit(
-                f"{source.spec}: its layers slide over different windows ({windows}); tokenline "
-                "supports one window per model"
-            )
-        # A query at position i sees keys i - window < j <= i in the layers that slide.
-        self.window = next((w for w in windows if w), None)
-        self._slides = [w is not None for w in windows]
-        self._attention_layers = [
-            AttentionLayer(index, getattr(layer.self_attn, "scaling", None), slides)
-            for index, (layer, slides) in enumerate(zip(decoder.layers, self._slides, strict=True))
-        ]
+        self._slides = [layer.slides for layer in geometry.layers]
         # Chosen once: how every step's attention is computed (attention/__init__.py).
         self.attention = attention.choose(
             attention.backend_name(attention_backend, self.device, dense_decode),
@@ -151,31 +118,28 @@ class ModelRunner:
             ),
             self.kv_cache,
         )
-        self._norm = rms_norm(decoder.norm)
-        self._rotary = Rotary(decoder.rotary_emb, self.dtype, self.device)
-        self._lm_head = self.model.lm_head
         self.lora: LoraWeights | None = None  # enable_lora's device slots
-        self.lora_shape = ModelShape.of([layer.module for layer in self._layers])
-        if any(layer.gate_up is None for layer in self._layers):
-            # MLPs the runner calls as modules get no deltas: adapters of them are refused
-            dims = dict(self.lora_shape.dims)
-            for module in ("gate_proj", "up_proj", "down_proj"):
-                dims.pop(module, None)
-            self.lora_shape = ModelShape(self.num_layers, dims)
-        self._tail = None
+        self.lora_shape = ModelShape(self.num_layers, self.model.lora_dims)
+        self._compiled = False
         if compile_layers:
-            if all(fits_layer_tail(f, config) for f in self._layers):
-                # dynamic: one graph for every token count, shared by every layer
-                self._tail = torch.compile(layer_tail, dynamic=True)
-            else:
+            self._compiled = self.model.compile_layers()
+            if not self._compiled:
                 log.warning(
-                    "--compile: %s's layers are not Llama-style (RMSNorm, SiLU-gated MLP); "
-                    "running them eagerly",
-                    source.spec,
+                    "--compile: %s has no compiled path (Llama-style layers with a SiLU MLP on "
+                    "one device have one); running it eagerly",
+                    self.model.describe(),
                 )
+        if self.model.implementation == "transformers":
+            from tokenline.scheduler.models.generic import check_batch_exact
+
+            try:
+                check_batch_exact(self)
+            except ModelRefused as exc:
+                raise SystemExit(f"{source.spec}: {self.model.architecture}: {exc}") from None
         log.info(
-            "runner: %s on %s/%s, KV pool %d blocks x %d tokens, attention %s",
+            "runner: %s, %s on %s/%s, KV pool %d blocks x %d tokens, attention %s",
             source.spec,
+            self.model.describe(),
             self.device,
             self.dtype,
             self.num_blocks,
@@ -185,23 +149,24 @@ class ModelRunner:
 
     def enable_lora(self, max_loras: int, max_rank: int) -> LoraWeights:
         """Allocate ``max_loras`` zeroed device slots of rank ``max_rank`` for LoRA adapters."""
+        if not self.lora_shape.dims:
+            raise SystemExit(
+                f"--enable-lora: {self.model.describe()} takes no LoRA adapters (they need a "
+                "native module)"
+            )
         self.lora = LoraWeights(
             self.lora_shape.dims, self.num_layers, max_loras, max_rank, self.dtype, self.device
         )
         return self.lora
 
-    def _load_model(self, source: ModelSource) -> torch.nn.Module:
+    def _load_model(self, source: ModelSource, implementation: str) -> models.CausalLM:
         """The whole model on the device (parallel/runner.py loads a rank's shard instead)."""
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(
-            source.path, revision=source.revision, dtype=self.dtype
-        ).to(self.device)
+        return models.load(source, implementation, Placement(self.device, self.dtype))
 
     @property
     def compiled_layers(self) -> bool:
-        """True when --compile took effect (the layers fit the compiled tail)."""
-        return self._tail is not None
+        """True when --compile took effect."""
+        return self._compiled
 
     @property
     def decode_contexts(self) -> DecodeContexts | None:
@@ -231,7 +196,7 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 of final hidden states kept by `forward_keeping`."""
-        return self._lm_head(hidden).float()
+        return self.model.logits(hidden)
 
     @torch.inference_mode()
     def forward_keeping(
@@ -247,15 +212,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prepare(self, chunks: list[Chunk]) -> PreparedStep:
-        """A step's inputs: the flat batch, every layer's attention metadata and the rotary
-        tables of its positions. The host work before the forward, timed apart from it."""
+        """A step's inputs: the flat batch and every layer's attention metadata. The host work
+        before the forward, timed apart from it."""
         step = build_step_batch(chunks, block_size=self.block_size, device=self.device)
-        cos, sin = self._rotary.at(step.positions, step.max_position)  # [T, 1, D] each
         lora = None
         if self.lora is not None and any(c.seq.lora_slot >= 0 for c in chunks):
             slots = [s for c in chunks for s in [c.seq.lora_slot] * c.num_tokens]
             lora = self.lora.step(slots)
-        return PreparedStep(chunks, step, self.attention.prepare(step), cos, sin, lora)
+        return PreparedStep(chunks, step, self.attention.prepare(step), lora)
 
     @torch.inference_mode()
     def execute(
@@ -263,31 +227,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward over prepared inputs: logits of the rows that sample, and the kept
         hidden states of ``spans`` (see `forward_keeping`)."""
-        step, metadata, cos, sin = prepared.step, prepared.metadata, prepared.cos, prepared.sin
-        hidden = self._embed(step.input_ids)  # [T, H]
-        for index, layer in enumerate(self._layers):
-            lora = None
-            if prepared.lora is not None:
-                lora = LayerDelta(self.lora.layers[index], prepared.lora)
-            x = layer.input_norm(hidden)
-            attn_out = self._attention(index, layer, x, cos, sin, metadata, lora)
-            if lora is not None:  # the compiled tail has no LoRA deltas
-                hidden = layer.mlp_residual(layer.attention_residual(hidden, attn_out, lora), lora)
-                continue
-            if self._tail is not None:
-                module = layer.module
-                norm, mlp = module.post_attention_layernorm, module.mlp
-                hidden = self._tail(
-                    hidden,
-                    attn_out,
-                    (module.self_attn.o_proj.weight, module.self_attn.o_proj.bias),
-                    norm.weight,
-                    norm.variance_epsilon,
-                    layer.gate_up,
-                    (mlp.down_proj.weight, mlp.down_proj.bias),
-                )
-                continue
-            hidden = layer.mlp_residual(layer.attention_residual(hidden, attn_out))
+        step = prepared.step
         rows = step.sample_rows
         if spans:
             starts = [0]
@@ -295,30 +235,17 @@ class ModelRunner:
                 starts.append(starts[-1] + chunk.num_tokens)
             kept = [starts[k] + first + i for k, first, n in spans for i in range(n)]
             rows = torch.cat((rows, torch.tensor(kept, dtype=torch.long, device=self.device)))
-        hidden = self._norm(hidden.index_select(0, rows))
+        context = ForwardContext(
+            step.positions,
+            step.max_position,
+            self.attention,
+            prepared.metadata,
+            prepared.lora,
+            self.lora,
+        )
+        hidden = self.model(step.input_ids, context, rows)
         sampling = step.sample_rows.shape[0]
-        return self._lm_head(hidden[:sampling]).float(), hidden[sampling:]
-
-    def _attention(
-        self, index, layer: DecoderLayer, hidden, cos, sin, metadata, lora: LayerDelta | None
-    ) -> torch.Tensor:
-        """Project and rotate this layer's q, k, v; the backend stores k, v and attends."""
-        tokens = hidden.shape[0]
-        heads = self.num_heads
-        qk_size = (heads + self.num_kv_heads) * self.head_dim
-        qkv = F.linear(hidden, *layer.qkv)
-        if lora is not None:
-            qkv = lora.add("qkv", qkv, hidden)
-        qk = qkv[:, :qk_size].view(tokens, heads + self.num_kv_heads, self.head_dim)
-        v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
-        if layer.q_norm is not None:  # Qwen3: q and k are normalised apart, then rotated
-            q = rotate(layer.q_norm(qk[:, :heads]), cos, sin)
-            k = rotate(layer.k_norm(qk[:, heads:]), cos, sin)
-        else:
-            qk = rotate(qk, cos, sin)
-            q, k = qk[:, :heads], qk[:, heads:]
-        # o_proj: the caller's
-        return self.attention.forward(q, k, v, self._attention_layers[index], metadata)
+        return self.model.logits(hidden[:sampling]), hidden[sampling:]
 
     def release_decode_contexts(self) -> None:
         """The engine is idle: the attention backend gives back what it keeps between steps

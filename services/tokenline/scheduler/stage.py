@@ -331,6 +331,7 @@ def run(settings: Settings) -> int:
         settings.torch_threads,
         compile_layers=settings.compile,
         attention_backend=settings.attention_backend,
+        model_impl=settings.model_impl,
     )
     budget = settings.max_num_batched_tokens or default_token_budget(runner.device.type)
     limits = EngineLimits(

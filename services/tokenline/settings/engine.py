@@ -130,6 +130,16 @@ ENGINE: tuple[Setting, ...] = (
         stages=SCHEDULER,
         choices=("auto", "sdpa", "dense-cpu"),
     ),
+    Setting(
+        "model-impl",
+        default="auto",
+        help="which code runs the model (vLLM's --model-impl): tokenline (a native module, "
+        "scheduler/models), transformers (transformers' own modules with tokenline's paged "
+        "attention: any decoder, slower, no tensor parallelism or LoRA); auto: the native "
+        "module when the architecture has one",
+        stages=SCHEDULER,
+        choices=("auto", "tokenline", "transformers"),
+    ),
 )
 
 # Tensor parallelism (scheduler/parallel/): vLLM's flag names. One pod holds

@@ -22,15 +22,9 @@ import torch
 import torch.distributed as dist
 
 from tokenline.model_source import ModelSource
+from tokenline.scheduler import models
+from tokenline.scheduler.layers.placement import Placement
 from tokenline.scheduler.parallel.group import COLLECTIVE_TIME, RANK_STEP_TIME, TensorParallel
-from tokenline.scheduler.parallel.loading import load_sharded_model
-from tokenline.scheduler.parallel.shard import (
-    ParallelLMHead,
-    ShardPlan,
-    VocabParallelEmbedding,
-    plan_for,
-    shard_layer,
-)
 from tokenline.scheduler.runner import ModelRunner, PreparedStep
 
 log = logging.getLogger(__name__)
@@ -56,21 +50,14 @@ class ShardedModelRunner(ModelRunner):
         self.tp = tp
         if kwargs.pop("compile_layers", False):
             log.warning("--compile is not supported with tensor parallelism yet; running eagerly")
-        self._plan: ShardPlan | None = None  # set by _load_model, before the layers are read
         super().__init__(source, *args, **kwargs)
-        assert self._plan is not None
-        plan = self._plan
-        self.vocab_size = plan.vocab_size  # the whole vocabulary: logits are gathered
-        self._layers = [shard_layer(layer, tp) for layer in self._layers]
-        self._embed = VocabParallelEmbedding(self._embed, plan, tp)
-        self._lm_head = ParallelLMHead(self._lm_head, plan.vocab_size, tp)
         self._lock = threading.RLock()  # one command (and its collectives) at a time
         self._last_command = time.monotonic()
         self._rank_labels = [str(r) for r in range(tp.world_size)]
 
-    def _load_model(self, source: ModelSource) -> torch.nn.Module:
-        self._plan = plan_for(source.load_config(), self.tp)
-        return load_sharded_model(source, self._plan, self.dtype, self.device)
+    def _load_model(self, source: ModelSource, implementation: str) -> models.CausalLM:
+        # every layer holds this rank's share and does its own collective (layers/)
+        return models.load(source, implementation, Placement(self.device, self.dtype, self.tp))
 
     def _size_pool(self, kv_cache_memory: int | None, utilization: float) -> int:
         # Every rank must have the same blocks, as rank 0's block tables address them all.
@@ -169,11 +156,10 @@ class ShardedModelRunner(ModelRunner):
 
     def _rebuild(self, message: dict[str, Any]) -> PreparedStep:
         """The driver's PreparedStep, rebuilt as `ModelRunner.prepare` builds it from the flat
-        batch (the attention metadata and rotary tables are computed here, not sent)."""
+        batch (the attention metadata is computed here, not sent)."""
         step = _to_device(message["step"], self.device)
         chunks = [_ChunkShape(n) for n in message["chunk_tokens"]]
-        cos, sin = self._rotary.at(step.positions, step.max_position)
-        return PreparedStep(chunks, step, self.attention.prepare(step), cos, sin)
+        return PreparedStep(chunks, step, self.attention.prepare(step))
 
 
 def _step_message(prepared: PreparedStep) -> dict[str, Any]:

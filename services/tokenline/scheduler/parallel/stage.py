@@ -30,6 +30,7 @@ def runner_args(settings, source: ModelSource) -> RunnerArgs:
         gpu_memory_utilization=settings.gpu_memory_utilization,
         torch_threads=threads,
         attention_backend=settings.attention_backend,
+        model_impl=settings.model_impl,
     )
 
 

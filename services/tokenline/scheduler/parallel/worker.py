@@ -43,6 +43,7 @@ class RunnerArgs:
     torch_threads: int | None = None
     dense_decode: bool = True
     attention_backend: str = "auto"
+    model_impl: str = "auto"
 
 
 def backend_for(device: str) -> str:
@@ -65,6 +66,7 @@ def build_runner(args: RunnerArgs, spec: GroupSpec, rank: int, local_rank: int):
         torch_threads=args.torch_threads,
         dense_decode=args.dense_decode,
         attention_backend=args.attention_backend,
+        model_impl=args.model_impl,
     )
 
 

@@ -1,0 +1,78 @@
+"""What the runner calls on a model, whichever path runs it (`CausalLM`), and what it reads of
+its attention to size the KV pool and choose the attention backend (`Geometry`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from tokenline.scheduler.attention import AttentionLayer
+from tokenline.scheduler.layers.context import ForwardContext
+from tokenline.scheduler.layers.placement import ModelRefused, Placement
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """This rank's attention: its heads, and every layer as the attention backend sees it."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layers: tuple[AttentionLayer, ...]
+    windows: tuple[int | None, ...]  # each layer's sliding window; None: the whole context
+
+    @property
+    def window(self) -> int | None:
+        """The model's one sliding window (every sliding layer's), if any layer slides."""
+        found = {w for w in self.windows if w}
+        if len(found) > 1:
+            raise ModelRefused(
+                f"its layers slide over different windows ({sorted(found)}); tokenline serves "
+                "one window per model"
+            )
+        return next(iter(found), None)
+
+
+class CausalLM(torch.nn.Module):
+    """A decoder that turns a flat batch of token rows into hidden states and logits.
+
+    ``forward`` runs every token row of a step (many sequences, each row at its own position;
+    attention keeps the sequences apart) and returns the final hidden states (after the last
+    norm) of ``rows`` only; ``logits`` turns such hidden states into float32 logits over the
+    whole vocabulary.
+    """
+
+    #: which path runs it: "tokenline" (a native module) or "transformers" (their modules)
+    implementation: ClassVar[str] = "tokenline"
+
+    def __init__(self, config, place: Placement) -> None:
+        super().__init__()
+        self.config = config
+        self.place = place
+        self.architecture = (getattr(config, "architectures", None) or [type(self).__name__])[0]
+        self.vocab_size = int(config.vocab_size)
+
+    geometry: Geometry
+
+    @property
+    def lora_dims(self) -> dict[str, tuple[int, int]]:
+        """The linears a LoRA adapter may target, by PEFT's names: (in, out) features. Empty:
+        this model takes no adapters."""
+        return {}
+
+    def forward(
+        self, input_ids: torch.Tensor, context: ForwardContext, rows: torch.Tensor
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compile_layers(self) -> bool:
+        """Compile what the family can (``--compile``); False: it runs eagerly."""
+        return False
+
+    def describe(self) -> str:
+        return f"{self.architecture} ({self.implementation})"

@@ -133,6 +133,10 @@ class StageStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
     lora_running: list[str] = []  # adapters of running sequences
     lora_waiting: list[str] = []  # adapters of waiting sequences
     lora_adapters: list[str] = []  # every adapter the scheduler can serve now
+    # The scheduler's model, for /v1/models, and why it cannot follow a grammar ("" if it can)
+    architecture: str = ""
+    model_impl: str = ""  # "tokenline" (a native module) or "transformers" (their modules)
+    grammar_refusal: str = ""
 
 
 class Heartbeat(_Message, tag="heartbeat"):

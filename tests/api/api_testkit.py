@@ -35,6 +35,7 @@ class StandInPipeline:
     draining: bool = False
     stage_statuses: dict = field(default_factory=dict)
     opened: list = field(default_factory=list)
+    grammar_refusal: str = ""  # as the scheduler reports it: "" when grammars are served
 
     def problem(self) -> str | None:
         return None if self.ready else "stand-in not ready"

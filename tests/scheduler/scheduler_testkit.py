@@ -56,6 +56,68 @@ SLIDING = {
     ),
 }
 
+# Mixtures of experts: layers where several tokens of a batch share an expert and some experts
+# get none (8 experts, 2 each); Qwen3-MoE with a dense layer among the sparse ones.
+MOE = {
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "head_dim": 32,
+            "moe_intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "qwen3-moe-unnormalised": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2},
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
+}
+# Gemma 3: a sliding layer (window 8, shorter than the prompts) then a full one, soft-capped
+# logits, scores scaled by query_pre_attn_scalar.
+GEMMA = {
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "final_logit_softcapping": 30.0,
+            "query_pre_attn_scalar": 32,
+        },
+    ),
+}
+NATIVE = {**FAMILIES, **MOE, **GEMMA}
+# Families with no native module: transformers' modules with tokenline's attention. Granite
+# multiplies embeddings, attention scores, residuals and logits; Phi-3 fuses its projections;
+# OLMo-2 normalises after attention and the MLP, and q and k over all heads.
+_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+GENERIC = {
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        {
+            "embedding_multiplier": 12.0,
+            "attention_multiplier": 0.1,
+            "residual_multiplier": 0.2,
+            "logits_scaling": 8.0,
+            **_IDS,
+        },
+    ),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", _IDS),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _IDS),
+}
+
 
 def saved_family_model(spec, path):
     """A small random model of ``spec``'s family (a FAMILIES or SLIDING entry), saved to
@@ -74,7 +136,9 @@ def saved_family_model(spec, path):
     return model
 
 
-def family_runner(family: str, path, dense_decode: bool = True, dtype: str = "float32"):
+def family_runner(
+    family: str, path, dense_decode: bool = True, dtype: str = "float32", model_impl="auto"
+):
     """A CPU runner over the model ``saved_family_model`` left in ``path``."""
     from tokenline.model_source import ModelSource
     from tokenline.scheduler.runner import ModelRunner
@@ -86,6 +150,7 @@ def family_runner(family: str, path, dense_decode: bool = True, dtype: str = "fl
         kv_cache_memory=2**20,
         torch_threads=1,
         dense_decode=dense_decode,
+        model_impl=model_impl,
     )
 
 

@@ -175,3 +175,65 @@ def test_adapters_on_other_families_match_peft(family, tmp_path):
         assert run.tokens[uid] == tokens, uid
         torch.testing.assert_close(torch.stack(logits[uid]), ref_logits, atol=2e-4, rtol=1e-4)
     assert run.tokens["lora"] != run.tokens["base"]
+
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+@pytest.mark.parametrize(
+    ("family", "targets"),
+    [("qwen3-moe", ATTENTION), ("mixtral", ATTENTION), ("gemma3", ALL)],
+)
+def test_adapters_on_moe_and_gemma_models_match_peft(family, targets, tmp_path):
+    """An MoE model takes adapters on its attention projections (its experts are refused, see
+    below); Gemma 3 on all seven linears."""
+    from scheduler_testkit import GEMMA, MOE, family_runner, saved_family_model
+
+    from tokenline.scheduler.engine import EngineLimits
+    from tokenline.scheduler.lora.options import LoraOptions
+
+    saved_family_model({**MOE, **GEMMA}[family], tmp_path / "base")
+    adapter = write_adapter(str(tmp_path / "base"), tmp_path / "lora", 5, 8, 16, targets, False)
+    engine = Engine(
+        family_runner(family, tmp_path / "base"),
+        EngineLimits(256),
+        eos_ids=[],
+        lora=LoraOptions(max_rank=8),
+    )
+    engine.loras.add("x", str(adapter))
+    logits = record_logits(engine)
+    prompt = [(7 * j) % 290 + 5 for j in range(11)]
+    engine.add("lora", prompt, greedy(MAX_TOKENS), lora="x")
+    engine.add("base", prompt, greedy(MAX_TOKENS))
+    run = drain(engine)
+    for uid, path in (("lora", adapter), ("base", None)):
+        tokens, ref_logits = reference_run(peft_model_at(str(tmp_path / "base"), path), prompt, [])
+        assert run.tokens[uid] == tokens, uid
+        torch.testing.assert_close(torch.stack(logits[uid]), ref_logits, atol=2e-4, rtol=1e-4)
+    assert run.tokens["lora"] != run.tokens["base"]
+
+
+def test_an_adapter_of_the_experts_is_refused_with_why(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+    from scheduler_testkit import MOE, family_runner, saved_family_model
+
+    from tokenline.scheduler.lora.adapters import LoraError, load_adapter
+
+    saved_family_model(MOE["qwen3-moe"], tmp_path / "base")
+    runner = family_runner("qwen3-moe", tmp_path / "base")
+    assert sorted(runner.lora_shape.dims) == sorted(ATTENTION)
+    adapter = tmp_path / "experts"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
+    prefix = "base_model.model.model.layers.0.mlp.experts.3.gate_proj"
+    save_file(
+        {
+            f"{prefix}.lora_A.weight": torch.ones(4, 64),
+            f"{prefix}.lora_B.weight": torch.ones(32, 4),
+        },
+        adapter / "adapter_model.safetensors",
+    )
+    with pytest.raises(LoraError, match="targets the experts of a mixture-of-experts layer"):
+        load_adapter("experts", adapter, runner.lora_shape, max_rank=8)

@@ -15,7 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from scheduler_testkit import COMMON, PROMPTS, Drained, assert_idle, collect, drain, greedy
+from scheduler_testkit import (
+    COMMON,
+    GEMMA,
+    MOE,
+    PROMPTS,
+    Drained,
+    assert_idle,
+    collect,
+    drain,
+    greedy,
+)
 
 from tokenline import model_source, tiny_model
 from tokenline.scheduler.engine import Engine, EngineLimits
@@ -31,10 +41,15 @@ pytestmark = pytest.mark.timeout(240)
 
 
 # Qwen2: q/k/v biases, and a vocabulary (301) that two ranks split unevenly (one pad row);
-# Qwen3: per-head q and k norms, head_dim apart from hidden / heads.
+# Qwen3: per-head q and k norms, head_dim apart from hidden / heads; Qwen3-MoE and Mixtral: every
+# expert's intermediate dimension split across the ranks; Gemma 3: scaled embeddings, four norms
+# per layer, sliding and full layers, soft-capped logits gathered from two vocabulary halves.
 FAMILIES = {
     "qwen2-odd-vocab": ("Qwen2Config", "Qwen2ForCausalLM", {"vocab_size": 301}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    "qwen3-moe": MOE["qwen3-moe"],
+    "mixtral": MOE["mixtral"],
+    "gemma3": GEMMA["gemma3"],
 }
 
 
@@ -108,7 +123,8 @@ def test_tp2_matches_tp1_tokens_and_logits(source, driver, encode, eos_ids):
     # the shard was loaded as a shard: half the rows of q and of the MLP, half the vocabulary
     mine, whole = runner.model.model.layers[0], single.runner.model.model.layers[0]
     assert mine.self_attn.o_proj.weight.numel() * 2 == whole.self_attn.o_proj.weight.numel()
-    assert mine.mlp.down_proj.weight.numel() * 2 == whole.mlp.down_proj.weight.numel()
+    down = "experts.w2" if hasattr(mine.mlp, "experts") else "down_proj.weight"
+    assert mine.mlp.get_parameter(down).numel() * 2 == whole.mlp.get_parameter(down).numel()
     assert runner.model.model.embed_tokens.weight.shape[0] == -(-vocab // 2)
     got, logits = _run(engine, prompts)
     assert got.tokens == expected.tokens

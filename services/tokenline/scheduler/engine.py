@@ -78,8 +78,9 @@ class Engine:
     are shared by later requests whose prompts start with the same tokens (kv_cache.py).
 
     ``grammars``: builds the matchers of requests whose output follows a grammar
-    (``sampling.grammar``); without one such requests are refused. A request whose grammar is
-    new waits in ``compiling``, outside the decode batch, while a worker thread builds it.
+    (``sampling.grammar``); without one such requests are refused, saying ``grammar_refusal``.
+    A request whose grammar is new waits in ``compiling``, outside the decode batch, while a
+    worker thread builds it.
 
     ``sampling.prompt_logprobs``: the prompt's own logprobs, gathered during its prefill and
     sent on the first output (prompt_logprobs.py). ``max_tokens`` 0 reads the prompt and ends
@@ -94,11 +95,13 @@ class Engine:
         prefix_caching: bool = True,
         grammars: GrammarCompiler | None = None,
         lora: LoraOptions | None = None,
+        grammar_refusal: str = "this scheduler runs without grammar support",
     ) -> None:
         self.runner = runner
         self.limits = limits
         self.eos_ids = eos_ids
         self.grammars = grammars
+        self.grammar_refusal = "" if grammars is not None else grammar_refusal
         self.compiling: dict[str, tuple[Sequence, Future]] = {}
         # requests refused after add() returned (a grammar that failed to build); the caller
         # takes them with take_rejected() and reports each as the request's error
@@ -153,8 +156,7 @@ class Engine:
                 raise InvalidRequest(message, param=param)
         if sampling.grammar is not None and self.grammars is None:
             raise InvalidRequest(
-                "this scheduler runs without grammar support; send the request without "
-                "response_format or forced tool calls",
+                f"{self.grammar_refusal}; send the request without response_format or tools",
                 param="response_format",
             )
         if sampling.prompt_logprobs is not None:

@@ -268,6 +268,9 @@ class SchedulerStage:
             kv_usage=pool.usage,
             block_size=pool.block_size,
             num_blocks=pool.num_blocks - 1,  # block 0 is reserved; usage counts the rest
+            architecture=self.engine.runner.model.architecture,
+            model_impl=self.engine.runner.model.implementation,
+            grammar_refusal=self.engine.grammar_refusal,
             **self._lora_status(),
         )
 
@@ -345,13 +348,15 @@ def run(settings: Settings) -> int:
             settings.max_cpu_loras,
             settings.model_cache_dir,
         )
+    grammars, refusal = grammar_compiler(source)
     engine = Engine(
         runner,
         limits,
         source.eos_token_ids(),
         prefix_caching=not settings.no_prefix_caching,
-        grammars=GrammarCompiler(source.load_tokenizer()),
+        grammars=grammars,
         lora=lora,
+        grammar_refusal=refusal,
     )
     lora_changes = _start_loras(settings, engine)
     kv_events = attach(settings, engine.pool, runner.device.type)
@@ -365,6 +370,21 @@ def run(settings: Settings) -> int:
     stage = SchedulerStage(engine, settings.model_name, kv_events, lora_changes)
     serve_stage(stage, ring, drain)
     return 0
+
+
+def grammar_compiler(source) -> tuple[GrammarCompiler | None, str]:
+    """The grammar compiler over the model's tokenizer, or None and why: a tokenizer the grammar
+    library cannot read (a word-level vocabulary with a WordPiece decoder, say) costs the model
+    its structured outputs, never its plain generation."""
+    try:
+        return GrammarCompiler(source.load_tokenizer()), ""
+    except Exception as exc:  # llguidance names what it could not read; nothing else is at stake
+        reason = (
+            "structured outputs and tool calls are not available for this model: the grammar "
+            f"library (llguidance) cannot read its tokenizer ({exc})"
+        )
+        log.warning("%s: %s", source.spec, reason)
+        return None, reason
 
 
 def _start_loras(settings: Settings, engine: Engine) -> LoraChanges | None:

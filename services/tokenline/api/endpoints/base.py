@@ -17,7 +17,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenline import protocol
-from tokenline.api.http.errors import ApiError, ended_with, model_not_found, unencodable
+from tokenline.api.http.errors import (
+    ApiError,
+    ended_with,
+    invalid,
+    model_not_found,
+    unencodable,
+)
 from tokenline.api.http.sse import DONE, EventStream, event
 from tokenline.api.openai.limits import check_request
 from tokenline.api.openai.usage import Usage
@@ -73,12 +79,20 @@ class Endpoint:
         """The whole answer's JSON body, once every choice has ended normally."""
         raise NotImplementedError
 
+    def grammar_param(self) -> str | None:
+        """The request field whose answer follows a grammar, or None: free text."""
+        return None
+
     # ── the flow every generation takes ────────────────────────────────────────────────────────
     async def generate(self, body, n: int) -> Response:
         """Admit ``n`` choices of ``body`` and answer, streamed if it asks."""
         pipeline = self.pipeline
         self.check_model(body.model)
         check_request(body, self.settings)
+        param = self.grammar_param()
+        refusal = pipeline.grammar_refusal if param is not None else ""
+        if refusal:
+            raise invalid(param, refusal, "unsupported_parameter")
         try:
             ex = pipeline.open(n, self._build_for_adapter)
         except (OverflowError, UnicodeError) as exc:

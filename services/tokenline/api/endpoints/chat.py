@@ -72,6 +72,11 @@ class Chat(Endpoint):
             timeout_s=self.settings.request_timeout,
         )
 
+    def grammar_param(self) -> str | None:
+        if self.tool_plan.grammar is None:
+            return None
+        return "tools" if self.tool_plan.tools is not None else "response_format"
+
     def render_stream(self, ex: Exchange, first: list, meta: dict) -> AsyncIterator[bytes]:
         return render_stream(ex, self.body, self.tool_plan.parser, first, meta)
 

@@ -44,6 +44,9 @@ class Completions(Endpoint):
             timeout_s=self.settings.request_timeout,
         )
 
+    def grammar_param(self) -> str | None:
+        return "response_format" if self.grammar is not None else None
+
     def render_stream(self, ex: Exchange, first: list, meta: dict) -> AsyncIterator[bytes]:
         return render_stream(ex, self.body, first, meta)
 

@@ -7,7 +7,12 @@ from tokenline.api.endpoints.base import Endpoint
 
 class Models(Endpoint):
     def cards(self) -> list[dict]:
-        return self.request.app.state.adapters.cards(self.request.app.state.started)
+        cards = self.request.app.state.adapters.cards(self.request.app.state.started)
+        scheduler = self.pipeline.stage_statuses.get("scheduler")
+        if scheduler is not None and scheduler.model_impl:  # which code runs the base model
+            cards[0]["architecture"] = scheduler.architecture
+            cards[0]["model_impl"] = scheduler.model_impl
+        return cards
 
     def list(self) -> dict:
         return {"object": "list", "data": self.cards()}

@@ -96,6 +96,12 @@ class Pipeline:
     def stage_statuses(self) -> dict[str, protocol.StageStatus]:
         return self.health.statuses
 
+    @property
+    def grammar_refusal(self) -> str:
+        """Why the scheduler cannot constrain an answer to a grammar; "" when it can."""
+        scheduler = self.health.statuses.get("scheduler")
+        return scheduler.grammar_refusal if scheduler is not None else ""
+
     def problem(self) -> str | None:
         """Why a request would be refused now (None: it would be admitted)."""
         if self.draining:

@@ -28,6 +28,7 @@ SUPPORTED_MODULES = {
     "down_proj": "mlp",
 }
 _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+_EXPERTS = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.")
 
 
 class LoraError(Exception):
@@ -133,6 +134,11 @@ def load_adapter(name: str, path: Path, shape: ModelShape, max_rank: int) -> Lor
     halves: dict[tuple[int, str, str], torch.Tensor] = {}
     for key, tensor in load_file(str(weights_file)).items():
         match = _KEY.search(key)
+        if match is None and _EXPERTS.search(key):
+            raise LoraError(
+                f"LoRA adapter {name!r} targets the experts of a mixture-of-experts layer "
+                f"({key}); adapters apply to an MoE model's attention projections only"
+            )
         if match is None:
             raise LoraError(f"LoRA adapter {name!r}: unexpected weight {key}")
         layer, block, module, half = int(match[1]), match[2], match[3], match[4]

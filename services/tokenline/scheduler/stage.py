@@ -88,6 +88,11 @@ class SchedulerStage:
         track_cache(self.stage, "prefix_blocks", lambda pool=engine.pool: pool.num_cached)
         if engine.grammars is not None:
             track_cache(self.stage, "grammars", engine.grammars.cache)
+        model = getattr(engine.runner, "model", None)  # a runner with no model: tests' stand-in
+        self._model = {
+            "architecture": getattr(model, "architecture", ""),
+            "model_impl": getattr(model, "implementation", ""),
+        }
         self._late = LATE_REPLIES.labels(stage="scheduler")
         self._latency = STAGE_LATENCY.labels(stage="scheduler")
         self._queue_time = QUEUE_TIME.labels(model=model_name)
@@ -268,9 +273,8 @@ class SchedulerStage:
             kv_usage=pool.usage,
             block_size=pool.block_size,
             num_blocks=pool.num_blocks - 1,  # block 0 is reserved; usage counts the rest
-            architecture=self.engine.runner.model.architecture,
-            model_impl=self.engine.runner.model.implementation,
             grammar_refusal=self.engine.grammar_refusal,
+            **self._model,
             **self._lora_status(),
         )
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from tokenline.scheduler.attention import AttentionLayer
+from tokenline.scheduler.layers.base import Layer
 from tokenline.scheduler.layers.context import ForwardContext
 from tokenline.scheduler.layers.linear import QKVLinear, RowLinear
 from tokenline.scheduler.layers.placement import Placement
@@ -18,7 +19,7 @@ from tokenline.scheduler.lora.apply import LayerDelta
 NormFactory = Callable[[int], torch.nn.Module]
 
 
-class Attention(torch.nn.Module):
+class Attention(Layer):
     def __init__(
         self,
         index: int,

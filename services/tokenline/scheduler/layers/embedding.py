@@ -12,11 +12,12 @@ from collections.abc import Hashable
 import torch
 import torch.nn.functional as F
 
+from tokenline.scheduler.layers.base import Layer
 from tokenline.scheduler.layers.linear import WHOLE, copy_checked
 from tokenline.scheduler.layers.placement import Placement
 
 
-class VocabEmbedding(torch.nn.Module):
+class VocabEmbedding(Layer):
     def __init__(
         self, vocab_size: int, hidden: int, place: Placement, scale: float | None = None
     ) -> None:

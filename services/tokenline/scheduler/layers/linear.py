@@ -21,6 +21,7 @@ from collections.abc import Hashable
 import torch
 import torch.nn.functional as F
 
+from tokenline.scheduler.layers.base import Layer
 from tokenline.scheduler.layers.placement import ModelRefused, Placement
 
 WHOLE: Hashable = None  # the shard key of a parameter loaded in one piece
@@ -35,7 +36,7 @@ def copy_checked(target: torch.Tensor, source: torch.Tensor, name: str) -> None:
     target.copy_(source)
 
 
-class Linear(torch.nn.Module):
+class Linear(Layer):
     """The whole ``[out, in]`` weight on every rank."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, place: Placement) -> None:
@@ -54,7 +55,7 @@ class Linear(torch.nn.Module):
         return {WHOLE}
 
 
-class ColumnLinear(torch.nn.Module):
+class ColumnLinear(Layer):
     """Output features split across ranks; ``parts`` are the full sizes of the projections
     fused in this one (their shard keys are their indexes)."""
 
@@ -133,7 +134,7 @@ class QKVLinear(ColumnLinear):
         return {shard}
 
 
-class RowLinear(torch.nn.Module):
+class RowLinear(Layer):
     """Input features split across ranks: a partial sum per rank, all-reduced."""
 
     def __init__(

@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 from transformers.activations import ACT2FN
 
+from tokenline.scheduler.layers.base import Layer
 from tokenline.scheduler.layers.linear import ColumnLinear, RowLinear
 from tokenline.scheduler.layers.placement import Placement
 from tokenline.scheduler.lora.apply import LayerDelta
 
 
-class GatedMLP(torch.nn.Module):
+class GatedMLP(Layer):
     def __init__(
         self, hidden: int, intermediate: int, act: str, place: Placement, bias: bool = False
     ) -> None:
@@ -20,7 +21,7 @@ class GatedMLP(torch.nn.Module):
         )
         self.down_proj = RowLinear(intermediate, hidden, bias, place, "MLP width")
         self.act = act
-        self.act_fn = ACT2FN[act]
+        self.act_fn = ACT2FN[act].forward  # the function, not a module call
 
     def forward(
         self,

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from tokenline.scheduler.layers.base import Layer
 from tokenline.scheduler.layers.linear import Linear, copy_checked
 from tokenline.scheduler.layers.placement import ModelRefused, Placement
 
@@ -39,7 +40,7 @@ def grouped_gemm_available(device: torch.device) -> bool:
     return device.type == "cuda" and hasattr(F, "grouped_mm")
 
 
-class Experts(torch.nn.Module):
+class Experts(Layer):
     def __init__(
         self,
         num_experts: int,
@@ -55,7 +56,7 @@ class Experts(torch.nn.Module):
         self.local = place.split(intermediate, "experts' intermediate size")
         self.w13 = place.stacked(num_experts, 2 * self.local, hidden)
         self.w2 = place.stacked(num_experts, hidden, self.local)
-        self.act_fn = ACT2FN[act]
+        self.act_fn = ACT2FN[act].forward  # the function, not a module call
         self.grouped = grouped_gemm_available(place.device) if grouped is None else grouped
 
     def forward(
@@ -133,7 +134,7 @@ def expert_target(name: str, names: dict[str, str]) -> tuple[str, str, Hashable]
     return None
 
 
-class SparseMoE(torch.nn.Module):
+class SparseMoE(Layer):
     """Router and experts; checkpoint names ``...mlp.gate.weight`` and ``...mlp.experts.*``."""
 
     def __init__(

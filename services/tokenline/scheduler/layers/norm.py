@@ -16,11 +16,12 @@ from collections.abc import Hashable
 import torch
 import torch.nn.functional as F
 
+from tokenline.scheduler.layers.base import Layer
 from tokenline.scheduler.layers.linear import WHOLE, copy_checked
 from tokenline.scheduler.layers.placement import Placement
 
 
-class RMSNorm(torch.nn.Module):
+class RMSNorm(Layer):
     def __init__(self, size: int, eps: float, place: Placement) -> None:
         super().__init__()
         self.weight = place.vector(size)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from tokenline.scheduler.layers.attention import Attention
+from tokenline.scheduler.layers.base import Layer
 from tokenline.scheduler.layers.context import ForwardContext
 from tokenline.scheduler.layers.embedding import LMHead, VocabEmbedding
 from tokenline.scheduler.layers.mlp import GatedMLP
@@ -32,7 +33,7 @@ from tokenline.scheduler.models.weights import Target, packed_target
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
-class Gemma3DecoderLayer(torch.nn.Module):
+class Gemma3DecoderLayer(Layer):
     def __init__(self, config, index: int, place: Placement) -> None:
         super().__init__()
         self.index = index

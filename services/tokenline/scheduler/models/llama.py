@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenline.scheduler.layers.attention import Attention
+from tokenline.scheduler.layers.base import Layer
 from tokenline.scheduler.layers.context import ForwardContext
 from tokenline.scheduler.layers.embedding import LMHead, VocabEmbedding
 from tokenline.scheduler.layers.mlp import GatedMLP
@@ -30,7 +31,7 @@ from tokenline.scheduler.models.base import CausalLM, Geometry
 from tokenline.scheduler.models.weights import Target, packed_target
 
 
-class DecoderLayer(torch.nn.Module):
+class DecoderLayer(Layer):
     def __init__(self, attention: Attention, mlp: torch.nn.Module, norm) -> None:
         super().__init__()
         self.index = attention.layer.index

@@ -151,3 +151,36 @@ def test_logits_follow_transformers(family, dense_decode, dtype, tmp_path):
     seq.num_computed = len(ids)
     seq.output_ids.append(int(first.argmax()))
     logits_against_reference(Chunk(seq, len(ids), 1))  # the decode step after it
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_text_on_transformers_modules(tmp_path):
+    """Gemma 3 4B-27B are saved as Gemma3ForConditionalGeneration (a vision tower beside the
+    decoder, the sizes in text_config): its text runs on transformers' modules, checked at
+    start like any other, and gives transformers' tokens."""
+    import transformers
+
+    text = {**COMMON, **GEMMA["gemma3"][2]}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=297,
+        eoi_token_index=298,
+        image_token_index=299,
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(3.0)
+    model.save_pretrained(tmp_path)
+    runner = family_runner("gemma3-multimodal", tmp_path)
+    assert runner.model.describe() == "Gemma3ForConditionalGeneration (transformers)"
+    assert runner.window == 8 and runner._slides == [True, False]
+    engine = Engine(runner, EngineLimits(256, max_num_batched_tokens=16), eos_ids=[])
+    prompts = {f"p{i}": [(7 * i + j) % 290 + 5 for j in range(9 + 5 * i)] for i in range(2)}
+    got = _run(engine, prompts)
+    for uid, ids in prompts.items():
+        assert got[uid] == _generate(model, ids), uid

@@ -52,7 +52,9 @@ class CausalLM(torch.nn.Module):
         self.config = config
         self.place = place
         self.architecture = (getattr(config, "architectures", None) or [type(self).__name__])[0]
-        self.vocab_size = int(config.vocab_size)
+        # a multimodal checkpoint keeps its decoder's sizes in its text config
+        self.text_config = config.get_text_config()
+        self.vocab_size = int(self.text_config.vocab_size)
 
     geometry: Geometry
 

@@ -111,6 +111,7 @@ class TransformersCausalLM(CausalLM):
         self._head = copy.copy(self.hf)
         self._head._modules = dict(self.hf._modules)
         self._head._modules[self.hf.base_model_prefix] = self._given
+        self._head_logits = self._plain_head  # or `_family_head`: chosen by the probe
         self._context: ForwardContext | None = None
         self._calls: list[_Call] | None = None
         self.geometry = self._probe()
@@ -163,16 +164,19 @@ class TransformersCausalLM(CausalLM):
         return out.transpose(1, 2), None
 
     def _probe(self) -> Geometry:
-        """One forward of a few tokens, recording every attention call."""
+        """One forward of a few tokens, recording every attention call, and the way the family
+        turns hidden states into logits."""
         self._calls = []
         try:
-            ids = torch.arange(4, device=self.place.device) % self.vocab_size
-            self.reference_logits(ids.tolist())
+            ids = (torch.arange(4, device=self.place.device) % self.vocab_size).tolist()
+            want = self.reference_logits(ids)
             calls = self._calls
+            self._calls = []  # the head's check attends as the reference does, unrecorded
+            self._choose_head(ids, want)
         finally:
             self._calls = None
         layers = sorted({c.layer_idx for c in calls})
-        expected = getattr(self.config, "num_hidden_layers", len(layers))
+        expected = getattr(self.text_config, "num_hidden_layers", len(layers))
         if len(calls) != len(layers) or len(layers) != expected:
             raise ModelRefused(
                 f"{len(calls)} attention calls over {len(layers)} of its {expected} layers: "
@@ -211,11 +215,37 @@ class TransformersCausalLM(CausalLM):
         return out.last_hidden_state[0].index_select(0, rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._head_logits(hidden)
+
+    def _plain_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.hf.get_output_embeddings()(hidden).float()
+
+    def _family_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The family's own ``forward`` after its decoder: Granite's logit scaling, Gemma's cap."""
         self._given.hidden = hidden.unsqueeze(0)
         try:
             return self._head(input_ids=None, use_cache=False).logits[0].float()
         finally:
             self._given.hidden = None
+
+    @torch.inference_mode()
+    def _choose_head(self, ids: list[int], want: torch.Tensor) -> None:
+        """The LM head alone where it gives the model's logits, else the family's forward over
+        given hidden states; refused when neither does."""
+        tokens = torch.tensor([ids], device=self.place.device)
+        hidden = self.decoder(input_ids=tokens, use_cache=False).last_hidden_state[0, -1:]
+        for head in (self._plain_head, self._family_head):
+            try:
+                got = head(hidden)[0]
+            except (AttributeError, TypeError, ValueError):
+                continue  # a family whose forward wants more than hidden states
+            if torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
+                self._head_logits = head
+                return
+        raise ModelRefused(
+            "its logits are not its LM head's over its hidden states, nor its own forward's "
+            "over given hidden states"
+        )
 
     @torch.inference_mode()
     def reference_logits(self, ids: list[int]) -> torch.Tensor:

@@ -150,17 +150,32 @@ def test_adapters_taking_turns_in_two_slots_under_kv_preemption_keep_their_token
     assert tokens == roomy
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
-def test_adapters_on_other_families_match_peft(family, tmp_path):
-    """q/k/v biases (Qwen2) and per-head q/k norms after the projections (Qwen3) take the
-    deltas where PEFT adds them: on the linear's output, before anything else."""
-    from scheduler_testkit import FAMILIES, family_runner, saved_family_model
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+@pytest.mark.parametrize(
+    ("family", "targets"),
+    [
+        ("qwen2", ALL),
+        ("qwen3", ALL),
+        ("mistral", ALL),
+        ("gemma3", ALL),
+        ("qwen3-moe", ATTENTION),
+        ("mixtral", ATTENTION),
+    ],
+)
+def test_adapters_on_other_families_match_peft(family, targets, tmp_path):
+    """q/k/v biases (Qwen2), per-head q/k norms after the projections (Qwen3, Gemma 3) and
+    Gemma's norms around attention and the MLP take the deltas where PEFT adds them: on the
+    linear's output, before anything else. A mixture of experts takes them on its attention
+    (its experts are refused, below)."""
+    from scheduler_testkit import NATIVE, family_runner, saved_family_model
 
     from tokenline.scheduler.engine import EngineLimits
     from tokenline.scheduler.lora.options import LoraOptions
 
-    saved_family_model(FAMILIES[family], tmp_path / "base")
-    adapter = write_adapter(str(tmp_path / "base"), tmp_path / "lora", 3, 8, 16, ALL, False)
+    saved_family_model(NATIVE[family], tmp_path / "base")
+    adapter = write_adapter(str(tmp_path / "base"), tmp_path / "lora", 3, 8, 16, targets, False)
     runner = family_runner(family, tmp_path / "base")
     engine = Engine(runner, EngineLimits(256), eos_ids=[], lora=LoraOptions(max_rank=8))
     engine.loras.add("x", str(adapter))
@@ -172,42 +187,6 @@ def test_adapters_on_other_families_match_peft(family, tmp_path):
     for uid, path in (("lora", adapter), ("base", None)):
         model = peft_model_at(str(tmp_path / "base"), path)
         tokens, ref_logits = reference_run(model, prompt, [])
-        assert run.tokens[uid] == tokens, uid
-        torch.testing.assert_close(torch.stack(logits[uid]), ref_logits, atol=2e-4, rtol=1e-4)
-    assert run.tokens["lora"] != run.tokens["base"]
-
-
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-
-
-@pytest.mark.parametrize(
-    ("family", "targets"),
-    [("qwen3-moe", ATTENTION), ("mixtral", ATTENTION), ("gemma3", ALL)],
-)
-def test_adapters_on_moe_and_gemma_models_match_peft(family, targets, tmp_path):
-    """An MoE model takes adapters on its attention projections (its experts are refused, see
-    below); Gemma 3 on all seven linears."""
-    from scheduler_testkit import GEMMA, MOE, family_runner, saved_family_model
-
-    from tokenline.scheduler.engine import EngineLimits
-    from tokenline.scheduler.lora.options import LoraOptions
-
-    saved_family_model({**MOE, **GEMMA}[family], tmp_path / "base")
-    adapter = write_adapter(str(tmp_path / "base"), tmp_path / "lora", 5, 8, 16, targets, False)
-    engine = Engine(
-        family_runner(family, tmp_path / "base"),
-        EngineLimits(256),
-        eos_ids=[],
-        lora=LoraOptions(max_rank=8),
-    )
-    engine.loras.add("x", str(adapter))
-    logits = record_logits(engine)
-    prompt = [(7 * j) % 290 + 5 for j in range(11)]
-    engine.add("lora", prompt, greedy(MAX_TOKENS), lora="x")
-    engine.add("base", prompt, greedy(MAX_TOKENS))
-    run = drain(engine)
-    for uid, path in (("lora", adapter), ("base", None)):
-        tokens, ref_logits = reference_run(peft_model_at(str(tmp_path / "base"), path), prompt, [])
         assert run.tokens[uid] == tokens, uid
         torch.testing.assert_close(torch.stack(logits[uid]), ref_logits, atol=2e-4, rtol=1e-4)
     assert run.tokens["lora"] != run.tokens["base"]

@@ -94,7 +94,7 @@ def head_dim_of(config) -> int:
 
 
 class LlamaForCausalLM(CausalLM):
-    """Llama. Subclasses change the switches (`attention`, `mlp`, `rotary`)."""
+    """Llama. Subclasses change the switches (`biases`, `qk_norm`, `window`, `mlp`, `rotary`)."""
 
     rotary = ("llama", "LlamaRotaryEmbedding")
 
@@ -125,6 +125,13 @@ class LlamaForCausalLM(CausalLM):
         )
 
     # ── the family's switches ─────────────────────────────────────────────────────────────
+    qk_norm = False  # Qwen3: q and k normalised per head before the rotation
+
+    def biases(self, config) -> tuple[bool, bool, bool]:
+        """Which projections have biases: (q/k/v, o, MLP), as the family's module builds them."""
+        attention = bool(getattr(config, "attention_bias", False))
+        return attention, attention, bool(getattr(config, "mlp_bias", False))
+
     def norm(self, size: int) -> torch.nn.Module:
         return RMSNorm(size, self.config.rms_norm_eps, self.place)
 
@@ -132,7 +139,7 @@ class LlamaForCausalLM(CausalLM):
         return None
 
     def attention(self, config, index: int) -> Attention:
-        bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias, o_bias, _ = self.biases(config)
         return Attention(
             index,
             config.hidden_size,
@@ -140,15 +147,19 @@ class LlamaForCausalLM(CausalLM):
             getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             head_dim_of(config),
             self.place,
-            qkv_bias=bias,
-            o_bias=bias,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
             window=self.window(config, index),
+            qk_norm=self.norm if self.qk_norm else None,
         )
 
     def mlp(self, config, index: int) -> torch.nn.Module:
-        bias = bool(getattr(config, "mlp_bias", False))
         return GatedMLP(
-            config.hidden_size, config.intermediate_size, config.hidden_act, self.place, bias
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            self.place,
+            self.biases(config)[2],
         )
 
     # ── the runner's calls ────────────────────────────────────────────────────────────────
@@ -196,22 +207,11 @@ class LlamaForCausalLM(CausalLM):
 class MistralForCausalLM(LlamaForCausalLM):
     rotary = ("mistral", "MistralRotaryEmbedding")
 
+    def biases(self, config) -> tuple[bool, bool, bool]:
+        return False, False, False
+
     def window(self, config, index: int) -> int | None:
         return getattr(config, "sliding_window", None) or None  # every layer
-
-    def attention(self, config, index: int) -> Attention:
-        return Attention(
-            index,
-            config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            head_dim_of(config),
-            self.place,
-            window=self.window(config, index),
-        )
-
-    def mlp(self, config, index: int) -> torch.nn.Module:
-        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, self.place)
 
 
 def window_by_layer_type(config, index: int) -> int | None:
@@ -225,36 +225,17 @@ def window_by_layer_type(config, index: int) -> int | None:
 class Qwen2ForCausalLM(MistralForCausalLM):
     rotary = ("qwen2", "Qwen2RotaryEmbedding")
 
+    def biases(self, config) -> tuple[bool, bool, bool]:
+        return True, False, False  # q, k and v have biases; o and the MLP do not
+
     def window(self, config, index: int) -> int | None:
         return window_by_layer_type(config, index)
-
-    def attention(self, config, index: int) -> Attention:
-        return Attention(
-            index,
-            config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            head_dim_of(config),
-            self.place,
-            qkv_bias=True,  # q, k and v have biases; o does not
-            window=self.window(config, index),
-        )
 
 
 class Qwen3ForCausalLM(Qwen2ForCausalLM):
     rotary = ("qwen3", "Qwen3RotaryEmbedding")
+    qk_norm = True
 
-    def attention(self, config, index: int) -> Attention:
-        bias = bool(getattr(config, "attention_bias", False))
-        return Attention(
-            index,
-            config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            head_dim_of(config),
-            self.place,
-            qkv_bias=bias,
-            o_bias=bias,
-            window=self.window(config, index),
-            qk_norm=self.norm,  # per head, before the rotation
-        )
+    def biases(self, config) -> tuple[bool, bool, bool]:
+        attention = bool(getattr(config, "attention_bias", False))
+        return attention, attention, False

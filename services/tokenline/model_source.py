@@ -38,7 +38,7 @@ class ModelSource:
         """
         if override:
             return override
-        config = self.load_config()
+        config = self.load_config().get_text_config()  # a multimodal model's decoder
         for attr in ("max_position_embeddings", "n_positions", "max_sequence_length"):
             value = getattr(config, attr, None)
             if value:

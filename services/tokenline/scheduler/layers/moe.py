@@ -35,9 +35,10 @@ PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 MIXTRAL_PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down"}
 
 
-def grouped_gemm_available(device: torch.device) -> bool:
-    """One grouped GEMM per projection on CUDA, where torch offers it."""
-    return device.type == "cuda" and hasattr(F, "grouped_mm")
+def grouped_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """One grouped GEMM per projection on CUDA, where torch offers it (its CUDA kernels take
+    bf16)."""
+    return device.type == "cuda" and dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
 
 
 class Experts(Layer):
@@ -57,7 +58,9 @@ class Experts(Layer):
         self.w13 = place.stacked(num_experts, 2 * self.local, hidden)
         self.w2 = place.stacked(num_experts, hidden, self.local)
         self.act_fn = ACT2FN[act].forward  # the function, not a module call
-        self.grouped = grouped_gemm_available(place.device) if grouped is None else grouped
+        if grouped is None:
+            grouped = grouped_gemm_available(place.device, place.dtype)
+        self.grouped = grouped
 
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor

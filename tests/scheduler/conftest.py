@@ -79,6 +79,7 @@ def make_engine(
         dense_decode: bool = True,
         prefix_caching: bool = True,
         grammars: bool = False,
+        attention_backend: str = "auto",
     ) -> Engine:
         memory = kv_blocks * bytes_per_block if kv_blocks is not None else kv_cache_memory
         runner = ModelRunner(
@@ -87,6 +88,7 @@ def make_engine(
             dtype="float32",
             kv_cache_memory=memory,
             dense_decode=dense_decode,
+            attention_backend=attention_backend,
         )
         if kv_blocks is not None:
             assert runner.num_blocks == kv_blocks

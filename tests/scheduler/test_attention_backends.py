@@ -1,7 +1,9 @@
 """Every attention backend against a plain reference: transformers' own forward over each
 sequence's whole context. Per sampled position the logits agree to float32 tolerance, and the
 greedy tokens are the reference's and the same for every backend, for plain decode, chunked
-prefill (chunks that continue a prompt), prefix-cache hits and sliding-window models."""
+prefill (chunks that continue a prompt), prefix-cache hits and sliding-window models. The flex
+backend runs here eagerly (torch's unfused flex_attention, which reads every slot and trusts
+only the mask) and compiled (inductor's kernel, which reads only the listed blocks)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from tokenline.scheduler import attention
 from tokenline.scheduler.engine import Engine, EngineLimits
 from tokenline.scheduler.runner import ModelRunner
 
-BUILT = ["sdpa", "dense-cpu"]
+BUILT = ["sdpa", "dense-cpu", "flex"]
 MODELS = {
     "llama": FAMILIES["llama"],
     "qwen3": FAMILIES["qwen3"],
@@ -61,6 +63,8 @@ PATHS = {
     "prefix-hits": {"FirstChunkPrefill", "ContinuedPrefill"},
 }
 DECODE_PATH = {"sdpa": "GatherDecode", "dense-cpu": "DenseDecode"}
+# flex has one kind of batch for decode rows and for chunks: what each scenario must have used
+FLEX_PARTS = {"decode": {1, 23}, "chunked-prefill": {1, 16}, "prefix-hits": {1, 37}}
 SCENARIOS = {
     "decode": scenario_decode,
     "chunked-prefill": scenario_chunked_prefill,
@@ -77,7 +81,7 @@ def run(engine: Engine) -> None:
         engine.step()
 
 
-def recorded_run(backend: str, path, scenario):
+def recorded_run(backend: str, path, scenario, compiled: bool = False):
     """Run ``scenario`` on a runner with ``backend``; return each sequence's tokens and the
     logits of every position it sampled at: {uid: {tokens known: logits}}."""
     runner = ModelRunner(
@@ -87,6 +91,7 @@ def recorded_run(backend: str, path, scenario):
         kv_cache_memory=2**20,
         torch_threads=1,
         attention_backend=backend,
+        compile_layers=compiled,
     )
     assert runner.attention.name == backend
     logits_at: dict[str, dict[int, torch.Tensor]] = {}
@@ -105,7 +110,10 @@ def recorded_run(backend: str, path, scenario):
 
     def recording_prepare(step):
         metadata = prepare(step)
-        paths_used.update(type(path).__name__ for path, _ in metadata.parts)
+        if backend == "flex":  # the longest query count of each batch
+            paths_used.update(part.shape[1] for part in metadata.parts)
+        else:
+            paths_used.update(type(path).__name__ for path, _ in metadata.parts)
         return metadata
 
     runner.attention.prepare = recording_prepare
@@ -130,31 +138,57 @@ def test_every_backend_matches_the_reference_forward(model, scenario, tmp_path):
     results = {name: recorded_run(name, tmp_path, SCENARIOS[scenario]) for name in BUILT}
     tokens = results[BUILT[0]][0]
     for name, (got_tokens, logits_at, paths_used) in results.items():
-        assert paths_used == PATHS[scenario] | {DECODE_PATH[name]}, name
+        if name == "flex":
+            assert FLEX_PARTS[scenario] <= paths_used, paths_used
+        else:
+            assert paths_used == PATHS[scenario] | {DECODE_PATH[name]}, name
         assert got_tokens == tokens, f"{name}: greedy tokens differ from {BUILT[0]}'s"
-        for uid, ids in got_tokens.items():
-            with torch.inference_mode():
-                want = reference(torch.tensor([ids])).logits[0].float()
-            for known, got in logits_at[uid].items():
-                torch.testing.assert_close(
-                    got, want[known - 1], rtol=1e-4, atol=1e-4, msg=f"{name} {uid} at {known}"
-                )
-                if known < len(ids):  # the token sampled here is the reference's argmax
-                    assert ids[known] == int(want[known - 1].argmax()), (name, uid, known)
+        assert_matches_reference(reference, name, got_tokens, logits_at)
 
 
-def test_auto_picks_dense_rows_on_cpu_and_paged_sdpa_elsewhere():
+def assert_matches_reference(reference, name: str, got_tokens: dict, logits_at: dict) -> None:
+    for uid, ids in got_tokens.items():
+        with torch.inference_mode():
+            want = reference(torch.tensor([ids])).logits[0].float()
+        for known, got in logits_at[uid].items():
+            torch.testing.assert_close(
+                got, want[known - 1], rtol=1e-4, atol=1e-4, msg=f"{name} {uid} at {known}"
+            )
+            if known < len(ids):  # the token sampled here is the reference's argmax
+                assert ids[known] == int(want[known - 1].argmax()), (name, uid, known)
+
+
+@pytest.mark.parametrize("scenario", ["chunked-prefill", "prefix-hits"])
+def test_compiled_flex_matches_the_reference_forward(scenario, tmp_path):
+    """Inductor's flex kernel reads only the blocks each query tile lists: the lists must hold
+    every block the mask lets a query see, past sliding windows too."""
+    from torch._dynamo.utils import counters
+
+    reference = saved_family_model(MODELS["mistral-window-8"], tmp_path).eval()
+    eager = recorded_run("sdpa", tmp_path, SCENARIOS[scenario])
+    compiled = counters["stats"]["unique_graphs"]
+    tokens, logits_at, _ = recorded_run("flex", tmp_path, SCENARIOS[scenario], compiled=True)
+    assert counters["stats"]["unique_graphs"] > compiled  # inductor built the kernel
+    assert tokens == eager[0]
+    assert_matches_reference(reference, "flex (compiled)", tokens, logits_at)
+
+
+def test_auto_picks_flex_on_cuda_and_dense_rows_on_cpu():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert attention.backend_name("auto", cpu) == "dense-cpu"
     assert attention.backend_name("auto", cpu, dense_decode=False) == "sdpa"
-    assert attention.backend_name("auto", cuda) == "sdpa"
+    assert attention.backend_name("auto", cuda) == "flex"
     assert attention.backend_name("sdpa", cpu) == "sdpa"
 
 
-def test_the_flex_slot_is_registered_and_says_it_is_not_built():
-    shape = attention.AttentionShape(4, 2, 16, torch.float32, torch.device("cpu"), 16, None)
-    with pytest.raises(NotImplementedError, match="not built yet"):
-        attention.choose("flex", shape, torch.zeros(1, 32, 4, 16))
+def test_flex_pages_fit_the_gpu_kernels_key_tile():
+    from tokenline.scheduler.attention.flex import CUDA_BLOCK_SIZE, flex_block_size
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [flex_block_size(cuda, n) for n in (16, 64, 100)] == [64, 64, 128]
+    assert flex_block_size(cpu, 16) == 16
+    assert CUDA_BLOCK_SIZE == 64
+    shape = attention.AttentionShape(4, 2, 16, torch.float32, cpu, 16, None)
     with pytest.raises(ValueError, match="unknown attention backend"):
         attention.choose("flashattention-9", shape, torch.zeros(1, 32, 4, 16))
 
@@ -163,7 +197,8 @@ def test_attention_backend_flag_reaches_the_runner(tiny_source):
     from tokenline.cli import build_parser, settings_from
     from tokenline.scheduler.runner import ModelRunner
 
-    for flag, expected in (("sdpa", "sdpa"), ("dense-cpu", "dense-cpu"), ("auto", "dense-cpu")):
+    cases = (("sdpa", "sdpa"), ("dense-cpu", "dense-cpu"), ("flex", "flex"), ("auto", "dense-cpu"))
+    for flag, expected in cases:
         args = build_parser().parse_args(["scheduler", "--attention-backend", flag])
         settings = settings_from(args)
         runner = ModelRunner(
@@ -174,5 +209,3 @@ def test_attention_backend_flag_reaches_the_runner(tiny_source):
             attention_backend=settings.attention_backend,
         )
         assert runner.attention.name == expected, flag
-    with pytest.raises(SystemExit):  # the unbuilt GPU slot is no choice on the command line
-        build_parser().parse_args(["scheduler", "--attention-backend", "flex"])

@@ -101,18 +101,18 @@ def test_each_adapter_alone_matches_peft(make_engine, adapter_dirs, references, 
 
 
 @pytest.mark.parametrize(
-    "budget,dense_decode",
-    [(2048, True), (5, True), (2048, False)],
-    ids=["whole", "chunked", "gather"],
+    "budget,backend",
+    [(2048, "dense-cpu"), (5, "dense-cpu"), (2048, "sdpa"), (5, "flex")],
+    ids=["whole", "chunked", "gather", "flex-chunked"],
 )
 def test_mixed_batch_of_four_adapters_and_base_matches_peft(
-    make_engine, adapter_dirs, references, prompt_ids, budget, dense_decode
+    make_engine, adapter_dirs, references, prompt_ids, budget, backend
 ):
     """Every prompt under every adapter and the base, all in the same steps: decode rows of
     five models share each step, and chunked prefill mixes prompt and decode rows (and the
-    GPU's gathered decode attention reads the same deltas)."""
+    GPU's attention backends, gathered and read in place, see the same deltas)."""
     engine = lora_engine(
-        make_engine, adapter_dirs, max_num_batched_tokens=budget, dense_decode=dense_decode
+        make_engine, adapter_dirs, max_num_batched_tokens=budget, attention_backend=backend
     )
     logits = record_logits(engine)
     requests = {}

@@ -5,6 +5,7 @@ dead rank ends the stage fast."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -132,6 +133,24 @@ def test_tp2_matches_tp1_tokens_and_logits(source, driver, encode, eos_ids):
     for mine, theirs in zip(logits, expected_logits, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
     assert_idle(engine)
+
+
+def test_tp2_with_flex_attention_matches_tp1(tiny_source, encode, eos_ids):
+    """Each rank reads its own KV heads of the pool in place: the flex backend gives TP=1's
+    tokens and logits too."""
+    single = Engine(ModelRunner(tiny_source, **_kw(tiny_source)), LIMITS, eos_ids, True)
+    prompts = {f"p{i}": encode(text) for i, text in enumerate(PROMPTS[:4])}
+    expected, expected_logits = _run(single, prompts)
+    args = dataclasses.replace(_args(tiny_source), attention_backend="flex")
+    driver = start(args, 2, timeout_s=60)
+    try:
+        assert driver.runner.attention.name == "flex"
+        got, logits = _run(Engine(driver.runner, LIMITS, eos_ids, True), prompts)
+    finally:
+        driver.close()
+    assert got.tokens == expected.tokens
+    for mine, theirs in zip(logits, expected_logits, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
 
 
 def _kw(source) -> dict:

@@ -27,6 +27,7 @@ from tokenline.model_source import ModelSource
 from tokenline.scheduler import attention, models
 from tokenline.scheduler.attention import AttentionShape
 from tokenline.scheduler.attention.decode_contexts import DecodeContexts
+from tokenline.scheduler.attention.flex import flex_block_size
 from tokenline.scheduler.layers.context import ForwardContext
 from tokenline.scheduler.layers.placement import ModelRefused, Placement
 from tokenline.scheduler.lora.adapters import ModelShape
@@ -73,6 +74,7 @@ class ModelRunner:
         compile_layers: bool = False,
         attention_backend: str = "auto",
         model_impl: str = "auto",
+        max_model_len: int | None = None,
     ) -> None:
         self.device = pick_device(device)
         if self.device.type == "cpu":
@@ -95,6 +97,9 @@ class ModelRunner:
         self.num_kv_heads = geometry.num_kv_heads
         self.head_dim = geometry.head_dim
         self.vocab_size = self.model.vocab_size
+        backend = attention.backend_name(attention_backend, self.device, dense_decode)
+        if backend == "flex":  # its pages must fit the kernels' tiles
+            block_size = flex_block_size(self.device, block_size)
         self.block_size = block_size
         self.num_blocks = self._size_pool(kv_cache_memory, gpu_memory_utilization)
         slots = self.num_blocks * block_size
@@ -106,7 +111,7 @@ class ModelRunner:
         self._slides = [layer.slides for layer in geometry.layers]
         # Chosen once: how every step's attention is computed (attention/__init__.py).
         self.attention = attention.choose(
-            attention.backend_name(attention_backend, self.device, dense_decode),
+            backend,
             AttentionShape(
                 num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads,
@@ -115,6 +120,8 @@ class ModelRunner:
                 device=self.device,
                 block_size=block_size,
                 window=self.window,
+                compile=compile_layers,
+                max_blocks_per_seq=-(-max_model_len // block_size) if max_model_len else 0,
             ),
             self.kv_cache,
         )

@@ -38,6 +38,7 @@ class StepBatch:
     sample_rows: torch.Tensor  # the last token row of every chunk that samples
     decode: DecodeRows
     first_spans: list[tuple[int, int]]  # chunks that start a prompt: (row start, n)
+    first_tables: list[list[int]]  # their block tables, in the same order
     # chunks that continue a prompt: (row start, n, block table, context start)
     continued: list[tuple[int, int, list[int], int]]
 
@@ -77,6 +78,7 @@ def build_step_batch(chunks: list[Chunk], *, block_size: int, device: torch.devi
     slots: list[int] = []
     decode = DecodeRows()
     first_spans: list[tuple[int, int]] = []
+    first_tables: list[list[int]] = []
     continued: list[tuple[int, int, list[int], int]] = []
     sample_rows: list[int] = []
     row = 0
@@ -101,6 +103,7 @@ def build_step_batch(chunks: list[Chunk], *, block_size: int, device: torch.devi
             slots.extend(table[p // bs] * bs + p % bs for p in span)
             if start == 0:
                 first_spans.append((row, n))
+                first_tables.append(table)
             else:
                 continued.append((row, n, table, start))
         row += n
@@ -115,5 +118,6 @@ def build_step_batch(chunks: list[Chunk], *, block_size: int, device: torch.devi
         sample_rows=flat[3 * row :],
         decode=decode,
         first_spans=first_spans,
+        first_tables=first_tables,
         continued=continued,
     )

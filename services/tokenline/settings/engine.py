@@ -124,11 +124,12 @@ ENGINE: tuple[Setting, ...] = (
     Setting(
         "attention-backend",
         default="auto",
-        help="how attention is computed (scheduler/attention): sdpa (paged, read from the KV "
-        "pool), dense-cpu (decode rows kept dense between steps); auto: dense-cpu on CPU, "
-        "sdpa elsewhere",
+        help="how attention is computed (scheduler/attention): flex (paged, read in place by "
+        "flex_attention; compiled on CUDA and with --compile), sdpa (paged, contexts gathered "
+        "from the KV pool), dense-cpu (decode rows kept dense between steps); auto: flex on "
+        "CUDA, dense-cpu on CPU",
         stages=SCHEDULER,
-        choices=("auto", "sdpa", "dense-cpu"),
+        choices=("auto", "flex", "sdpa", "dense-cpu"),
     ),
     Setting(
         "model-impl",

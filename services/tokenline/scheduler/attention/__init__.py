@@ -2,15 +2,13 @@
 
 ``choose`` picks the runner's backend once, at start, by name:
 
+- ``flex`` (``flex.FlexAttentionBackend``): paged attention read in place by torch's
+  flex_attention, with a block mask built from the block tables. The default on CUDA.
 - ``sdpa`` (``sdpa.SdpaBackend``): paged SDPA; decode tokens gather their contexts from the
-  pool (``decode.GatherDecode``). The default off CPU.
+  pool (``decode.GatherDecode``).
 - ``dense-cpu`` (``sdpa.DenseCpuBackend``): the same, but decode tokens read dense per-sequence
   copies of their contexts (``decode.DenseDecode``, ``decode_contexts.py``). The default on
   CPU.
-- ``flex`` (``flex.FlexAttentionBackend``): the slot for a block-table kernel on GPUs
-  (torch's flex_attention with a paged BlockMask, or FlashInfer). Not built yet: choosing it
-  raises NotImplementedError.
-
 Both SDPA backends route prefill the same way (``prefill.py``): the chunks that start a
 prompt as one padded causal batch, each chunk that continues one over its context in the pool.
 A new kernel is one ``AttentionBackend`` subclass (or one ``AttentionPath`` swapped into
@@ -36,10 +34,12 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
 
 
 def backend_name(requested: str, device: torch.device, dense_decode: bool = True) -> str:
-    """``auto``: dense decode rows on CPU (unless turned off), paged SDPA elsewhere."""
+    """``auto``: flex on CUDA; on CPU the dense decode rows (unless turned off), else SDPA."""
     if requested != "auto":
         return requested
-    return "dense-cpu" if device.type == "cpu" and dense_decode else "sdpa"
+    if device.type == "cuda":
+        return "flex"
+    return "dense-cpu" if dense_decode else "sdpa"
 
 
 def choose(name: str, shape: AttentionShape, kv_cache: torch.Tensor) -> AttentionBackend:

@@ -35,6 +35,8 @@ class AttentionShape:
     device: torch.device
     block_size: int  # tokens per KV pool block
     window: int | None  # the model's sliding window, if any of its layers slide
+    compile: bool = False  # compile the kernels (--compile); the flex backend always does on CUDA
+    max_blocks_per_seq: int = 0  # the most blocks one sequence holds (0: the whole pool)
 
 
 @dataclass(frozen=True)

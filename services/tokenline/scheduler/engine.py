@@ -10,8 +10,6 @@ from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-import torch
-
 from tokenline.protocol import SamplingParams, TokenOutput
 from tokenline.scheduler import prompt_logprobs
 from tokenline.scheduler.grammar import GrammarCompiler, GrammarError
@@ -22,6 +20,7 @@ from tokenline.scheduler.policy import BatchPolicy, Chunk, StepOutput
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.scheduler.sampler import plain_sampling, sample_with_logprobs
 from tokenline.scheduler.sequence import Sequence
+from tokenline.scheduler.step_inputs import long_tensor, to_device
 from tokenline.scheduler.step_times import StepTimes, lap
 from tokenline.settings import BY_FLAG
 
@@ -322,7 +321,7 @@ class Engine:
         read_only = [seq for seq in sampling_seqs if seq.sampling.max_tokens == 0]
         if read_only:
             rest = [i for i, seq in enumerate(sampling_seqs) if seq.sampling.max_tokens != 0]
-            keep = torch.tensor(rest, dtype=torch.long, device=logits.device)
+            keep = to_device(long_tensor(rest), logits.device)
             logits, sampling_seqs = logits.index_select(0, keep), [sampling_seqs[i] for i in rest]
         tokens: list[int] = []
         logprobs: list = []

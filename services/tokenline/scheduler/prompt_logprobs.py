@@ -23,7 +23,7 @@ import torch
 
 from tokenline.protocol import TokenLogprobs
 from tokenline.scheduler.policy import Chunk
-from tokenline.scheduler.sampler import reduce_logprobs, token_logprobs
+from tokenline.scheduler.sampler import copy_back, reduce_logprobs, token_logprobs
 from tokenline.scheduler.sequence import Sequence
 
 # Logits elements per slice: 2**25 float32 values are 128 MiB (twice that with log_softmax's
@@ -100,7 +100,7 @@ def score(runner, hidden: torch.Tensor, spans: list[Span]) -> list[tuple[Sequenc
         del logits
         parts.append(reduce_logprobs(raw, target_ids[start : start + rows], top_n))
         del raw  # the slice's logits are gone before the next slice's exist
-    reduced = tuple(torch.cat(column) for column in zip(*parts, strict=True))
+    reduced = copy_back(*(torch.cat(column) for column in zip(*parts, strict=True)))
     entries: list[TokenLogprobs] = token_logprobs(targets, reduced, top_ns)
     scored = []
     at = 0

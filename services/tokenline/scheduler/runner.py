@@ -33,7 +33,7 @@ from tokenline.scheduler.layers.placement import ModelRefused, Placement
 from tokenline.scheduler.lora.adapters import ModelShape
 from tokenline.scheduler.lora.apply import LoraStep, LoraWeights
 from tokenline.scheduler.policy import Chunk
-from tokenline.scheduler.step_inputs import StepBatch, build_step_batch
+from tokenline.scheduler.step_inputs import StepBatch, build_step_batch, long_tensor, to_device
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ class ModelRunner:
             for chunk in prepared.chunks:
                 starts.append(starts[-1] + chunk.num_tokens)
             kept = [starts[k] + first + i for k, first, n in spans for i in range(n)]
-            rows = torch.cat((rows, torch.tensor(kept, dtype=torch.long, device=self.device)))
+            rows = torch.cat((rows, to_device(long_tensor(kept), self.device)))
         context = ForwardContext(
             step.positions,
             step.max_position,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from tokenline.protocol import SamplingParams, TokenLogprobs
 from tokenline.scheduler.sequence import Sequence
-from tokenline.scheduler.step_inputs import float_tensor, long_tensor
+from tokenline.scheduler.step_inputs import float_tensor, long_tensor, to_device
 
 _NEG_INF = float("-inf")
 _LARGEST_UNDER_ONE = 1 - 2**-24  # in float32
@@ -39,26 +41,6 @@ def plain_sampling(sampling: SamplingParams) -> bool:
     return all(getattr(sampling, f) == getattr(_DEFAULTS, f) for f in _SAMPLER_FIELDS)
 
 
-def _apply_penalties(logits: torch.Tensor, row: int, seq: Sequence) -> None:
-    s = seq.sampling
-    if not seq.output_ids and s.repetition_penalty == 1.0:
-        return
-    device = logits.device
-    if s.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.prompt_ids + seq.output_ids)), device=device)
-        values = logits[row, seen]
-        logits[row, seen] = torch.where(
-            values > 0, values / s.repetition_penalty, values * s.repetition_penalty
-        )
-    if seq.output_ids and (s.frequency_penalty or s.presence_penalty):
-        counts = torch.bincount(
-            torch.tensor(seq.output_ids, device=device), minlength=logits.shape[1]
-        ).to(logits.dtype)
-        logits[row] -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0).to(
-            logits.dtype
-        )
-
-
 @torch.inference_mode()  # the logits come from an inference-mode forward; edits stay in it
 def sample_with_logprobs(
     logits: torch.Tensor,
@@ -82,18 +64,35 @@ def sample_with_logprobs(
     tokens = _sample(logits, seqs, eos_ids, allowed)
     out: list[TokenLogprobs | None] = [None] * len(seqs)
     if raw is None:
-        return tokens.tolist(), out
-    rows = torch.tensor(asked, device=logits.device)
+        return tokens.tolist(), out  # the step's one copy back to the host
+    rows = to_device(long_tensor(asked), logits.device)
     top_n = max(seqs[i].sampling.logprobs for i in asked)
     reduced = reduce_logprobs(raw, tokens[rows], top_n)
-    # copied back only now, after every kernel of the step is queued
-    token_list = tokens.tolist()
+    # the tokens and the logprobs come back in one copy, after every kernel of the step
+    token_list, *lists = copy_back(tokens, *reduced)
+    token_list = [int(t) for t in token_list]
     entries = token_logprobs(
-        [token_list[i] for i in asked], reduced, [seqs[i].sampling.logprobs for i in asked]
+        [token_list[i] for i in asked], lists, [seqs[i].sampling.logprobs for i in asked]
     )
     for i, entry in zip(asked, entries, strict=True):
         out[i] = entry
     return token_list, out
+
+
+def copy_back(*tensors: torch.Tensor) -> list[list]:
+    """Several device tensors' values as lists, in one copy to the host: packed as float64,
+    which holds every token id and every float32 logprob exactly. Rows of a 2-D tensor stay
+    rows."""
+    packed = torch.cat([t.reshape(-1).double() for t in tensors]).tolist()
+    lists, at = [], 0
+    for t in tensors:
+        flat = packed[at : at + t.numel()]
+        at += t.numel()
+        if t.dim() == 2:
+            width = t.shape[1]
+            flat = [flat[i * width : (i + 1) * width] for i in range(t.shape[0])]
+        lists.append(flat)
+    return lists
 
 
 def reduce_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, top_n: int) -> Reduced:
@@ -105,24 +104,21 @@ def reduce_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, top_n: int) -> R
     return chosen, top_values, top_ids
 
 
-def token_logprobs(
-    token_ids: list[int], reduced: Reduced, top_ns: list[int]
-) -> list[TokenLogprobs]:
-    """`reduce_logprobs`'s rows copied back as one `TokenLogprobs` each, row k keeping its
-    ``top_ns[k]`` alternatives."""
-    chosen, top_values, top_ids = (t.tolist() for t in reduced)
+def token_logprobs(token_ids: list[int], reduced: list, top_ns: list[int]) -> list[TokenLogprobs]:
+    """`reduce_logprobs`'s rows, copied back (`copy_back`), as one `TokenLogprobs` each, row k
+    keeping its ``top_ns[k]`` alternatives."""
+    chosen, top_values, top_ids = reduced
     return [
-        TokenLogprobs(token_id=token, logprob=value, top_ids=ids[:n], top_logprobs=values[:n])
+        TokenLogprobs(
+            token_id=token,
+            logprob=value,
+            top_ids=[int(i) for i in ids[:n]],
+            top_logprobs=values[:n],
+        )
         for token, value, ids, values, n in zip(
             token_ids, chosen, top_ids, top_values, top_ns, strict=True
         )
     ]
-
-
-def _apply_logit_bias(logits: torch.Tensor, row: int, bias: dict[int, float]) -> None:
-    device = logits.device
-    ids = torch.tensor(list(bias), device=device)
-    logits[row, ids] += torch.tensor(list(bias.values()), device=device, dtype=logits.dtype)
 
 
 def _sample(
@@ -134,20 +130,10 @@ def _sample(
     # the common case, every row at the defaults: one pass over the rows instead of ten
     if allowed is None and all(seq.plain_sampling for seq in seqs):
         return _draw(torch.softmax(logits, dim=-1), seqs)
-    for row, seq in enumerate(seqs):
-        s = seq.sampling
-        if s.logit_bias:
-            _apply_logit_bias(logits, row, s.logit_bias)
-        if s.repetition_penalty != 1.0 or s.frequency_penalty or s.presence_penalty:
-            _apply_penalties(logits, row, seq)
-        # a grammar decides when the output may end: min_tokens must not ban what it allows
-        if len(seq.output_ids) < s.min_tokens and seq.matcher is None:
-            banned = ([] if s.ignore_eos else eos_ids) + list(s.stop_token_ids)
-            if banned:
-                logits[row, banned] = _NEG_INF
+    _edit_logits(logits, seqs, eos_ids)
     if allowed is not None:
         rows, mask = allowed
-        index = torch.tensor(rows, device=logits.device)
+        index = to_device(long_tensor(rows), logits.device)
         logits[index] = logits[index].masked_fill(~mask, _NEG_INF)
 
     temperatures = [s.sampling.temperature for s in seqs]
@@ -164,7 +150,7 @@ def _sample(
     # must not depend on what shares its batch.
     if any(t != 1.0 for t in temperatures):
         temps = float_tensor([t if t >= _GREEDY_BELOW else 1.0 for t in temperatures])
-        logits = logits / temps.to(device).unsqueeze(1)
+        logits = logits / to_device(temps, device).unsqueeze(1)
     top_k = [s.sampling.top_k for s in seqs]
     top_p = [s.sampling.top_p for s in seqs]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
@@ -172,13 +158,13 @@ def _sample(
     probs = torch.softmax(logits, dim=-1)
     min_p = [s.sampling.min_p for s in seqs]
     if any(m > 0 for m in min_p):
-        floor = float_tensor(min_p).to(device).unsqueeze(1)
+        floor = to_device(float_tensor(min_p), device).unsqueeze(1)
         keep = probs >= floor * probs.max(dim=-1, keepdim=True).values
         probs = torch.where(keep, probs, torch.zeros_like(probs))
 
     if tokens is None:
         return _draw(probs, seqs)
-    rows = long_tensor(sampled).to(device)
+    rows = to_device(long_tensor(sampled), device)
     tokens[rows] = _draw(probs.index_select(0, rows), [seqs[i] for i in sampled])
     return tokens
 
@@ -214,11 +200,62 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     vocab = logits.shape[1]
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=logits.device)
+    k = to_device(long_tensor([kk if kk > 0 else vocab for kk in top_k]), logits.device)
     sorted_logits = sorted_logits.masked_fill(ranks >= k.unsqueeze(1), _NEG_INF)
-    p = torch.tensor(top_p, device=logits.device, dtype=logits.dtype)
+    p = to_device(float_tensor(top_p), logits.device)
     probs = torch.softmax(sorted_logits, dim=-1)
     # drop a token when the tokens ranked above it already cover p
     cumulative = torch.cumsum(probs, dim=-1) - probs
     sorted_logits = sorted_logits.masked_fill(cumulative >= p.unsqueeze(1), _NEG_INF)
     return torch.full_like(logits, _NEG_INF).scatter(1, order, sorted_logits)
+
+
+def _edit_logits(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> None:
+    """Every row's logit bias, penalties and min_tokens ban, in place, as a few batched
+    writes: each kind of edit is gathered on the host as (row, token, value) triples, copied to
+    the device once and applied to every row at once, in the order a row's own edits go (bias,
+    repetition penalty, frequency and presence penalties, then the ban)."""
+    bias: list[list] = [[], [], []]  # rows, tokens, biases
+    repeated: list[list] = [[], [], []]  # rows, tokens seen, penalty
+    counted: list[list] = [[], [], [], [], []]  # rows, tokens output, count, frequency, presence
+    banned: list[list] = [[], []]  # rows, tokens
+    for row, seq in enumerate(seqs):
+        s = seq.sampling
+        if s.logit_bias:
+            bias[0] += [row] * len(s.logit_bias)
+            bias[1] += list(s.logit_bias)
+            bias[2] += list(s.logit_bias.values())
+        if s.repetition_penalty != 1.0:
+            seen = sorted(set(seq.prompt_ids + seq.output_ids))
+            repeated[0] += [row] * len(seen)
+            repeated[1] += seen
+            repeated[2] += [s.repetition_penalty] * len(seen)
+        if seq.output_ids and (s.frequency_penalty or s.presence_penalty):
+            counts = Counter(seq.output_ids)
+            counted[0] += [row] * len(counts)
+            counted[1] += list(counts)
+            counted[2] += list(counts.values())
+            counted[3] += [s.frequency_penalty] * len(counts)
+            counted[4] += [s.presence_penalty] * len(counts)
+        # a grammar decides when the output may end: min_tokens must not ban what it allows
+        if len(seq.output_ids) < s.min_tokens and seq.matcher is None:
+            ban = ([] if s.ignore_eos else eos_ids) + list(s.stop_token_ids)
+            banned[0] += [row] * len(ban)
+            banned[1] += ban
+    device = logits.device
+    if bias[0]:
+        rows, tokens = (to_device(long_tensor(v), device) for v in bias[:2])
+        logits.index_put_((rows, tokens), to_device(float_tensor(bias[2]), device), True)
+    if repeated[0]:
+        rows, tokens = (to_device(long_tensor(v), device) for v in repeated[:2])
+        penalty = to_device(float_tensor(repeated[2]), device)
+        values = logits[rows, tokens]
+        logits[rows, tokens] = torch.where(values > 0, values / penalty, values * penalty)
+    if counted[0]:
+        rows, tokens = (to_device(long_tensor(v), device) for v in counted[:2])
+        count, frequency, presence = (to_device(float_tensor(v), device) for v in counted[2:])
+        # as a dense row of counts would subtract: frequency * count + presence * (count > 0)
+        logits[rows, tokens] -= frequency * count + presence
+    if banned[0]:
+        rows, tokens = (to_device(long_tensor(v), device) for v in banned)
+        logits[rows, tokens] = _NEG_INF

@@ -61,6 +61,16 @@ def float_tensor(values: list[float]) -> torch.Tensor:
     return torch.frombuffer(array("f", values), dtype=torch.float32) if values else torch.empty(0)
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``, without making the host wait: on CUDA it is copied from
+    pinned memory, asynchronously (a copy from pageable memory first waits for every kernel
+    queued before it; torch's caching host allocator keeps the pinned block until the copy is
+    done); on the CPU it is the tensor itself."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
     """Pool slots of positions ``start..end-1`` of a sequence with this block table."""
     table = torch.tensor(block_table, dtype=torch.long)
@@ -109,7 +119,7 @@ def build_step_batch(chunks: list[Chunk], *, block_size: int, device: torch.devi
         row += n
         if chunk.samples:
             sample_rows.append(row - 1)
-    flat = long_tensor(ids + positions + slots + sample_rows).to(device)
+    flat = to_device(long_tensor(ids + positions + slots + sample_rows), device)
     return StepBatch(
         input_ids=flat[:row],
         positions=flat[row : 2 * row],

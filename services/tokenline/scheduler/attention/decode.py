@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from tokenline.scheduler.attention.base import AttentionLayer, AttentionPath, AttentionShape
 from tokenline.scheduler.attention.decode_contexts import DecodeContexts, DecodePlan, decode_masks
-from tokenline.scheduler.step_inputs import StepBatch, long_tensor, slots_of
+from tokenline.scheduler.step_inputs import StepBatch, long_tensor, slots_of, to_device
 
 
 @dataclass
@@ -41,7 +41,7 @@ class DenseMetadata:
 def _decode_rows(step: StepBatch, device: torch.device) -> torch.Tensor | None:
     if step.decode_only:
         return None
-    return long_tensor(step.decode.rows).to(device)
+    return to_device(long_tensor(step.decode.rows), device)
 
 
 def _grouped_queries(q: torch.Tensor, rows: torch.Tensor | None, shape: AttentionShape):
@@ -72,9 +72,9 @@ class GatherDecode(AttentionPath):
         mask, window_mask = decode_masks(decode.lens, lmax, shape.window, shape.dtype)
         return GatherMetadata(
             rows=_decode_rows(step, shape.device),
-            gather=gather.to(shape.device),
-            mask=mask.to(shape.device),
-            window_mask=None if window_mask is None else window_mask.to(shape.device),
+            gather=to_device(gather, shape.device),
+            mask=to_device(mask, shape.device),
+            window_mask=None if window_mask is None else to_device(window_mask, shape.device),
         )
 
     def forward(self, q, kv, layer: AttentionLayer, metadata: GatherMetadata) -> torch.Tensor:

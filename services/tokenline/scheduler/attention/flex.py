@@ -27,7 +27,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from tokenline.scheduler.attention.base import AttentionBackend, AttentionLayer, AttentionShape
-from tokenline.scheduler.step_inputs import StepBatch
+from tokenline.scheduler.step_inputs import StepBatch, long_tensor, to_device
 
 # The query tile of a prefill block mask: a multiple of every Triton forward kernel's BLOCK_M
 # (128, 64 or 32 by GPU, dtype and head size in torch's flex heuristics).
@@ -122,16 +122,16 @@ class FlexAttentionBackend(AttentionBackend):
         seq = torch.arange(count).unsqueeze(1).expand(count, blocks)
         place = torch.arange(blocks, dtype=torch.int32).unsqueeze(0).expand(count, blocks)
         logical[seq[used], table[used]] = place[used]
-        sequences = (logical.to(device), starts.to(device), lens.to(device))
+        sequences = tuple(to_device(t, device) for t in (logical, starts, lens))
         mask = self._mask(table, starts, lens, longest, sequences, None)
         window_mask = None
         if shape.window is not None and int((starts + lens).max()) > shape.window:
             window_mask = self._mask(table, starts, lens, longest, sequences, shape.window)
         padded = len(valid) != len(index)
         return FlexRows(
-            rows=None if every_row else torch.tensor(real, dtype=torch.long, device=device),
-            index=torch.tensor(index, dtype=torch.long, device=device),
-            valid=torch.tensor(valid, dtype=torch.long, device=device) if padded else None,
+            rows=None if every_row else to_device(long_tensor(real), device),
+            index=to_device(long_tensor(index), device),
+            valid=to_device(long_tensor(valid), device) if padded else None,
             shape=(count, longest),
             mask=mask,
             window_mask=window_mask,
@@ -153,8 +153,8 @@ class FlexAttentionBackend(AttentionBackend):
         listed = offsets < (first_block + counts).unsqueeze(-1)
         gathered = table.gather(1, offsets.clamp(max=table.shape[1] - 1).flatten(1))
         kv_indices = torch.where(listed, gathered.view_as(offsets), 0).to(torch.int32)
-        kv_num = counts.to(torch.int32).unsqueeze(1).to(device)
-        kv_indices = kv_indices.unsqueeze(1).to(device)
+        kv_num = to_device(counts.to(torch.int32).unsqueeze(1), device)
+        kv_indices = to_device(kv_indices.unsqueeze(1), device)
         return BlockMask.from_kv_blocks(
             kv_num,
             kv_indices,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenline.scheduler.attention.base import AttentionLayer, AttentionPath
-from tokenline.scheduler.step_inputs import StepBatch, slots_of
+from tokenline.scheduler.step_inputs import StepBatch, long_tensor, slots_of, to_device
 
 
 @dataclass
@@ -63,12 +63,12 @@ class FirstChunkPrefill(AttentionPath):
                 pos.unsqueeze(0) > pos.unsqueeze(1) - window
             )
             window_mask = torch.zeros(visible.shape, dtype=self.shape.dtype)
-            window_mask = window_mask.masked_fill_(~visible, -torch.inf).to(device)
+            window_mask = to_device(window_mask.masked_fill_(~visible, -torch.inf), device)
         return FirstChunks(
-            index=torch.tensor(index, dtype=torch.long, device=device),
+            index=to_device(long_tensor(index), device),
             shape=(len(spans), longest),
-            valid=torch.tensor(valid, dtype=torch.long, device=device) if padded else None,
-            rows=torch.tensor(rows, dtype=torch.long, device=device),
+            valid=to_device(long_tensor(valid), device) if padded else None,
+            rows=to_device(long_tensor(rows), device),
             window_mask=window_mask,
         )
 
@@ -97,11 +97,11 @@ class ContinuedPrefill(AttentionPath):
             return None
         bs, device = self.shape.block_size, self.shape.device
         chunks = [
-            (row, n, slots_of(table, 0, start + n, bs).to(device), start)
+            (row, n, to_device(slots_of(table, 0, start + n, bs), device), start)
             for row, n, table, start in step.continued
         ]
         rows = [r for row, n, _, _ in chunks for r in range(row, row + n)]
-        return ContinuedChunks(torch.tensor(rows, dtype=torch.long, device=device), chunks)
+        return ContinuedChunks(to_device(long_tensor(rows), device), chunks)
 
     def forward(self, q, kv, layer: AttentionLayer, metadata: ContinuedChunks) -> torch.Tensor:
         kvh, device, window = self.shape.num_kv_heads, self.shape.device, self.shape.window

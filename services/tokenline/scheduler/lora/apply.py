@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenline.scheduler.lora.adapters import LoraAdapter
+from tokenline.scheduler.step_inputs import long_tensor, to_device
 
 # The runner's projections and the linears each fuses, in its column order (layers.py).
 PROJECTIONS: dict[str, tuple[str, ...]] = {
@@ -107,7 +108,7 @@ class LoraWeights:
         the forward skips LoRA entirely."""
         if all(s < 0 for s in token_slots):
             return None
-        idx = torch.tensor(token_slots, dtype=torch.long, device=self.device)
+        idx = to_device(long_tensor(token_slots), self.device)
         onehot = idx.unsqueeze(1) == torch.arange(self.slots, device=self.device)
         return LoraStep(onehot.to(self.dtype).view(len(token_slots), 1, self.slots, 1))
 

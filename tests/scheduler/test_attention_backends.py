@@ -158,8 +158,18 @@ def assert_matches_reference(reference, name: str, got_tokens: dict, logits_at: 
                 assert ids[known] == int(want[known - 1].argmax()), (name, uid, known)
 
 
+@pytest.fixture
+def fresh_compiler():
+    """Each compiled runner starts from torch's compiler as a serving process does: one pool
+    size, one map shape (a process of tests sees many, and inductor's CPU kernel miscompiles a
+    mask over buffers whose shapes it has seen change)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("scenario", ["chunked-prefill", "prefix-hits"])
-def test_compiled_flex_matches_the_reference_forward(scenario, tmp_path):
+def test_compiled_flex_matches_the_reference_forward(scenario, tmp_path, fresh_compiler):
     """Inductor's flex kernel reads only the blocks each query tile lists: the lists must hold
     every block the mask lets a query see, past sliding windows too."""
     from torch._dynamo.utils import counters

@@ -28,6 +28,7 @@ from tokenline.scheduler import attention, models
 from tokenline.scheduler.attention import AttentionShape
 from tokenline.scheduler.attention.decode_contexts import DecodeContexts
 from tokenline.scheduler.attention.flex import flex_block_size
+from tokenline.scheduler.decode_graphs import DecodeGraphs, capture_sizes
 from tokenline.scheduler.layers.context import ForwardContext
 from tokenline.scheduler.layers.placement import ModelRefused, Placement
 from tokenline.scheduler.lora.adapters import ModelShape
@@ -43,9 +44,10 @@ class PreparedStep:
     """One step's inputs, built by `ModelRunner.prepare` for `ModelRunner.execute`."""
 
     chunks: list[Chunk]
-    step: StepBatch
+    step: StepBatch | None  # None: a decode step in fixed buffers (``bucket``)
     metadata: object  # the attention backend's, for every layer
     lora: LoraStep | None = None  # each row's adapter slot; None: no row uses an adapter
+    bucket: int = 0  # a decode step padded into this bucket's fixed buffers (decode_graphs.py)
 
 
 def pick_device(device: str) -> torch.device:
@@ -75,6 +77,9 @@ class ModelRunner:
         attention_backend: str = "auto",
         model_impl: str = "auto",
         max_model_len: int | None = None,
+        cuda_graph_sizes: list[int] | None = None,
+        enforce_eager: bool = False,
+        max_num_seqs: int = 256,
     ) -> None:
         self.device = pick_device(device)
         if self.device.type == "cpu":
@@ -97,6 +102,7 @@ class ModelRunner:
         self.num_kv_heads = geometry.num_kv_heads
         self.head_dim = geometry.head_dim
         self.vocab_size = self.model.vocab_size
+        self.max_model_len = max_model_len or source.max_model_len()
         backend = attention.backend_name(attention_backend, self.device, dense_decode)
         if backend == "flex":  # its pages must fit the kernels' tiles
             block_size = flex_block_size(self.device, block_size)
@@ -121,10 +127,19 @@ class ModelRunner:
                 block_size=block_size,
                 window=self.window,
                 compile=compile_layers,
-                max_blocks_per_seq=-(-max_model_len // block_size) if max_model_len else 0,
+                max_blocks_per_seq=-(-self.max_model_len // block_size),
+                max_num_seqs=max_num_seqs,
             ),
             self.kv_cache,
         )
+        self.graphs: DecodeGraphs | None = None
+        if not enforce_eager and (self.device.type == "cuda" or cuda_graph_sizes):
+            refusal = self._graph_refusal()
+            if refusal:
+                log.info("decode steps run eagerly: %s", refusal)
+            else:
+                sizes = capture_sizes(cuda_graph_sizes, max_num_seqs)
+                self.graphs = DecodeGraphs(self, sizes, capture=self.device.type == "cuda")
         self.lora: LoraWeights | None = None  # enable_lora's device slots
         self.lora_shape = ModelShape(self.num_layers, self.model.lora_dims)
         self._compiled = False
@@ -153,6 +168,12 @@ class ModelRunner:
             block_size,
             self.attention.name,
         )
+
+    def _graph_refusal(self) -> str:
+        """Why decode steps cannot run over fixed buffers here; "" when they can."""
+        if not hasattr(self.attention, "static_decode"):
+            return f"the {self.attention.name} attention backend has no fixed-buffer decode"
+        return self.model.graph_refusal()
 
     def enable_lora(self, max_loras: int, max_rank: int) -> LoraWeights:
         """Allocate ``max_loras`` zeroed device slots of rank ``max_rank`` for LoRA adapters."""
@@ -221,9 +242,15 @@ class ModelRunner:
     def prepare(self, chunks: list[Chunk]) -> PreparedStep:
         """A step's inputs: the flat batch and every layer's attention metadata. The host work
         before the forward, timed apart from it."""
+        uses_lora = self.lora is not None and any(c.seq.lora_slot >= 0 for c in chunks)
+        if self.graphs is not None and not uses_lora:
+            bucket = self.graphs.bucket_for(chunks)
+            if bucket is not None:
+                self.graphs.prepare(chunks, bucket)
+                return PreparedStep(chunks, None, None, bucket=bucket)
         step = build_step_batch(chunks, block_size=self.block_size, device=self.device)
         lora = None
-        if self.lora is not None and any(c.seq.lora_slot >= 0 for c in chunks):
+        if uses_lora:
             slots = [s for c in chunks for s in [c.seq.lora_slot] * c.num_tokens]
             lora = self.lora.step(slots)
         return PreparedStep(chunks, step, self.attention.prepare(step), lora)
@@ -234,6 +261,9 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward over prepared inputs: logits of the rows that sample, and the kept
         hidden states of ``spans`` (see `forward_keeping`)."""
+        if prepared.bucket:  # decode only: every row samples; padding rows are cut off
+            logits = self.graphs.run(prepared.bucket)[: len(prepared.chunks)]
+            return logits, logits[:0]
         step = prepared.step
         rows = step.sample_rows
         if spans:

@@ -48,6 +48,7 @@ from tokenline.scheduler.parallel import stage as parallel_stage
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.scheduler.step_times import STEP_PHASES
 from tokenline.settings import Settings
+from tokenline.settings.declaration import sizes_of
 from tokenline.stage_runtime import serve_stage
 from tokenline.transport import SyncRing
 
@@ -339,6 +340,10 @@ def run(settings: Settings) -> int:
         compile_layers=settings.compile,
         attention_backend=settings.attention_backend,
         model_impl=settings.model_impl,
+        max_model_len=source.max_model_len(settings.max_model_len),
+        cuda_graph_sizes=sizes_of(settings.cuda_graph_sizes),
+        enforce_eager=settings.enforce_eager,
+        max_num_seqs=settings.max_num_seqs,
     )
     budget = settings.max_num_batched_tokens or default_token_budget(runner.device.type)
     limits = EngineLimits(

@@ -71,6 +71,15 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+def copy_into(target: torch.Tensor, host: torch.Tensor) -> None:
+    """Copy a host tensor into a device buffer that stays where it is (a captured graph reads
+    it there), without making the host wait (see `to_device`)."""
+    if target.device.type != "cuda":
+        target.copy_(host)
+    else:
+        target.copy_(host.pin_memory(), non_blocking=True)
+
+
 def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
     """Pool slots of positions ``start..end-1`` of a sequence with this block table."""
     table = torch.tensor(block_table, dtype=torch.long)

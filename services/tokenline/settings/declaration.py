@@ -52,6 +52,19 @@ def parse_bool(value: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"{value!r} is not a boolean; use true or false")
 
 
+def parse_sizes(value: str) -> str:
+    """``512`` or ``1,2,4,8`` (or space-separated): positive integers, kept as ``1,2,4,8``."""
+    parts = value.replace(",", " ").split()
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected positive integers, e.g. 1,2,4,8")
+    return ",".join(str(int(p)) for p in parts)
+
+
+def sizes_of(value: str | None) -> list[int] | None:
+    """`parse_sizes`' string as the integers it names; None stays None."""
+    return [int(p) for p in value.split(",")] if value else None
+
+
 ALL_STAGES = frozenset(STAGES)
 API = frozenset({"api"})
 SCHEDULER = frozenset({"scheduler"})
@@ -147,7 +160,7 @@ class Setting:
         return value
 
 
-_TYPES: dict[Callable[[str], Any], type] = {parse_bool: bool, parse_bytes: int}
+_TYPES: dict[Callable[[str], Any], type] = {parse_bool: bool, parse_bytes: int, parse_sizes: str}
 
 
 def stage_settings(declared: Sequence[Setting], stage: str) -> tuple[Setting, ...]:

@@ -4,7 +4,14 @@ caching.
 
 from __future__ import annotations
 
-from tokenline.settings.declaration import SCHEDULER, CrdField, Setting, parse_bool, parse_bytes
+from tokenline.settings.declaration import (
+    SCHEDULER,
+    CrdField,
+    Setting,
+    parse_bool,
+    parse_bytes,
+    parse_sizes,
+)
 
 ENGINE: tuple[Setting, ...] = (
     Setting(
@@ -130,6 +137,28 @@ ENGINE: tuple[Setting, ...] = (
         "CUDA, dense-cpu on CPU",
         stages=SCHEDULER,
         choices=("auto", "flex", "sdpa", "dense-cpu"),
+    ),
+    Setting(
+        "enforce-eager",
+        parse_bool,
+        False,
+        help="run every step eagerly: no captured CUDA graphs for decode steps",
+        stages=SCHEDULER,
+        crd=CrdField(
+            "engine.enforceEager",
+            "Run every step eagerly, without captured CUDA graphs for decode steps (they cut "
+            "the CPU's kernel launches at small batches; capturing them takes seconds at start).",
+        ),
+        switch=True,
+    ),
+    Setting(
+        "cuda-graph-sizes",
+        parse_sizes,
+        help="decode batch sizes captured as CUDA graphs (vLLM's flag): one value N captures "
+        "1, 2, 4 and every multiple of 8 up to N; several values capture those; default N = "
+        "min(2 x max-num-seqs, 512). A step is padded up to the next size",
+        stages=SCHEDULER,
+        metavar="N|N,N,...",
     ),
     Setting(
         "model-impl",

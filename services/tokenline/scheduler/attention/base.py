@@ -37,6 +37,7 @@ class AttentionShape:
     window: int | None  # the model's sliding window, if any of its layers slide
     compile: bool = False  # compile the kernels (--compile); the flex backend always does on CUDA
     max_blocks_per_seq: int = 0  # the most blocks one sequence holds (0: the whole pool)
+    max_num_seqs: int = 256  # the most sequences one step runs
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,9 @@ class FlexAttentionBackend(AttentionBackend):
         self.width = self.num_blocks
         if shape.device.type == "cuda" and shape.max_blocks_per_seq:
             self.width = min(self.num_blocks, shape.max_blocks_per_seq)
+        # one map for the decode rows' call, one for the chunks'
+        rows = shape.max_num_seqs
+        self._maps = [BlockMap(rows, self.num_blocks, shape.block_size, shape.device) for _ in "dc"]
 
     # ── once per step ───────────────────────────────────────────────────────────────────────
     def prepare(self, step: StepBatch) -> FlexMetadata:
@@ -85,7 +88,7 @@ class FlexAttentionBackend(AttentionBackend):
         decode = step.decode
         if decode.rows:
             spans = [(row, 1, n - 1) for row, n in zip(decode.rows, decode.lens, strict=True)]
-            parts.append(self._rows(spans, decode.tables, every_row=step.decode_only))
+            parts.append(self._rows(spans, decode.tables, step.decode_only, self._maps[0]))
         chunks = [
             (row, n, 0, t) for (row, n), t in zip(step.first_spans, step.first_tables, strict=True)
         ]
@@ -94,15 +97,15 @@ class FlexAttentionBackend(AttentionBackend):
             chunks.sort(key=lambda chunk: chunk[0])  # in row order: with no decode row, all
             spans = [(row, n, start) for row, n, start, _ in chunks]
             tables = [t for _, _, _, t in chunks]
-            parts.append(self._rows(spans, tables, every_row=not decode.rows))
+            parts.append(self._rows(spans, tables, not decode.rows, self._maps[1]))
         whole = len(parts) == 1 and parts[0].rows is None
         return FlexMetadata(slots=step.slots, parts=parts, whole=whole)
 
-    def _rows(self, spans, tables, every_row: bool) -> FlexRows:
+    def _rows(self, spans, tables, every_row: bool, block_map: BlockMap) -> FlexRows:
         """One call's batch. ``spans``: (first token row, queries, position of the first
         query) per sequence; ``tables``: their block tables; ``every_row``: the spans are
         every token row of the step, in order."""
-        shape, bs, device = self.shape, self.shape.block_size, self.shape.device
+        shape, device = self.shape, self.shape.device
         count = len(spans)
         longest = max(n for _, n, _ in spans)
         index, valid, real = [], [], []
@@ -116,17 +119,11 @@ class FlexAttentionBackend(AttentionBackend):
         table = torch.zeros(count, blocks, dtype=torch.long)
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        # each sequence's pool blocks -> their place in the sequence (-1: not its block)
-        used = torch.arange(blocks).unsqueeze(0) < (-(-(starts + lens) // bs)).unsqueeze(1)
-        logical = torch.full((count, self.num_blocks), -1, dtype=torch.int32)
-        seq = torch.arange(count).unsqueeze(1).expand(count, blocks)
-        place = torch.arange(blocks, dtype=torch.int32).unsqueeze(0).expand(count, blocks)
-        logical[seq[used], table[used]] = place[used]
-        sequences = tuple(to_device(t, device) for t in (logical, starts, lens))
-        mask = self._mask(table, starts, lens, longest, sequences, None)
+        block_map.fill(*(to_device(t, device) for t in (table, starts, lens)))
+        mask = self._mask(table, starts, lens, longest, block_map, None)
         window_mask = None
         if shape.window is not None and int((starts + lens).max()) > shape.window:
-            window_mask = self._mask(table, starts, lens, longest, sequences, shape.window)
+            window_mask = self._mask(table, starts, lens, longest, block_map, shape.window)
         padded = len(valid) != len(index)
         return FlexRows(
             rows=None if every_row else to_device(long_tensor(real), device),
@@ -137,7 +134,7 @@ class FlexAttentionBackend(AttentionBackend):
             window_mask=window_mask,
         )
 
-    def _mask(self, table, starts, lens, longest: int, sequences, window) -> BlockMask:
+    def _mask(self, table, starts, lens, longest: int, block_map, window) -> BlockMask:
         """The block mask of one batch: per sequence and query tile, the pool blocks its
         queries may read; ``mask_mod`` decides each slot exactly."""
         bs, device = self.shape.block_size, self.shape.device
@@ -163,10 +160,17 @@ class FlexAttentionBackend(AttentionBackend):
             full_kv_num_blocks=torch.zeros_like(kv_num),
             full_kv_indices=torch.zeros_like(kv_indices),
             BLOCK_SIZE=(Q_BLOCK, bs),
-            mask_mod=_visible(*sequences, bs, window),
+            mask_mod=_visible(block_map.map, block_map.starts, block_map.lens, bs, window),
             seq_lengths=(longest, self.num_blocks * bs),
             compute_q_blocks=False,
         )
+
+    def static_decode(self, bucket: int, shared=None):
+        """Fixed buffers for decode steps of up to ``bucket`` rows (captured CUDA graphs);
+        ``shared``: a larger bucket's, whose memory these use."""
+        from tokenline.scheduler.attention.flex_static import StaticDecode
+
+        return StaticDecode(self, bucket, shared)
 
     # ── once per layer ──────────────────────────────────────────────────────────────────────
     def forward(self, q, k, v, layer: AttentionLayer, metadata: FlexMetadata) -> torch.Tensor:
@@ -193,6 +197,37 @@ class FlexAttentionBackend(AttentionBackend):
         out = self._attend(qp, keys, values, mask, layer.scale)  # [S, heads, n_max, D]
         out = out.transpose(1, 2).reshape(count * longest, heads, dim)
         return out if part.valid is None else out.index_select(0, part.valid)
+
+
+class BlockMap:
+    """Each row's map of pool blocks to their places in its sequence (-1: not its block), with
+    the rows' first query positions and query counts, in buffers of one shape for every step:
+    built on the device from the block tables (a copy of [rows, pool blocks] would be far larger
+    than the tables), and captured by the masks at a shape that never changes (inductor's CPU
+    kernel miscompiles a mask that indexes a buffer of varying size). The last column takes the
+    writes of unused table entries and is never read."""
+
+    def __init__(self, rows: int, num_blocks: int, block_size: int, device) -> None:
+        self.block_size = block_size
+        self.map = torch.full((rows, num_blocks + 1), -1, dtype=torch.int32, device=device)
+        self.starts = torch.zeros(rows, dtype=torch.long, device=device)
+        self.lens = torch.ones(rows, dtype=torch.long, device=device)
+
+    def fill(self, tables: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor) -> None:
+        """``tables`` [S, blocks]; ``starts``, ``lens`` [S]: rows 0..S-1 of the map."""
+        count, blocks = tables.shape
+        if count > self.map.shape[0]:  # more rows than sequences run at once: grow once
+            self.__init__(count, self.map.shape[1] - 1, self.block_size, self.map.device)
+        places = torch.arange(blocks, device=tables.device)
+        used = places < ((starts + lens + self.block_size - 1) // self.block_size).unsqueeze(1)
+        trash = self.map.shape[1] - 1
+        self.map[:count].fill_(-1).scatter_(
+            1,
+            torch.where(used, tables, trash),
+            places.to(torch.int32).expand(count, blocks).contiguous(),
+        )
+        self.starts[:count].copy_(starts)
+        self.lens[:count].copy_(lens)
 
 
 def _visible(logical, q_start, q_len, block_size: int, window: int | None):

@@ -70,7 +70,10 @@ class Experts(Layer):
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert
         tokens = order // top_k
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # scatter_add, not bincount: bincount's size depends on the values, so on CUDA it
+        # would wait for them (and could not be captured in a graph)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
         xs = x.index_select(0, tokens)
         if self.grouped:
             offsets = counts.cumsum(0, dtype=torch.int32)

@@ -38,7 +38,7 @@ class Rotary:
         rope_type = getattr(module, "rope_type", "default")
         if isinstance(rope_type, dict):  # one per layer type
             rope_type = rope_type.get(layer_type) if layer_type else None
-        self._static = isinstance(rope_type, str) and rope_type not in _DYNAMIC_ROPE
+        self.static = isinstance(rope_type, str) and rope_type not in _DYNAMIC_ROPE
         self._table = torch.empty(0, 2, 0, dtype=dtype, device=device)  # [positions, 2, D]
 
     def _compute(self, positions: torch.Tensor) -> torch.Tensor:
@@ -53,7 +53,7 @@ class Rotary:
 
     def at(self, positions: torch.Tensor, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin ``[T, 1, D]`` for ``positions`` (the largest is ``longest``)."""
-        if not self._static:
+        if not self.static:
             both = self._compute(positions)
         else:
             if longest >= self._table.shape[0]:

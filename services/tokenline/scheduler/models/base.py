@@ -11,6 +11,7 @@ import torch
 from tokenline.scheduler.attention import AttentionLayer
 from tokenline.scheduler.layers.context import ForwardContext
 from tokenline.scheduler.layers.placement import ModelRefused, Placement
+from tokenline.scheduler.layers.rotary import Rotary
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,16 @@ class CausalLM(torch.nn.Module):
     def compile_layers(self) -> bool:
         """Compile what the family can (``--compile``); False: it runs eagerly."""
         return False
+
+    def graph_refusal(self) -> str:
+        """Why a decode step of this model cannot be replayed over fixed buffers (a CUDA
+        graph): "" when it can. Native modules can unless a rotary table changes with the
+        step's positions."""
+        rotaries = [v for v in vars(self).values() if isinstance(v, Rotary)]
+        rotaries += [r for v in vars(self).values() if isinstance(v, dict) for r in v.values()]
+        if any(not r.static for r in rotaries if isinstance(r, Rotary)):
+            return "its rotary embedding changes with each step's longest position"
+        return ""
 
     def describe(self) -> str:
         return f"{self.architecture} ({self.implementation})"

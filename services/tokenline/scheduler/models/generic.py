@@ -199,6 +199,9 @@ class TransformersCausalLM(CausalLM):
             windows=tuple(by_layer[idx].window for idx in layers),
         )
 
+    def graph_refusal(self) -> str:
+        return "it runs on transformers' modules, whose steps are not captured"
+
     # ── the runner's calls ────────────────────────────────────────────────────────────────
     def forward(
         self, input_ids: torch.Tensor, context: ForwardContext, rows: torch.Tensor

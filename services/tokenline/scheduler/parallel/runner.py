@@ -50,6 +50,8 @@ class ShardedModelRunner(ModelRunner):
         self.tp = tp
         if kwargs.pop("compile_layers", False):
             log.warning("--compile is not supported with tensor parallelism yet; running eagerly")
+        # every rank would replay its own graph in lockstep: not built yet, so steps run eagerly
+        kwargs["enforce_eager"] = True
         super().__init__(source, *args, **kwargs)
         self._lock = threading.RLock()  # one command (and its collectives) at a time
         self._last_command = time.monotonic()

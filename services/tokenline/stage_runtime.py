@@ -15,6 +15,10 @@ owns everything around it:
   `protocol.Failed`; a step that raises ends the uids it was computing. The process and every
   other request carry on;
 - draining on SIGTERM until nothing is held or time is up;
+- liveness: a step runs on a thread of its own while the loop keeps answering heartbeats (with
+  the status read before the step) and connection reports, so a step that takes seconds (a
+  kernel compiled on first use) is not taken for a dead stage; messages for the handler wait
+  for the step, as they always did;
 - giving the C heap's free pages back to the system every ``TRIM_INTERVAL_S`` (`HeapTrim`).
 """
 
@@ -24,6 +28,8 @@ import ctypes
 import logging
 import time
 from collections.abc import Collection, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Protocol
 
 import msgspec
@@ -36,6 +42,7 @@ from tokenline.transport import NEXT_STAGE, SyncRing, UpstreamLink
 
 log = logging.getLogger(__name__)
 SWEEP_INTERVAL_S = 0.5
+LIVENESS_POLL_S = 0.05  # how often a long step's loop answers heartbeats meanwhile
 TRIM_INTERVAL_S = 10.0
 UPSTREAM = {after: before for before, after in NEXT_STAGE.items()}
 
@@ -176,6 +183,8 @@ class StageRuntime:
         self._clock = clock
         self._next_sweep = 0.0
         self._trim_heap = HeapTrim(clock=clock)
+        self.stepping = False  # a step runs elsewhere: heartbeats carry the status from before
+        self._status: protocol.StageStatus | None = None
 
     # ── one inbox batch ────────────────────────────────────────────────────────────────────────
     def process(self, batch: Iterable[tuple[float, msgspec.Struct | UpstreamLink]]) -> None:
@@ -220,26 +229,41 @@ class StageRuntime:
         self._emit(out)
 
     def _heartbeat(self, heartbeat: protocol.Heartbeat) -> None:
+        status = self._status if self.stepping and self._status is not None else self.status()
+        heartbeat.statuses.append(status)
+        self._emit([heartbeat])
+
+    def status(self) -> protocol.StageStatus:
+        """The handler's status, remembered for heartbeats that come while a step runs."""
         try:
             status = self.handler.status()
         except Exception:  # a status that cannot be read says "not ready", never kills
             log.exception("%s: reading the stage status failed", self.stage)
             status = protocol.StageStatus(stage=self.stage, instance=self.instance, ready=False)
         status.stage, status.instance = self.stage, self.instance
-        heartbeat.statuses.append(status)
-        self._emit([heartbeat])
+        self._status = status
+        return status
 
     # ── work between messages ──────────────────────────────────────────────────────────────────
     def has_work(self) -> bool:
         return self.handler.has_work()
 
     def step(self) -> None:
+        self.finish_step(self.run_step())
+
+    def run_step(self) -> Outbound | Exception:
+        """The handler's step, its failure returned rather than raised: the part of a step
+        that may run on another thread (it sends nothing)."""
         try:
-            out = self.handler.step()
+            return self.handler.step()
         except Exception as exc:
-            self._contain(self.handler.step_uids(), exc, "step")
-            return
-        self._emit(out)
+            return exc
+
+    def finish_step(self, result: Outbound | Exception) -> None:
+        if isinstance(result, Exception):
+            self._contain(self.handler.step_uids(), result, "step")
+        else:
+            self._emit(result)
 
     def tick(self, force: bool = False) -> None:
         """Housekeeping and the leak sweep, at most every ``SWEEP_INTERVAL_S``."""
@@ -291,6 +315,7 @@ def serve_stage(handler: StageHandler, ring: SyncRing, drain: Drain) -> None:
     inbox_depth = BUFFER_DEPTH.labels(stage=handler.stage, buffer="inbox")
     batch_limit = getattr(handler, "batch_limit", 10_000)
     poll_ms = getattr(handler, "poll_ms", lambda: 50)  # an idle wait the handler may shorten
+    stepper = ThreadPoolExecutor(1, thread_name_prefix=f"{handler.stage}-step")
     runtime.tick(force=True)
     freeze_startup_heap()
     try:
@@ -302,8 +327,37 @@ def serve_stage(handler: StageHandler, ring: SyncRing, drain: Drain) -> None:
                 runtime.process(batch)
                 inbox_depth.set(0)
             if runtime.has_work():
-                runtime.step()
+                _step_answering_heartbeats(runtime, stepper, ring, batch_limit)
             runtime.tick()
         runtime.shutdown()
     finally:
+        stepper.shutdown(wait=True)
         ring.close()
+
+
+def _step_answering_heartbeats(runtime: StageRuntime, stepper, ring: SyncRing, limit: int) -> None:
+    """One step on the stepper thread. Every ``LIVENESS_POLL_S`` it has not finished, the
+    heartbeats and connection reports that came meanwhile are answered; other messages wait
+    for the step and are handled after it, in the order they came."""
+    runtime.status()  # what heartbeats say while the step runs
+    step = stepper.submit(runtime.run_step)
+    waiting: list = []
+    runtime.stepping = True
+    try:
+        while True:
+            try:
+                result = step.result(timeout=LIVENESS_POLL_S)
+                break
+            except FutureTimeout:
+                pass
+            while ring.poll(0):
+                for item in ring.recv_timed(limit):
+                    if isinstance(item[1], _CONTROL):
+                        runtime.process([item])
+                    else:
+                        waiting.append(item)
+    finally:
+        runtime.stepping = False
+    runtime.finish_step(result)
+    if waiting:
+        runtime.process(waiting)

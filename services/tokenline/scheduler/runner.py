@@ -35,6 +35,7 @@ from tokenline.scheduler.lora.adapters import ModelShape
 from tokenline.scheduler.lora.apply import LoraStep, LoraWeights
 from tokenline.scheduler.policy import Chunk
 from tokenline.scheduler.step_inputs import StepBatch, build_step_batch, long_tensor, to_device
+from tokenline.scheduler.warm_up import activation_peak, kv_pool_bytes
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class ModelRunner:
         cuda_graph_sizes: list[int] | None = None,
         enforce_eager: bool = False,
         max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
     ) -> None:
         self.device = pick_device(device)
         if self.device.type == "cpu":
@@ -107,7 +109,9 @@ class ModelRunner:
         if backend == "flex":  # its pages must fit the kernels' tiles
             block_size = flex_block_size(self.device, block_size)
         self.block_size = block_size
-        self.num_blocks = self._size_pool(kv_cache_memory, gpu_memory_utilization)
+        self.num_blocks = self._size_pool(
+            kv_cache_memory, gpu_memory_utilization, max_num_batched_tokens
+        )
         slots = self.num_blocks * block_size
         # Keys and values of a slot sit side by side, so one gather fetches both.
         shape = (self.num_layers, slots, 2 * self.num_kv_heads, self.head_dim)
@@ -207,14 +211,25 @@ class ModelRunner:
         element = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
-    def _size_pool(self, kv_cache_memory: int | None, utilization: float) -> int:
+    def _size_pool(self, kv_cache_memory: int | None, utilization: float, tokens: int) -> int:
+        """Blocks in the pool: ``--kv-cache-memory``'s worth, or on a GPU what
+        ``--gpu-memory-utilization`` leaves after the weights and the largest prefill chunk's
+        measured activations (warm_up.py); 512 MiB on CPU."""
         if kv_cache_memory is None:
             if self.device.type == "cuda":
+                peak = activation_peak(self, tokens)
                 free, total = torch.cuda.mem_get_info(self.device)
-                kv_cache_memory = max(0, int(free - total * (1 - utilization)))
+                kv_cache_memory = kv_pool_bytes(total, free, utilization, peak)
             else:
                 kv_cache_memory = 512 * 2**20
-        return max(2, kv_cache_memory // (self.bytes_per_token * self.block_size))
+        blocks = kv_cache_memory // (self.bytes_per_token * self.block_size)
+        if blocks < 2:
+            raise SystemExit(
+                f"{self.source.spec}: no room for a KV cache ({kv_cache_memory} bytes for blocks "
+                f"of {self.bytes_per_token * self.block_size}); raise --gpu-memory-utilization "
+                "or --kv-cache-memory, or lower --max-num-batched-tokens"
+            )
+        return blocks
 
     # ── one forward pass ───────────────────────────────────────────────────────────────────────
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:

@@ -45,8 +45,9 @@ from tokenline.scheduler.lora.adapters import LoraError
 from tokenline.scheduler.lora.options import LoraOptions
 from tokenline.scheduler.lora_config import LoraConfigWatcher
 from tokenline.scheduler.parallel import stage as parallel_stage
-from tokenline.scheduler.runner import ModelRunner
+from tokenline.scheduler.runner import ModelRunner, pick_device
 from tokenline.scheduler.step_times import STEP_PHASES
+from tokenline.scheduler.warm_up import warm_up
 from tokenline.settings import Settings
 from tokenline.settings.declaration import sizes_of
 from tokenline.stage_runtime import serve_stage
@@ -328,6 +329,9 @@ def run(settings: Settings) -> int:
         serve_metrics(settings.metrics_port)
     if settings.tensor_parallel_size > 1 and settings.node_rank > 0:
         return parallel_stage.run_worker_node(settings, source)
+    max_model_len = source.max_model_len(settings.max_model_len)
+    device = pick_device(settings.device)
+    budget = settings.max_num_batched_tokens or default_token_budget(device.type)
     # With --tensor-parallel-size > 1: rank 0's sharded runner, its workers started.
     runner = parallel_stage.runner_type(settings, source, ModelRunner)(
         source,
@@ -340,15 +344,16 @@ def run(settings: Settings) -> int:
         compile_layers=settings.compile,
         attention_backend=settings.attention_backend,
         model_impl=settings.model_impl,
-        max_model_len=source.max_model_len(settings.max_model_len),
+        max_model_len=max_model_len,
         cuda_graph_sizes=sizes_of(settings.cuda_graph_sizes),
         enforce_eager=settings.enforce_eager,
         max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=budget,
     )
-    budget = settings.max_num_batched_tokens or default_token_budget(runner.device.type)
-    limits = EngineLimits(
-        source.max_model_len(settings.max_model_len), settings.max_num_seqs, budget
-    )
+    # before the stage joins the ring (and /ready turns true): the first requests must not
+    # wait for kernels to compile or graphs to be captured
+    warm_up(runner, budget)
+    limits = EngineLimits(max_model_len, settings.max_num_seqs, budget)
     lora = None
     if settings.enable_lora:
         lora = LoraOptions(

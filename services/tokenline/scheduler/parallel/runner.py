@@ -61,10 +61,10 @@ class ShardedModelRunner(ModelRunner):
         # every layer holds this rank's share and does its own collective (layers/)
         return models.load(source, implementation, Placement(self.device, self.dtype, self.tp))
 
-    def _size_pool(self, kv_cache_memory: int | None, utilization: float) -> int:
+    def _size_pool(self, kv_cache_memory: int | None, utilization: float, tokens: int) -> int:
         # Every rank must have the same blocks, as rank 0's block tables address them all.
         self.tp.wait_for_all()  # every shard loaded: from here, collectives are a step's
-        return self.tp.agree_min(super()._size_pool(kv_cache_memory, utilization))
+        return self.tp.agree_min(super()._size_pool(kv_cache_memory, utilization, tokens))
 
     # ── rank 0: mirror each model call to the workers ───────────────────────────────────────
     def execute(

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenline.model_source import ModelSource
-from tokenline.scheduler.parallel.worker import RunnerArgs, serve_node, start
+from tokenline.scheduler.engine import default_token_budget
+from tokenline.scheduler.parallel.worker import RunnerArgs, backend_for, serve_node, start
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,10 @@ def runner_args(settings, source: ModelSource) -> RunnerArgs:
         torch_threads=threads,
         attention_backend=settings.attention_backend,
         model_impl=settings.model_impl,
+        max_model_len=source.max_model_len(settings.max_model_len),
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens
+        or default_token_budget("cuda" if backend_for(settings.device) == "nccl" else "cpu"),
     )
 
 

@@ -44,6 +44,9 @@ class RunnerArgs:
     dense_decode: bool = True
     attention_backend: str = "auto"
     model_impl: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # every rank profiles the same forward (warm_up.py)
 
 
 def backend_for(device: str) -> str:
@@ -67,6 +70,9 @@ def build_runner(args: RunnerArgs, spec: GroupSpec, rank: int, local_rank: int):
         dense_decode=args.dense_decode,
         attention_backend=args.attention_backend,
         model_impl=args.model_impl,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
 
 

@@ -5,8 +5,10 @@
 #   docker run --gpus all -p 8000:8000 --read-only --tmpfs /tmp \
 #     tokenline serve --model Qwen/Qwen2.5-0.5B-Instruct
 #
-# The base is NVIDIA's CUDA runtime (no compiler, no headers); torch comes from the PyTorch
-# CUDA wheel index. Both stages share the base so the copied virtualenv finds the same
+# The base is NVIDIA's CUDA runtime; torch comes from the PyTorch CUDA wheel index. The last
+# stage carries a C compiler, Python's headers and torch's: torch.compile builds kernels when
+# they are first used (Triton's launcher on a GPU, inductor's C++ on a CPU), which the default
+# attention backend (flex, compiled) and --compile need at run time. Both stages share the base so the copied virtualenv finds the same
 # Python. Build args pick another CUDA: --build-arg CUDA_BASE=... --build-arg TORCH_INDEX=...
 #
 # The CPU variant (`make image`, what the tests build and run) swaps the base for a plain
@@ -45,15 +47,13 @@ WORKDIR /src
 # The dependencies next, from pyproject.toml alone, so a change to the code reuses this
 # layer (and the final stage's copy of it).
 COPY pyproject.toml ./
-# torch's C++ headers only serve extension builds, and the image has no compiler.
 # hadolint ignore=DL3013
 RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" >requirements.txt \
     && if [ -n "${WHEELS}" ]; then \
         pip install --no-cache-dir --no-index --find-links "${WHEELS}" -r requirements.txt; \
     else \
         pip install --no-cache-dir -r requirements.txt; \
-    fi \
-    && rm -rf /opt/tokenline/lib/python3*/site-packages/torch/include
+    fi
 COPY README.md ./
 COPY services ./services
 COPY operator ./operator
@@ -68,7 +68,8 @@ FROM ${CUDA_BASE}
 ENV DEBIAN_FRONTEND=noninteractive
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 ca-certificates \
+    && apt-get install -y --no-install-recommends python3 python3-dev gcc g++ libc6-dev \
+        ca-certificates \
     && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/log/apt /var/log/dpkg.log \
     && groupadd --system --gid 10001 tokenline \
     && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/tokenline \

@@ -74,7 +74,13 @@ def test_each_parser_has_exactly_its_declared_flags(command):
 @pytest.mark.parametrize("command", [*STAGES, "serve"])
 def test_each_mirror_reaches_settings(command):
     # a value unlike any default for every declared setting, through the environment only
-    samples = {int: "7", float: "2.5", "parse_bytes": "1KiB", "parse_bool": "true"}
+    samples = {
+        int: "7",
+        float: "2.5",
+        "parse_bytes": "1KiB",
+        "parse_bool": "true",
+        "parse_sizes": "1,2,64",
+    }
     for setting in settings_of(command):
         raw = samples.get(setting.kind, samples.get(getattr(setting.kind, "__name__", ""), "x"))
         if setting.choices:

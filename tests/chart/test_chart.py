@@ -279,7 +279,10 @@ def test_dockerfile_honours_the_image_contract():
     assert users[-1] == f"{names.RUN_AS_USER}:{names.RUN_AS_USER}"
     assert f'VOLUME ["{names.MODEL_CACHE_DIR}"]' in text
     final_stage = text.rsplit("\nFROM ", 1)[1]
-    assert "build-essential" not in final_stage and "python3-dev" not in final_stage
+    # torch.compile builds kernels at run time (Triton's launcher, inductor's C++): a C and a
+    # C++ compiler and Python's headers, but no build tools beyond them
+    assert all(package in final_stage for package in ("gcc", "g++", "python3-dev"))
+    assert "build-essential" not in final_stage
     assert (ROOT / ".dockerignore").is_file()
 
 

@@ -14,7 +14,15 @@ import httpx
 import pytest
 
 pytestmark = pytest.mark.timeout(120)
-STREAM = {"model": "tiny", "prompt": "drain", "stream": True, "max_tokens": 300, "ignore_eos": True}
+# Long enough to outlast several heartbeats (0.5 s apart), which carry the running count the
+# test waits for: a warm stack streams 300 tokens of the tiny model in less.
+STREAM = {
+    "model": "tiny",
+    "prompt": "drain",
+    "stream": True,
+    "max_tokens": 2000,
+    "ignore_eos": True,
+}
 
 
 def ready_state(url: str) -> tuple[int, dict]:

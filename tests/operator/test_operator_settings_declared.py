@@ -34,6 +34,7 @@ EVERYTHING: dict[str, Any] = {
         "maxNumSeqs": 64,
         "maxNumBatchedTokens": 4096,
         "compile": True,
+        "enforceEager": True,
         "prefixCaching": False,
         "prefixCachingHashAlgo": "sha256_cbor",
     },

@@ -76,6 +76,7 @@ def test_defaults_come_from_the_crd_and_leave_the_input_alone():
         "gpuMemoryUtilization": 0.9,
         "maxNumSeqs": 256,
         "compile": False,
+        "enforceEager": False,
         "prefixCaching": True,
         "tensorParallelSize": 1,
         "nodes": 1,

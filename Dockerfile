@@ -67,10 +67,14 @@ RUN if [ -n "${WHEELS}" ]; then \
 FROM ${CUDA_BASE}
 ENV DEBIAN_FRONTEND=noninteractive
 # hadolint ignore=DL3008
+# The compilers build Python extensions and shared objects only: Python's static library,
+# the packages' documentation and the downloaded archives are left out.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-dev gcc g++ libc6-dev \
         ca-certificates \
+    && apt-get clean \
     && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/log/apt /var/log/dpkg.log \
+        /usr/lib/python3*/config-*/libpython3*.a /usr/share/doc/* /usr/share/man/* \
     && groupadd --system --gid 10001 tokenline \
     && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/tokenline \
         --shell /usr/sbin/nologin tokenline \

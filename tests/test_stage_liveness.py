@@ -53,6 +53,7 @@ class SlowStage:
 
     def __init__(self) -> None:
         self.steps_left = 1
+        self.step_began = threading.Event()
         self.step_ended = 0.0
         self.handled: list[tuple[float, str]] = []
 
@@ -65,6 +66,7 @@ class SlowStage:
 
     def step(self):
         self.steps_left -= 1
+        self.step_began.set()
         time.sleep(STEP_S)
         self.step_ended = time.monotonic()
         return []
@@ -92,7 +94,8 @@ def test_heartbeats_are_answered_while_a_long_step_runs():
     ring, stage, drain = Ring(), SlowStage(), Drain(timeout=1.0)
     loop = threading.Thread(target=serve_stage, args=(stage, ring, drain), daemon=True)
     loop.start()
-    time.sleep(0.2)  # the step is running
+    assert stage.step_began.wait(10)
+    time.sleep(0.1)
     ring.inbox.put(protocol.Abort(uid="late", reason="client_disconnect"))
     sent_heartbeat = time.monotonic()
     ring.inbox.put(protocol.Heartbeat(seq=1, origin="api"))

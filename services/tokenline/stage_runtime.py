@@ -15,10 +15,10 @@ owns everything around it:
   `protocol.Failed`; a step that raises ends the uids it was computing. The process and every
   other request carry on;
 - draining on SIGTERM until nothing is held or time is up;
-- liveness: a step runs on a thread of its own while the loop keeps answering heartbeats (with
-  the status read before the step) and connection reports, so a step that takes seconds (a
+- liveness: while a step runs, a watcher thread answers heartbeats (with the status of the
+  last one answered before the step) and connection reports, so a step that takes seconds (a
   kernel compiled on first use) is not taken for a dead stage; messages for the handler wait
-  for the step, as they always did;
+  for the step, as they always did (`Liveness`);
 - giving the C heap's free pages back to the system every ``TRIM_INTERVAL_S`` (`HeapTrim`).
 """
 
@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 import time
 from collections.abc import Collection, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Protocol
 
 import msgspec
@@ -42,7 +41,7 @@ from tokenline.transport import NEXT_STAGE, SyncRing, UpstreamLink
 
 log = logging.getLogger(__name__)
 SWEEP_INTERVAL_S = 0.5
-LIVENESS_POLL_S = 0.05  # how often a long step's loop answers heartbeats meanwhile
+LIVENESS_POLL_S = 0.05  # how long a step runs before the watcher answers heartbeats
 TRIM_INTERVAL_S = 10.0
 UPSTREAM = {after: before for before, after in NEXT_STAGE.items()}
 
@@ -183,7 +182,7 @@ class StageRuntime:
         self._clock = clock
         self._next_sweep = 0.0
         self._trim_heap = HeapTrim(clock=clock)
-        self.stepping = False  # a step runs elsewhere: heartbeats carry the status from before
+        self.stepping = False  # a step runs: heartbeats carry the status from before it
         self._status: protocol.StageStatus | None = None
 
     # ── one inbox batch ────────────────────────────────────────────────────────────────────────
@@ -315,49 +314,89 @@ def serve_stage(handler: StageHandler, ring: SyncRing, drain: Drain) -> None:
     inbox_depth = BUFFER_DEPTH.labels(stage=handler.stage, buffer="inbox")
     batch_limit = getattr(handler, "batch_limit", 10_000)
     poll_ms = getattr(handler, "poll_ms", lambda: 50)  # an idle wait the handler may shorten
-    stepper = ThreadPoolExecutor(1, thread_name_prefix=f"{handler.stage}-step")
+    liveness = Liveness(runtime, ring, batch_limit)
     runtime.tick(force=True)
     freeze_startup_heap()
     try:
         while not drain.done(held=handler.held()):
-            busy = runtime.has_work()
-            if ring.poll(0 if busy else poll_ms()):
-                batch = ring.recv_timed(batch_limit)
-                inbox_depth.set(len(batch))
-                runtime.process(batch)
-                inbox_depth.set(0)
+            with liveness.ring_lock:
+                busy = runtime.has_work()
+                batch = liveness.take_held_back()
+                if not batch and ring.poll(0 if busy else poll_ms()):
+                    batch = ring.recv_timed(batch_limit)
+                if batch:
+                    inbox_depth.set(len(batch))
+                    runtime.process(batch)
+                    inbox_depth.set(0)
             if runtime.has_work():
-                _step_answering_heartbeats(runtime, stepper, ring, batch_limit)
-            runtime.tick()
-        runtime.shutdown()
+                result = liveness.step()
+                with liveness.ring_lock:
+                    runtime.finish_step(result)
+            with liveness.ring_lock:
+                runtime.tick()
+        with liveness.ring_lock:
+            runtime.shutdown()
     finally:
-        stepper.shutdown(wait=True)
+        liveness.stop()
         ring.close()
 
 
-def _step_answering_heartbeats(runtime: StageRuntime, stepper, ring: SyncRing, limit: int) -> None:
-    """One step on the stepper thread. Every ``LIVENESS_POLL_S`` it has not finished, the
-    heartbeats and connection reports that came meanwhile are answered; other messages wait
-    for the step and are handled after it, in the order they came."""
-    runtime.status()  # what heartbeats say while the step runs
-    step = stepper.submit(runtime.run_step)
-    waiting: list = []
-    runtime.stepping = True
-    try:
-        while True:
-            try:
-                result = step.result(timeout=LIVENESS_POLL_S)
-                break
-            except FutureTimeout:
-                pass
-            while ring.poll(0):
-                for item in ring.recv_timed(limit):
-                    if isinstance(item[1], _CONTROL):
-                        runtime.process([item])
-                    else:
-                        waiting.append(item)
-    finally:
-        runtime.stepping = False
-    runtime.finish_step(result)
-    if waiting:
-        runtime.process(waiting)
+class Liveness:
+    """Heartbeats answered while a long step runs.
+
+    Steps run on the loop's own thread (a hop to another thread costs a small model's decode
+    step about 5%). A watcher thread wakes every ``LIVENESS_POLL_S``; when a step has run that
+    long, it takes the ring (every use of the ring's sockets holds ``ring_lock``, so one thread
+    at a time touches them) and answers the heartbeats and connection reports that came, with
+    the status of the last heartbeat answered before the step; the handler's other messages
+    are held back for the loop, which handles them after the step, in the order they came.
+    """
+
+    def __init__(self, runtime: StageRuntime, ring: SyncRing, limit: int) -> None:
+        self.runtime, self.ring, self.limit = runtime, ring, limit
+        self.ring_lock = threading.Lock()
+        self._held_back: list = []
+        self._step_started: float | None = None
+        self._stopped = threading.Event()
+        self._watcher = threading.Thread(
+            target=self._watch, name=f"{runtime.stage}-liveness", daemon=True
+        )
+        self._watcher.start()
+
+    def step(self) -> Outbound | Exception:
+        self._step_started = time.monotonic()
+        self.runtime.stepping = True
+        try:
+            return self.runtime.run_step()
+        finally:
+            self._step_started = None
+            with self.ring_lock:  # the watcher is done with the ring before the loop goes on
+                self.runtime.stepping = False
+
+    def take_held_back(self) -> list:
+        held, self._held_back = self._held_back, []
+        return held
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._watcher.join(timeout=1)
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(LIVENESS_POLL_S):
+            started = self._step_started
+            if started is None or time.monotonic() - started < LIVENESS_POLL_S:
+                continue
+            with self.ring_lock:
+                if not self.runtime.stepping:
+                    continue
+                try:
+                    while self.ring.poll(0):
+                        for item in self.ring.recv_timed(self.limit):
+                            if isinstance(item[1], _CONTROL):
+                                self.runtime.process([item])
+                            else:
+                                self._held_back.append(item)
+                except Exception:  # never let the watcher die: the loop owns the ring's fate
+                    log.exception(
+                        "%s: answering heartbeats during a step failed", self.runtime.stage
+                    )

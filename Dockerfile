@@ -66,9 +66,9 @@ RUN if [ -n "${WHEELS}" ]; then \
 
 FROM ${CUDA_BASE}
 ENV DEBIAN_FRONTEND=noninteractive
-# hadolint ignore=DL3008
 # The compilers build Python extensions and shared objects only: Python's static library,
 # the packages' documentation and the downloaded archives are left out.
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-dev gcc g++ libc6-dev \
         ca-certificates \

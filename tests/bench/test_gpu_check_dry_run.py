@@ -36,4 +36,3 @@ def test_the_gpu_check_dry_run_reports_every_stage(tmp_path):
                 assert row["decode_tokens_per_s"] > 0 and row["ttft_s"] > 0
                 assert 0 < row["of_roofline"] < 1
         assert set(stages[f"{shape}: decode step costs"]) >= {"kernels", "host_syncs"}
-    assert stages["qwen3-small: transformers generate_batch 4x32"] > 0

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from typing import Annotated
 
@@ -485,7 +487,17 @@ def test_a_deadline_mid_stream_ends_in_error_then_response_failed(launch_stack):
             text={"format": {"type": "json_schema", "name": "long", "schema": LONG_ANSWER}},
             stream=True,
         )
-        events = list(stream)
+        # Pause the scheduler after the first delta, so the deadline (shorter than the heartbeat
+        # timeout) falls mid-stream however fast the engine is.
+        scheduler = short.pid_of("scheduler")
+        events = []
+        try:
+            for event in stream:
+                events.append(event)
+                if event.type == "response.output_text.delta" and len(events) < 8:
+                    os.kill(scheduler, signal.SIGSTOP)
+        finally:
+            os.kill(scheduler, signal.SIGCONT)
     finally:
         short.stop()
     kinds = [e.type for e in events]

@@ -30,6 +30,7 @@ from tokenline.scheduler.attention.decode_contexts import DecodeContexts
 from tokenline.scheduler.attention.flex import flex_block_size
 from tokenline.scheduler.decode_graphs import DecodeGraphs, capture_sizes
 from tokenline.scheduler.layers.context import ForwardContext
+from tokenline.scheduler.layers.linear import packs_weights
 from tokenline.scheduler.layers.placement import ModelRefused, Placement
 from tokenline.scheduler.lora.adapters import ModelShape
 from tokenline.scheduler.lora.apply import LoraStep, LoraWeights
@@ -57,10 +58,40 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_has_fast_bf16() -> bool:
+    """bf16 arithmetic in hardware (AVX-512 BF16 or AMX); elsewhere oneDNN emulates it."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def pick_dtype(
+    dtype: str, device: torch.device, checkpoint: torch.dtype | None = None
+) -> torch.dtype:
+    """``--dtype``; ``auto``: the checkpoint's half-precision dtype where the device computes
+    in it (CUDA; a CPU with bf16 in hardware, in bf16), else float32 on CPU and bf16 on CUDA.
+    A float32 checkpoint stays float32 on CPU: it was written to be served exactly so."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    half = checkpoint in (torch.bfloat16, torch.float16)
+    if device.type == "cuda":
+        return checkpoint if half else torch.bfloat16
+    return torch.bfloat16 if half and cpu_has_fast_bf16() else torch.float32
+
+
+def checkpoint_dtype(source: ModelSource) -> torch.dtype | None:
+    """The dtype the checkpoint's config names (its weights' own), or None."""
+    try:
+        config = source.load_config()
+    except (ValueError, KeyError, OSError):
+        return None  # models.load refuses it with the reason
+    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    text = getattr(config, "get_text_config", lambda: None)()
+    named = named or getattr(text, "dtype", None)
+    if isinstance(named, str):
+        named = DTYPES.get(named)
+    return named if isinstance(named, torch.dtype) else None
 
 
 class ModelRunner:
@@ -88,7 +119,9 @@ class ModelRunner:
             # On CPU the model shares the machine with three other stages; threads that spin
             # against them cost more than they bring (see benchmarks/README.md).
             torch.set_num_threads(torch_threads or max(1, (os.cpu_count() or 2) - 1))
-        self.dtype = pick_dtype(dtype, self.device)
+        self.dtype = pick_dtype(
+            dtype, self.device, checkpoint_dtype(source) if dtype == "auto" else None
+        )
         self.source = source
         try:
             with torch.no_grad():
@@ -155,6 +188,8 @@ class ModelRunner:
                     "one device have one); running it eagerly",
                     self.model.describe(),
                 )
+        if not self._compiled and packs_weights(Placement(self.device, self.dtype)):
+            self.model.pack_weights()
         if self.model.implementation == "transformers":
             from tokenline.scheduler.models.generic import check_batch_exact
 

@@ -25,7 +25,9 @@ ENGINE: tuple[Setting, ...] = (
     Setting(
         "dtype",
         default="auto",
-        help="weights and KV dtype (auto: bf16 on CUDA, fp32 on CPU)",
+        help="weights and KV dtype (auto: the checkpoint's bf16/fp16 on CUDA, and on a CPU "
+        "with bf16 in hardware as bf16; fp32 on other CPUs and for fp32 checkpoints; bf16 for "
+        "fp32 checkpoints on CUDA)",
         stages=SCHEDULER,
         crd=CrdField("engine.dtype", "Weights' data type."),
         choices=("auto", "float32", "bfloat16", "float16"),

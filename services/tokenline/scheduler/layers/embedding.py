@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenline.scheduler.layers.base import Layer
-from tokenline.scheduler.layers.linear import WHOLE, copy_checked
+from tokenline.scheduler.layers.linear import WHOLE, copy_checked, matmul, pack
 from tokenline.scheduler.layers.placement import Placement
 
 
@@ -70,10 +70,18 @@ class LMHead(VocabEmbedding):
             self.__dict__["tied"] = tied  # not a submodule either: its weight is loaded once
         else:
             self.__dict__["tied"] = None
+        self.__dict__["packed"] = None  # `pack_weights`: the weight in oneDNN's layout
+
+    def pack_weights(self) -> None:
+        """A tied head packs a copy: the embedding's lookups read the plain rows."""
+        if self.tied is not None:
+            self.__dict__["packed"] = pack(self.tied.weight)
+        else:
+            self.weight = pack(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.tied.weight if self.tied is not None else self.weight
-        logits = F.linear(hidden, weight)
+        logits = matmul(hidden, weight if self.packed is None else self.packed)
         if self.place.tp is None:
             return logits
         return self.place.tp.all_gather_last(logits)[..., : self.vocab_size]

@@ -8,6 +8,11 @@
   bias (when there is one) joins the sum once. Alone, the residual add rides in ``addmm``.
 - `Linear`: the whole weight on every rank (an MoE router).
 
+On CPU the weights of the model's big projections are repacked after loading (`pack_weights`)
+into oneDNN's blocked layout, which its GEMMs stream at close to memory speed: a decode step
+reads every weight once, and the layout decides how fast (benchmarks/README.md). A packed
+weight is an opaque tensor that only `matmul` multiplies; ``F.linear`` refuses it loudly.
+
 Every layer loads itself: ``load_weight(param, shard, tensor)`` copies its slice of a
 checkpoint tensor (``tensor[index]`` reads only those bytes from a safetensors file) and returns
 the shards it filled; ``shards(param)`` names every shard it needs, so the loader can tell a
@@ -25,6 +30,28 @@ from tokenline.scheduler.layers.base import Layer
 from tokenline.scheduler.layers.placement import ModelRefused, Placement
 
 WHOLE: Hashable = None  # the shard key of a parameter loaded in one piece
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weightᵀ + bias``, by oneDNN when the weight is packed (`pack`)."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def pack(weight: torch.Tensor) -> torch.nn.Parameter:
+    """An ``[out, in]`` weight in oneDNN's layout for its matmul (CPU only)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+    return torch.nn.Parameter(packed, requires_grad=False)
+
+
+def packs_weights(place: Placement) -> bool:
+    """Whether `pack` applies: oneDNN's GEMMs on a CPU, in a dtype it packs."""
+    return (
+        place.device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and place.dtype in (torch.float32, torch.bfloat16)
+    )
 
 
 def copy_checked(target: torch.Tensor, source: torch.Tensor, name: str) -> None:
@@ -70,7 +97,10 @@ class ColumnLinear(Layer):
         self.bias = place.vector(sum(self.local)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return matmul(x, self.weight, self.bias)
+
+    def pack_weights(self) -> None:
+        self.weight = pack(self.weight)
 
     def shards(self, param: str) -> set[Hashable]:
         return set(range(len(self.local)))
@@ -148,16 +178,24 @@ class RowLinear(Layer):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``residual + x @ weightᵀ + bias`` (without the residual when None)."""
+        weight = self.weight
         if self.place.tp is None:
             if residual is not None and self.bias is None:  # one kernel
-                return torch.addmm(residual, x, self.weight.t())
-            out = F.linear(x, self.weight, self.bias)
+                if weight.is_mkldnn:
+                    return torch.ops.mkldnn._linear_pointwise.binary(
+                        x, residual, weight, None, "add"
+                    )
+                return torch.addmm(residual, x, weight.t())
+            out = matmul(x, weight, self.bias)
             return out if residual is None else residual + out
-        partial = x @ self.weight.t()
+        partial = matmul(x, weight)
         if self.bias is not None and self.place.is_driver:  # the bias joins the sum once
             partial = partial + self.bias
         out = self.place.all_reduce(partial)
         return out if residual is None else residual + out
+
+    def pack_weights(self) -> None:
+        self.weight = pack(self.weight)
 
     def shards(self, param: str) -> set[Hashable]:
         return {WHOLE}

@@ -40,10 +40,11 @@ class Placement:
 
     @property
     def column_major(self) -> bool:
-        """Projection weights are stored ``[in, out]`` on CPU: MKL multiplies a decode step's
-        few rows by that layout in 0.5-0.75 of the time of ``[out, in]`` (benchmarks/README.md),
-        and prefill's hundreds of rows in about the same time."""
-        return self.device.type == "cpu"
+        """Float32 projection weights are stored ``[in, out]`` on CPU: MKL multiplies a decode
+        step's few rows by that layout faster than by ``[out, in]`` (benchmarks/README.md);
+        bfloat16's GEMMs measured the other way. Where oneDNN packs the weights after loading
+        (linear.py `pack`), this is only the layout they are loaded into."""
+        return self.device.type == "cpu" and self.dtype == torch.float32
 
     def split(self, size: int, what: str) -> int:
         """This rank's share of ``size``; ``what`` names it in the refusal."""

@@ -77,6 +77,13 @@ class CausalLM(torch.nn.Module):
         """Compile what the family can (``--compile``); False: it runs eagerly."""
         return False
 
+    def pack_weights(self) -> None:
+        """Repack the projections' weights for the CPU's GEMMs (layers/linear.py `pack`),
+        once every weight is loaded; the layers that have no packed form keep theirs."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "pack_weights"):
+                module.pack_weights()
+
     def graph_refusal(self) -> str:
         """Why a decode step of this model cannot be replayed over fixed buffers (a CUDA
         graph): "" when it can. Native modules can unless a rotary table changes with the

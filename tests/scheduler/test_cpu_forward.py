@@ -134,3 +134,20 @@ def test_the_checkpoint_dtype_is_read_from_its_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert checkpoint_dtype(ModelSource(spec="m", path=str(tmp_path))) == torch.bfloat16
     assert checkpoint_dtype(ModelSource(spec="m", path=str(tmp_path / "missing"))) is None
+
+
+@pytest.mark.parametrize(("megabytes", "threads"), [(12, 7), (63, 7), (64, 8), (270, 8)])
+def test_default_torch_threads_follow_the_weights_size(megabytes, threads, monkeypatch):
+    """A tiny model's step is mostly the other stages' kind of work: they keep a core. A model
+    whose weights outgrow the caches streams them every step: every core reads."""
+    monkeypatch.setattr(runner_module.os, "cpu_count", lambda: 8)
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(
+        torch.empty(megabytes << 19, dtype=torch.bfloat16, device="meta")
+    )
+    assert runner_module.default_torch_threads(model) == threads
+
+
+def test_a_single_core_keeps_one_thread(monkeypatch):
+    monkeypatch.setattr(runner_module.os, "cpu_count", lambda: 1)
+    assert runner_module.default_torch_threads(torch.nn.Linear(2, 2)) == 1

@@ -80,6 +80,21 @@ def pick_dtype(
     return torch.bfloat16 if half and cpu_has_fast_bf16() else torch.float32
 
 
+# Weights past this no longer fit a CPU's last-level cache: a decode step streams them from
+# memory, and a second thread's bandwidth outweighs what the other stages lose by it
+# (benchmarks/README.md, "The forward at real sizes").
+CACHE_SIZED_WEIGHTS = 64 << 20
+
+
+def default_torch_threads(model: torch.nn.Module) -> int:
+    """Every core for a model whose forward is most of a step; below, every core but one,
+    which the api, tokenizer and detokenizer stages use (a tiny model's step is mostly their
+    kind of work, and threads that spin against them cost more than they bring)."""
+    cores = os.cpu_count() or 2
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return cores if weights >= CACHE_SIZED_WEIGHTS else max(1, cores - 1)
+
+
 def checkpoint_dtype(source: ModelSource) -> torch.dtype | None:
     """The dtype the checkpoint's config names (its weights' own), or None."""
     try:
@@ -116,8 +131,6 @@ class ModelRunner:
     ) -> None:
         self.device = pick_device(device)
         if self.device.type == "cpu":
-            # On CPU the model shares the machine with three other stages; threads that spin
-            # against them cost more than they bring (see benchmarks/README.md).
             torch.set_num_threads(torch_threads or max(1, (os.cpu_count() or 2) - 1))
         self.dtype = pick_dtype(
             dtype, self.device, checkpoint_dtype(source) if dtype == "auto" else None
@@ -131,6 +144,8 @@ class ModelRunner:
         except ModelRefused as exc:
             raise SystemExit(f"{source.spec}: {exc}") from None
         self.model.eval()
+        if self.device.type == "cpu" and not torch_threads:
+            torch.set_num_threads(default_torch_threads(self.model))
         self.config = self.model.config
         self.num_layers = len(geometry.layers)
         self.num_heads = geometry.num_heads  # this rank's

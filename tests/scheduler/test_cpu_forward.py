@@ -18,30 +18,40 @@ from tokenline.model_source import ModelSource
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler import runner as runner_module
 from tokenline.scheduler.engine import Engine, EngineLimits
+from tokenline.scheduler.models import base as models_base
 from tokenline.scheduler.runner import checkpoint_dtype, pick_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
+def _projections(model) -> list:
+    layer = model.model.layers[0]
+    attention, mlp = layer.self_attn, layer.mlp
+    return [attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj, model.lm_head]
+
+
+@pytest.fixture(params=["cache-sized", "past-the-caches"])
+def model_size(request, monkeypatch) -> str:
+    """The tests' models are small; past the caches is where the threshold says it is."""
+    if request.param == "past-the-caches":
+        monkeypatch.setattr(models_base, "CACHE_SIZED_WEIGHTS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["own-head", "tied-head"])
-def test_a_dense_models_projections_and_lm_head_are_packed_for_onednn(tied, tmp_path):
+def test_a_dense_models_projections_and_lm_head_are_packed_for_onednn(tied, model_size, tmp_path):
     config, module, extra = FAMILIES["llama"]
     saved_family_model((config, module, {**extra, "tie_word_embeddings": tied}), tmp_path)
-    runner = family_runner("llama", tmp_path)
-    model = runner.model
-    layer = model.model.layers[0]
-    for projection in (
-        layer.self_attn.qkv_proj,
-        layer.self_attn.o_proj,
-        layer.mlp.gate_up_proj,
-        layer.mlp.down_proj,
-    ):
-        assert projection.weight.is_mkldnn
-    head = model.lm_head
-    if tied:  # the head multiplies by a packed copy; the embedding looks up its plain rows
-        assert head.packed is not None and head.packed.is_mkldnn
-    else:
-        assert head.weight.is_mkldnn
+    model = family_runner("llama", tmp_path).model
+    one, two = torch.zeros(1, 64), torch.zeros(2, 64)
+    for projection in _projections(model):
+        if model_size == "cache-sized":  # plain for one row, packed from two
+            assert not projection.weight_for(one).is_mkldnn
+            assert projection.weight_for(two).is_mkldnn
+        else:
+            assert projection.weight_for(one).is_mkldnn
+    if tied:  # the embedding looks up its plain rows; the head reads a packed copy
+        assert model.lm_head.packed is not None
     assert not model.model.embed_tokens.weight.is_mkldnn
 
 
@@ -51,8 +61,8 @@ def test_an_moe_router_keeps_its_plain_weight(tmp_path):
     saved_family_model(MOE["qwen3-moe"], tmp_path)
     runner = family_runner("qwen3-moe", tmp_path)
     layer = runner.model.model.layers[0]
-    assert not layer.mlp.gate.weight.is_mkldnn
-    assert layer.self_attn.qkv_proj.weight.is_mkldnn
+    assert not layer.mlp.gate.weight.is_mkldnn and getattr(layer.mlp.gate, "packed", None) is None
+    assert layer.self_attn.qkv_proj.packed is not None
 
 
 def _greedy(engine: Engine, prompts: dict[str, list[int]], max_tokens: int) -> dict:
@@ -71,7 +81,7 @@ BF16_TIE = 2**-6
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_bfloat16_greedy_tokens_are_transformers_bfloat16_tokens(family, tmp_path):
+def test_bfloat16_greedy_tokens_are_transformers_bfloat16_tokens(family, model_size, tmp_path):
     """Equal token for token; where they part, transformers' own logits at that step hold a
     tie of both tokens within bf16 rounding, and the comparison ends there."""
     import transformers
@@ -80,7 +90,7 @@ def test_bfloat16_greedy_tokens_are_transformers_bfloat16_tokens(family, tmp_pat
     reference = getattr(transformers, FAMILIES[family][1])
     model = reference.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
     runner = family_runner(family, tmp_path, dtype="bfloat16")
-    assert runner.model.model.layers[0].mlp.down_proj.weight.is_mkldnn
+    assert runner.model.model.layers[0].mlp.down_proj.weight_for(torch.zeros(2, 64)).is_mkldnn
     engine = Engine(runner, EngineLimits(256, max_num_batched_tokens=16), eos_ids=[])
     prompts = {f"p{i}": [(11 * i + j) % 290 + 5 for j in range(7 + 4 * i)] for i in range(6)}
     got = _greedy(engine, prompts, 10)

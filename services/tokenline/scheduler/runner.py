@@ -30,7 +30,7 @@ from tokenline.scheduler.attention.decode_contexts import DecodeContexts
 from tokenline.scheduler.attention.flex import flex_block_size
 from tokenline.scheduler.decode_graphs import DecodeGraphs, capture_sizes
 from tokenline.scheduler.layers.context import ForwardContext
-from tokenline.scheduler.layers.linear import packs_weights
+from tokenline.scheduler.layers.linear import CACHE_SIZED_WEIGHTS, packs_weights
 from tokenline.scheduler.layers.placement import ModelRefused, Placement
 from tokenline.scheduler.lora.adapters import ModelShape
 from tokenline.scheduler.lora.apply import LoraStep, LoraWeights
@@ -80,16 +80,12 @@ def pick_dtype(
     return torch.bfloat16 if half and cpu_has_fast_bf16() else torch.float32
 
 
-# Weights past this no longer fit a CPU's last-level cache: a decode step streams them from
-# memory, and a second thread's bandwidth outweighs what the other stages lose by it
-# (benchmarks/README.md, "The forward at real sizes").
-CACHE_SIZED_WEIGHTS = 64 << 20
-
-
 def default_torch_threads(model: torch.nn.Module) -> int:
-    """Every core for a model whose forward is most of a step; below, every core but one,
-    which the api, tokenizer and detokenizer stages use (a tiny model's step is mostly their
-    kind of work, and threads that spin against them cost more than they bring)."""
+    """Every core for a model whose weights outgrow the caches (`CACHE_SIZED_WEIGHTS`): a
+    decode step streams them from memory, and a second thread's bandwidth outweighs what the
+    other stages lose by it. Below, every core but one, which the api, tokenizer and
+    detokenizer stages use: a small model's step is mostly their kind of work, and threads
+    that spin against them cost more than they bring."""
     cores = os.cpu_count() or 2
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return cores if weights >= CACHE_SIZED_WEIGHTS else max(1, cores - 1)

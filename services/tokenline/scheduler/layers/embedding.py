@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenline.scheduler.layers.base import Layer
-from tokenline.scheduler.layers.linear import WHOLE, copy_checked, matmul, pack
+from tokenline.scheduler.layers.linear import WHOLE, Packable, copy_checked, matmul, pack
 from tokenline.scheduler.layers.placement import Placement
 
 
@@ -58,7 +58,7 @@ class VocabEmbedding(Layer):
         return {WHOLE}
 
 
-class LMHead(VocabEmbedding):
+class LMHead(Packable, VocabEmbedding):
     """Hidden states to logits over the whole vocabulary; ``tied``: the embedding's weight."""
 
     def __init__(
@@ -70,18 +70,26 @@ class LMHead(VocabEmbedding):
             self.__dict__["tied"] = tied  # not a submodule either: its weight is loaded once
         else:
             self.__dict__["tied"] = None
-        self.__dict__["packed"] = None  # `pack_weights`: the weight in oneDNN's layout
 
-    def pack_weights(self) -> None:
+    @property
+    def plain_weight(self) -> torch.Tensor:
+        return self.tied.weight if self.tied is not None else self.weight
+
+    def pack_weights(self, keep_plain: bool) -> None:
         """A tied head packs a copy: the embedding's lookups read the plain rows."""
-        if self.tied is not None:
-            self.__dict__["packed"] = pack(self.tied.weight)
-        else:
-            self.weight = pack(self.weight)
+        if self.tied is None:
+            super().pack_weights(keep_plain)
+            return
+        self.__dict__["packed"] = pack(self.tied.weight)
+        self.__dict__["packed_from_rows"] = 2 if keep_plain else 1
+
+    def weight_for(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None or x.shape[0] < self.packed_from_rows:
+            return self.plain_weight
+        return self.packed
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.tied.weight if self.tied is not None else self.weight
-        logits = matmul(hidden, weight if self.packed is None else self.packed)
+        logits = matmul(hidden, self.weight_for(hidden))
         if self.place.tp is None:
             return logits
         return self.place.tp.all_gather_last(logits)[..., : self.vocab_size]

@@ -8,10 +8,12 @@
   bias (when there is one) joins the sum once. Alone, the residual add rides in ``addmm``.
 - `Linear`: the whole weight on every rank (an MoE router).
 
-On CPU the weights of the model's big projections are repacked after loading (`pack_weights`)
-into oneDNN's blocked layout, which its GEMMs stream at close to memory speed: a decode step
-reads every weight once, and the layout decides how fast (benchmarks/README.md). A packed
-weight is an opaque tensor that only `matmul` multiplies; ``F.linear`` refuses it loudly.
+On CPU the projections' weights are repacked after loading (`Packable.pack_weights`) into
+oneDNN's blocked layout, which its GEMMs stream at close to memory speed: a decode step reads
+every weight once, and the layout decides how fast. A model whose weights fit the caches keeps
+its plain weights too, for single rows: there MKL's call costs less than oneDNN's, and oneDNN
+wins from a few rows on (benchmarks/README.md, "The forward at real sizes"). A packed weight is
+an opaque tensor that only `matmul` multiplies; ``F.linear`` refuses it loudly.
 
 Every layer loads itself: ``load_weight(param, shard, tensor)`` copies its slice of a
 checkpoint tensor (``tensor[index]`` reads only those bytes from a safetensors file) and returns
@@ -32,6 +34,11 @@ from tokenline.scheduler.layers.placement import ModelRefused, Placement
 WHOLE: Hashable = None  # the shard key of a parameter loaded in one piece
 
 
+# Weights past this no longer fit a CPU's last-level cache (benchmarks/README.md, "The forward
+# at real sizes"): a decode step streams them from memory.
+CACHE_SIZED_WEIGHTS = 64 << 20
+
+
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weightᵀ + bias``, by oneDNN when the weight is packed (`pack`)."""
     if weight.is_mkldnn:
@@ -43,6 +50,28 @@ def pack(weight: torch.Tensor) -> torch.nn.Parameter:
     """An ``[out, in]`` weight in oneDNN's layout for its matmul (CPU only)."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
     return torch.nn.Parameter(packed, requires_grad=False)
+
+
+class Packable:
+    """A layer whose ``weight`` oneDNN can multiply packed. `weight_for` picks the copy a
+    matmul of ``x`` reads."""
+
+    packed: torch.Tensor | None = None  # a packed copy beside the plain weight
+    packed_from_rows = 1  # the fewest rows of ``x`` that read ``packed``
+
+    def pack_weights(self, keep_plain: bool) -> None:
+        """Pack ``weight``; ``keep_plain``: keep it too, for single rows."""
+        if keep_plain:
+            self.__dict__["packed"] = pack(self.weight)
+            self.__dict__["packed_from_rows"] = 2
+        else:
+            self.weight = pack(self.weight)
+
+    def weight_for(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.packed
+        if packed is None or x.shape[0] < self.packed_from_rows:
+            return self.weight
+        return packed
 
 
 def packs_weights(place: Placement) -> bool:
@@ -82,7 +111,7 @@ class Linear(Layer):
         return {WHOLE}
 
 
-class ColumnLinear(Layer):
+class ColumnLinear(Packable, Layer):
     """Output features split across ranks; ``parts`` are the full sizes of the projections
     fused in this one (their shard keys are their indexes)."""
 
@@ -97,10 +126,7 @@ class ColumnLinear(Layer):
         self.bias = place.vector(sum(self.local)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.weight, self.bias)
-
-    def pack_weights(self) -> None:
-        self.weight = pack(self.weight)
+        return matmul(x, self.weight_for(x), self.bias)
 
     def shards(self, param: str) -> set[Hashable]:
         return set(range(len(self.local)))
@@ -164,7 +190,7 @@ class QKVLinear(ColumnLinear):
         return {shard}
 
 
-class RowLinear(Layer):
+class RowLinear(Packable, Layer):
     """Input features split across ranks: a partial sum per rank, all-reduced."""
 
     def __init__(
@@ -178,7 +204,7 @@ class RowLinear(Layer):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``residual + x @ weightᵀ + bias`` (without the residual when None)."""
-        weight = self.weight
+        weight = self.weight_for(x)
         if self.place.tp is None:
             if residual is not None and self.bias is None:  # one kernel
                 if weight.is_mkldnn:
@@ -193,9 +219,6 @@ class RowLinear(Layer):
             partial = partial + self.bias
         out = self.place.all_reduce(partial)
         return out if residual is None else residual + out
-
-    def pack_weights(self) -> None:
-        self.weight = pack(self.weight)
 
     def shards(self, param: str) -> set[Hashable]:
         return {WHOLE}

@@ -10,6 +10,7 @@ import torch
 
 from tokenline.scheduler.attention import AttentionLayer
 from tokenline.scheduler.layers.context import ForwardContext
+from tokenline.scheduler.layers.linear import CACHE_SIZED_WEIGHTS, Packable
 from tokenline.scheduler.layers.placement import ModelRefused, Placement
 from tokenline.scheduler.layers.rotary import Rotary
 
@@ -77,12 +78,17 @@ class CausalLM(torch.nn.Module):
         """Compile what the family can (``--compile``); False: it runs eagerly."""
         return False
 
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
     def pack_weights(self) -> None:
-        """Repack the projections' weights for the CPU's GEMMs (layers/linear.py `pack`),
-        once every weight is loaded; the layers that have no packed form keep theirs."""
+        """Repack the projections' weights for the CPU's GEMMs (layers/linear.py `Packable`),
+        once every weight is loaded. A model whose weights fit the caches keeps the plain
+        ones too, for single rows."""
+        keep_plain = self.weight_bytes() < CACHE_SIZED_WEIGHTS
         for module in self.modules():
-            if module is not self and hasattr(module, "pack_weights"):
-                module.pack_weights()
+            if isinstance(module, Packable):
+                module.pack_weights(keep_plain)
 
     def graph_refusal(self) -> str:
         """Why a decode step of this model cannot be replayed over fixed buffers (a CUDA

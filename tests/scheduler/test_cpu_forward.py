@@ -65,6 +65,36 @@ def test_an_moe_router_keeps_its_plain_weight(tmp_path):
     assert layer.self_attn.qkv_proj.packed is not None
 
 
+def test_moe_experts_are_packed_for_the_cpu_loop(model_size, tmp_path):
+    saved_family_model(MOE["qwen3-moe"], tmp_path)
+    experts = family_runner("qwen3-moe", tmp_path).model.model.layers[0].mlp.experts
+    assert experts.packed13 is not None and experts.packed2 is not None
+    assert all(w.is_mkldnn for w in experts.packed13 + experts.packed2)
+    if model_size == "past-the-caches":  # held once: the stacked weights are gone
+        assert experts.w13.numel() == experts.w2.numel() == 0
+    else:  # single rows read the plain stacked weights
+        assert experts.packed_from_rows == 2 and experts.w13.numel() > 0
+
+
+@pytest.mark.parametrize("family", list(MOE))
+def test_moe_greedy_tokens_with_packed_experts_are_transformers_tokens(
+    family, model_size, tmp_path
+):
+    model = saved_family_model(MOE[family], tmp_path).eval()
+    engine = Engine(
+        family_runner(family, tmp_path), EngineLimits(256, max_num_batched_tokens=16), eos_ids=[]
+    )
+    prompts = {f"p{i}": [(7 * i + j) % 290 + 5 for j in range(9 + 5 * i)] for i in range(3)}
+    got = _greedy(engine, prompts, 8)
+    for uid, ids in prompts.items():
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                pad_token_id=0,
+            )  # fmt: skip
+        assert got[uid] == out[0, len(ids) :].tolist(), (family, uid)
+
+
 def _greedy(engine: Engine, prompts: dict[str, list[int]], max_tokens: int) -> dict:
     for uid, ids in prompts.items():
         engine.add(uid, ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from tokenline.scheduler.layers.base import Layer
-from tokenline.scheduler.layers.linear import Linear, copy_checked
+from tokenline.scheduler.layers.linear import Linear, copy_checked, matmul, pack
 from tokenline.scheduler.layers.placement import ModelRefused, Placement
 
 # A checkpoint's per-expert weights, as the Hub stores them: Qwen-style names and Mixtral's.
@@ -42,6 +42,12 @@ def grouped_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class Experts(Layer):
+    # the CPU loop's per-expert weights in oneDNN's layout (`pack_weights`), and the fewest rows
+    # of an expert that read them
+    packed13: list[torch.Tensor] | None = None
+    packed2: list[torch.Tensor] | None = None
+    packed_from_rows = 1
+
     def __init__(
         self,
         num_experts: int,
@@ -82,15 +88,34 @@ class Experts(Layer):
             ys = F.grouped_mm(self.act_fn(gate) * up, self.w2.transpose(1, 2), offs=offsets)
         else:
             ys = torch.empty_like(xs)
-            start = 0
+            start, packed13, packed2 = 0, self.packed13, self.packed2
             for expert, n in enumerate(counts.tolist()):
                 if n:
                     rows = slice(start, start + n)
-                    gate, up = F.linear(xs[rows], self.w13[expert]).chunk(2, dim=-1)
-                    ys[rows] = F.linear(self.act_fn(gate) * up, self.w2[expert])
+                    if packed13 is not None and n >= self.packed_from_rows:
+                        w13, w2 = packed13[expert], packed2[expert]
+                    else:
+                        w13, w2 = self.w13[expert], self.w2[expert]
+                    gate, up = matmul(xs[rows], w13).chunk(2, dim=-1)
+                    ys[rows] = matmul(self.act_fn(gate) * up, w2)
                     start += n
         ys = (ys * weights.reshape(-1).index_select(0, order).unsqueeze(1)).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, ys)
+
+    def pack_weights(self, keep_plain: bool) -> None:
+        """Each expert's projections packed as a dense layer's are (linear.py `Packable`), for
+        the CPU loop; the grouped GEMM reads the stacked weights. Past the caches the stacked
+        weights go, so the model is held once."""
+        if self.grouped:
+            return
+        self.__dict__["packed13"] = [pack(w) for w in self.w13]
+        self.__dict__["packed2"] = [pack(w) for w in self.w2]
+        if keep_plain:
+            self.__dict__["packed_from_rows"] = 2
+        else:
+            empty = torch.empty(0, 0, 0, dtype=self.place.dtype, device=self.place.device)
+            self.w13 = torch.nn.Parameter(empty, requires_grad=False)
+            self.w2 = torch.nn.Parameter(empty.clone(), requires_grad=False)
 
     # ── loading ──────────────────────────────────────────────────────────────────────────
     def shards(self, param: str) -> set[Hashable]:

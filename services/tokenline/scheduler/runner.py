@@ -191,7 +191,12 @@ class ModelRunner:
         self.lora: LoraWeights | None = None  # enable_lora's device slots
         self.lora_shape = ModelShape(self.num_layers, self.model.lora_dims)
         self._compiled = False
-        if compile_layers:
+        packs = packs_weights(Placement(self.device, self.dtype))
+        if compile_layers and packs:
+            # the compiled tail multiplies plain weights, slower on CPU than oneDNN's packed
+            # ones (benchmarks/README.md, "The forward at real sizes")
+            log.info("--compile: the layers run eagerly over weights packed for oneDNN")
+        elif compile_layers:
             self._compiled = self.model.compile_layers()
             if not self._compiled:
                 log.warning(
@@ -199,7 +204,7 @@ class ModelRunner:
                     "one device have one); running it eagerly",
                     self.model.describe(),
                 )
-        if not self._compiled and packs_weights(Placement(self.device, self.dtype)):
+        if packs:
             self.model.pack_weights()
         if self.model.implementation == "transformers":
             from tokenline.scheduler.models.generic import check_batch_exact

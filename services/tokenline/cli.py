@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = {
         "api": "tokenline.api.app",
         "tokenizer": "tokenline.tokenizer.stage",
-        "scheduler": "tokenline.scheduler.stage",
+        "scheduler": "tokenline.scheduler.start",
         "detokenizer": "tokenline.detokenizer.stage",
     }
     import importlib

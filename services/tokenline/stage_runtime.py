@@ -18,7 +18,7 @@ owns everything around it:
 - liveness: while a step runs, a watcher thread answers heartbeats (with the status of the
   last one answered before the step) and connection reports, so a step that takes seconds (a
   kernel compiled on first use) is not taken for a dead stage; messages for the handler wait
-  for the step, as they always did (`Liveness`);
+  for the step, as they always did (stage_liveness.py);
 - giving the C heap's free pages back to the system every ``TRIM_INTERVAL_S`` (`HeapTrim`).
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 import time
 from collections.abc import Collection, Iterable
 from typing import Protocol
@@ -37,16 +36,15 @@ from tokenline import protocol
 from tokenline.ledger import Ledger
 from tokenline.lifecycle import Drain, freeze_startup_heap, instance_id
 from tokenline.metrics import BUFFER_DEPTH
+from tokenline.stage_liveness import CONTROL, Liveness
 from tokenline.transport import NEXT_STAGE, SyncRing, UpstreamLink
 
 log = logging.getLogger(__name__)
 SWEEP_INTERVAL_S = 0.5
-LIVENESS_POLL_S = 0.05  # how long a step runs before the watcher answers heartbeats
 TRIM_INTERVAL_S = 10.0
 UPSTREAM = {after: before for before, after in NEXT_STAGE.items()}
 
 Outbound = list[msgspec.Struct]
-_CONTROL = (UpstreamLink, protocol.Heartbeat, protocol.Link)
 
 
 class StageHandler(Protocol):
@@ -190,7 +188,7 @@ class StageRuntime:
         batch = list(batch)
         handle_batch = getattr(self.handler, "handle_batch", None)
         if handle_batch is not None:
-            data = [(a, m) for a, m in batch if not isinstance(m, _CONTROL)]
+            data = [(a, m) for a, m in batch if not isinstance(m, CONTROL)]
             for _, message in data:
                 for uid, timeout in protocol.started_uids(message):
                     self.ledger.open(uid, timeout)
@@ -204,7 +202,7 @@ class StageRuntime:
                 )
             else:
                 self._emit(out)
-                batch = [(a, m) for a, m in batch if isinstance(m, _CONTROL)]
+                batch = [(a, m) for a, m in batch if isinstance(m, CONTROL)]
         for arrived, message in batch:
             if isinstance(message, UpstreamLink):
                 self._emit(
@@ -339,64 +337,3 @@ def serve_stage(handler: StageHandler, ring: SyncRing, drain: Drain) -> None:
     finally:
         liveness.stop()
         ring.close()
-
-
-class Liveness:
-    """Heartbeats answered while a long step runs.
-
-    Steps run on the loop's own thread (a hop to another thread costs a small model's decode
-    step about 5%). A watcher thread wakes every ``LIVENESS_POLL_S``; when a step has run that
-    long, it takes the ring (every use of the ring's sockets holds ``ring_lock``, so one thread
-    at a time touches them) and answers the heartbeats and connection reports that came, with
-    the status of the last heartbeat answered before the step; the handler's other messages
-    are held back for the loop, which handles them after the step, in the order they came.
-    """
-
-    def __init__(self, runtime: StageRuntime, ring: SyncRing, limit: int) -> None:
-        self.runtime, self.ring, self.limit = runtime, ring, limit
-        self.ring_lock = threading.Lock()
-        self._held_back: list = []
-        self._step_started: float | None = None
-        self._stopped = threading.Event()
-        self._watcher = threading.Thread(
-            target=self._watch, name=f"{runtime.stage}-liveness", daemon=True
-        )
-        self._watcher.start()
-
-    def step(self) -> Outbound | Exception:
-        self._step_started = time.monotonic()
-        self.runtime.stepping = True
-        try:
-            return self.runtime.run_step()
-        finally:
-            self._step_started = None
-            with self.ring_lock:  # the watcher is done with the ring before the loop goes on
-                self.runtime.stepping = False
-
-    def take_held_back(self) -> list:
-        held, self._held_back = self._held_back, []
-        return held
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self._watcher.join(timeout=1)
-
-    def _watch(self) -> None:
-        while not self._stopped.wait(LIVENESS_POLL_S):
-            started = self._step_started
-            if started is None or time.monotonic() - started < LIVENESS_POLL_S:
-                continue
-            with self.ring_lock:
-                if not self.runtime.stepping:
-                    continue
-                try:
-                    while self.ring.poll(0):
-                        for item in self.ring.recv_timed(self.limit):
-                            if isinstance(item[1], _CONTROL):
-                                self.runtime.process([item])
-                            else:
-                                self._held_back.append(item)
-                except Exception:  # never let the watcher die: the loop owns the ring's fate
-                    log.exception(
-                        "%s: answering heartbeats during a step failed", self.runtime.stage
-                    )

@@ -199,15 +199,15 @@ def test_the_stage_without_lora_refuses_load_calls(make_engine):
 
 
 def test_lora_modules_load_at_start(make_engine, adapter_dirs):
-    from tokenline.scheduler.stage import _start_loras
+    from tokenline.scheduler.start import start_loras
     from tokenline.settings import Settings
 
     engine = lora_engine(make_engine, {})
     modules = [f"a={adapter_dirs['a']}", f"b={adapter_dirs['b']}"]
-    assert _start_loras(Settings(enable_lora=True, lora_modules=modules), engine) is None
+    assert start_loras(Settings(enable_lora=True, lora_modules=modules), engine) is None
     assert engine.loras.names == ["a", "b"]
     with pytest.raises(SystemExit, match="NAME=PATH_OR_URI"):
-        _start_loras(Settings(enable_lora=True, lora_modules=["no-uri"]), engine)
+        start_loras(Settings(enable_lora=True, lora_modules=["no-uri"]), engine)
 
 
 class Change:
@@ -251,7 +251,7 @@ def test_the_lora_config_file_drives_loads_and_unloads(make_engine, adapter_dirs
     import json
     import os
 
-    from tokenline.scheduler.stage import _start_loras
+    from tokenline.scheduler.start import start_loras
     from tokenline.settings import Settings
 
     config = tmp_path / "adapters.json"
@@ -263,7 +263,7 @@ def test_the_lora_config_file_drives_loads_and_unloads(make_engine, adapter_dirs
 
     write({"a": adapter_dirs["a"]}, 1_000)
     engine = lora_engine(make_engine, {})
-    watcher = _start_loras(Settings(enable_lora=True, lora_config=str(config)), engine)
+    watcher = start_loras(Settings(enable_lora=True, lora_config=str(config)), engine)
     handler = SchedulerStage(engine, "tiny", lora_changes=watcher)
     handler.housekeeping(time.monotonic())
     assert engine.loras.names == ["a"]

@@ -13,7 +13,6 @@ import msgspec
 
 from tokenline import protocol
 from tokenline.bounded import ExpiringSet
-from tokenline.lifecycle import Drain
 from tokenline.metrics import (
     BUFFER_DEPTH,
     KV_CACHE_USAGE,
@@ -29,29 +28,15 @@ from tokenline.metrics import (
     STAGE_LATENCY,
     STEP_PHASE_TIME,
     STEP_SEQUENCES,
-    serve_metrics,
     track_cache,
 )
-from tokenline.model_source import resolve
 from tokenline.scheduler.engine import (
     Engine,
-    EngineLimits,
     InvalidRequest,
-    default_token_budget,
 )
-from tokenline.scheduler.grammar import GrammarCompiler
-from tokenline.scheduler.kv_events import KVEventPublisher, attach
+from tokenline.scheduler.kv_events import KVEventPublisher
 from tokenline.scheduler.lora.adapters import LoraError
-from tokenline.scheduler.lora.options import LoraOptions
-from tokenline.scheduler.lora_config import LoraConfigWatcher
-from tokenline.scheduler.parallel import stage as parallel_stage
-from tokenline.scheduler.runner import ModelRunner, pick_device
 from tokenline.scheduler.step_times import STEP_PHASES
-from tokenline.scheduler.warm_up import warm_up
-from tokenline.settings import Settings
-from tokenline.settings.declaration import sizes_of
-from tokenline.stage_runtime import serve_stage
-from tokenline.transport import SyncRing
 
 log = logging.getLogger(__name__)
 PROMPT_TAIL = 8  # prompt ids the detokenizer primes its stream with
@@ -320,103 +305,3 @@ class SchedulerStage:
         for uid in self.engine.held_uids():  # drain time is up
             self.engine.abort(uid)
         return self.step()
-
-
-def run(settings: Settings) -> int:
-    drain = Drain(settings.drain_timeout)
-    source = resolve(settings.model, settings.model_cache_dir, settings.revision)
-    if settings.metrics_port:  # a worker node's too: its pod's probes read it
-        serve_metrics(settings.metrics_port)
-    if settings.tensor_parallel_size > 1 and settings.node_rank > 0:
-        return parallel_stage.run_worker_node(settings, source)
-    max_model_len = source.max_model_len(settings.max_model_len)
-    device = pick_device(settings.device)
-    budget = settings.max_num_batched_tokens or default_token_budget(device.type)
-    # With --tensor-parallel-size > 1: rank 0's sharded runner, its workers started.
-    runner = parallel_stage.runner_type(settings, source, ModelRunner)(
-        source,
-        settings.device,
-        settings.dtype,
-        settings.block_size,
-        settings.kv_cache_memory,
-        settings.gpu_memory_utilization,
-        settings.torch_threads,
-        compile_layers=settings.compile,
-        attention_backend=settings.attention_backend,
-        model_impl=settings.model_impl,
-        max_model_len=max_model_len,
-        cuda_graph_sizes=sizes_of(settings.cuda_graph_sizes),
-        enforce_eager=settings.enforce_eager,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=budget,
-    )
-    # before the stage joins the ring (and /ready turns true): the first requests must not
-    # wait for kernels to compile or graphs to be captured
-    warm_up(runner, budget)
-    limits = EngineLimits(max_model_len, settings.max_num_seqs, budget)
-    lora = None
-    if settings.enable_lora:
-        lora = LoraOptions(
-            settings.max_loras,
-            settings.max_lora_rank,
-            settings.max_cpu_loras,
-            settings.model_cache_dir,
-        )
-    grammars, refusal = grammar_compiler(source)
-    engine = Engine(
-        runner,
-        limits,
-        source.eos_token_ids(),
-        prefix_caching=not settings.no_prefix_caching,
-        grammars=grammars,
-        lora=lora,
-        grammar_refusal=refusal,
-    )
-    lora_changes = _start_loras(settings, engine)
-    kv_events = attach(settings, engine.pool, runner.device.type)
-    ring = SyncRing("scheduler", settings.endpoints, settings.ring_security)
-    log.info(
-        "scheduler ready: %s, %d KV blocks, prefix caching %s",
-        source.spec,
-        runner.num_blocks,
-        "on" if engine.prefix_caching else "off",
-    )
-    stage = SchedulerStage(engine, settings.model_name, kv_events, lora_changes)
-    serve_stage(stage, ring, drain)
-    return 0
-
-
-def grammar_compiler(source) -> tuple[GrammarCompiler | None, str]:
-    """The grammar compiler over the model's tokenizer, or None and why: a tokenizer the grammar
-    library cannot read (a word-level vocabulary with a WordPiece decoder, say) costs the model
-    its structured outputs, never its plain generation."""
-    try:
-        return GrammarCompiler(source.load_tokenizer()), ""
-    except Exception as exc:  # llguidance names what it could not read; nothing else is at stake
-        reason = (
-            "structured outputs and tool calls are not available for this model: the grammar "
-            f"library (llguidance) cannot read its tokenizer ({exc})"
-        )
-        log.warning("%s: %s", source.spec, reason)
-        return None, reason
-
-
-def _start_loras(settings: Settings, engine: Engine) -> LoraChanges | None:
-    """Load --lora-modules (a bad one stops the stage: it was asked for at start) and return
-    --lora-config's watcher, polled between steps."""
-    if engine.loras is None:
-        if settings.lora_modules or settings.lora_config:
-            log.warning("--lora-modules/--lora-config ignored: --enable-lora is off")
-        return None
-    for module in settings.lora_modules or []:
-        name, sep, uri = module.partition("=")
-        if not sep or not name or not uri:
-            raise SystemExit(f"--lora-modules {module!r}: expected NAME=PATH_OR_URI")
-        try:
-            engine.loras.add(name, uri)
-        except LoraError as exc:
-            raise SystemExit(f"--lora-modules {name}: {exc}") from exc
-        log.info("LoRA adapter %s loaded from %s", name, uri)
-    if not settings.lora_config:
-        return None
-    return LoraConfigWatcher(settings.lora_config)

@@ -1,6 +1,6 @@
 """Whether the ring can take a request right now: the one answer `/ready` and admission share.
 
-Two sources, no I/O (the pipeline feeds them):
+Two sources, no I/O but log lines (the pipeline feeds them):
 
 - **links**: ZeroMQ monitor events on the ring's connections. The api sees its own two
   (the tokenizer behind its outbox, the detokenizer behind its inbox); every other stage
@@ -17,8 +17,12 @@ last rule keeps a heartbeat that passed a stage just before it died from vouchin
 
 from __future__ import annotations
 
+import logging
+import time
+
 from tokenline import protocol
 
+log = logging.getLogger(__name__)
 RING_STAGES = ("tokenizer", "scheduler", "detokenizer")
 
 
@@ -32,6 +36,7 @@ class RingHealth:
         self._proof_seq = 0  # heartbeats from this seq on can prove the ring answers
         self._answered = False  # a heartbeat at or after _proof_seq came back
         self._unanswered_since: float | None = None  # the oldest heartbeat still out
+        self._outage: tuple[float, str] | None = (time.monotonic(), "starting")  # since, why
 
     # ── inputs ─────────────────────────────────────────────────────────────────────────────────
     def heartbeat_sent(self, now: float) -> int:
@@ -87,3 +92,25 @@ class RingHealth:
 
     def up(self, now: float) -> bool:
         return self.problem(now) is None
+
+    def check(self, now: float, cause: str | None = None) -> bool:
+        """Whether the ring is down (``cause``: it just went down for that reason); logs each
+        outage as it starts and as it ends."""
+        problem = self.problem(now)
+        if problem is None and cause is None:
+            if self._outage is not None:
+                since, why = self._outage
+                log.info("api: every stage answers; ready after %.2fs (%s)", now - since, why)
+                self._outage = None
+            return False
+        if self._outage is None:
+            why = cause or problem or ""
+            log.error("api: the ring is down (%s); failing in-flight requests", why)
+            self._outage = (now, why)
+        return True
+
+    @property
+    def grammar_refusal(self) -> str:
+        """Why the scheduler cannot constrain an answer to a grammar; "" when it can."""
+        scheduler = self.statuses.get("scheduler")
+        return scheduler.grammar_refusal if scheduler is not None else ""

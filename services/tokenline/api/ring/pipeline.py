@@ -71,7 +71,6 @@ class Pipeline:
         self.endpoint_metrics = EndpointMetrics(self.model)
         self._origin = f"{os.getpid()}-{os.urandom(4).hex()}"
         self._uid_counter = itertools.count()
-        self._outage: tuple[float, str] | None = (time.monotonic(), "starting")
         self._tasks: list[asyncio.Task] = []
         self._late = LATE_REPLIES.labels(stage="api")
         self._depth = BUFFER_DEPTH.labels(stage="api", buffer="replies")
@@ -98,9 +97,7 @@ class Pipeline:
 
     @property
     def grammar_refusal(self) -> str:
-        """Why the scheduler cannot constrain an answer to a grammar; "" when it can."""
-        scheduler = self.health.statuses.get("scheduler")
-        return scheduler.grammar_refusal if scheduler is not None else ""
+        return self.health.grammar_refusal
 
     def problem(self) -> str | None:
         """Why a request would be refused now (None: it would be admitted)."""
@@ -357,20 +354,8 @@ class Pipeline:
             log.info("api: re-sent %d unsettled abort(s) after a restart", len(unsettled))
 
     def _check_health(self, cause: str | None = None) -> None:
-        """Log outages as they start and end; fail in-flight requests when one starts."""
-        now = time.monotonic()
-        problem = self.health.problem(now)
-        if problem is None and cause is None:
-            if self._outage is not None:
-                since, why = self._outage
-                log.info("api: every stage answers; ready after %.2fs (%s)", now - since, why)
-                self._outage = None
-            return
-        why = cause or problem or ""
-        if self._outage is None:
-            log.error("api: the ring is down (%s); failing in-flight requests", why)
-            self._outage = (now, why)
-        if not self.draining:
+        """Fail in-flight requests while the ring is down (`RingHealth.check` logs outages)."""
+        if self.health.check(time.monotonic(), cause) and not self.draining:
             self.fail_all("stage_failure")
 
     async def _heartbeats(self) -> None:

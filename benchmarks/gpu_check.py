@@ -32,21 +32,10 @@ import warnings
 from pathlib import Path
 
 import torch
+from real_shapes import SHAPES  # this folder's: the script runs as benchmarks/gpu_check.py
 
 # Qwen/Qwen3-0.6B's config.json (the fields that shape the computation)
-QWEN3_0_6B = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-)
+QWEN3_0_6B = SHAPES["qwen3-0.6b"][2]
 # meta-llama/Llama-3.1-8B's width (cut to --layers layers)
 LLAMA_8B_WIDE = dict(
     vocab_size=128256,

@@ -68,13 +68,20 @@ def test_serve_tiny_answers_a_chat_completion_and_a_stream(
     image: str, containers: Containers, tmp_path: Path
 ):
     """`docker run --read-only --tmpfs /tmp -v cache:/var/cache/tokenline IMAGE serve`."""
+    _serve_tiny(image, containers, tmp_path, "serve")
+
+
+def _serve_tiny(image: str, containers: Containers, tmp_path: Path, name: str, *flags: str):
+    """`tokenline serve` of the tiny model in a container with ``flags``; its answers checked
+    and the container still running after them."""
     name = containers.start(
-        "serve",
+        name,
         "--network=none",
         f"--volume={writable_dir(tmp_path / 'cache')}:{names.MODEL_CACHE_DIR}",
         f"--volume={writable_dir(tmp_path / 'tmp')}:/tmp",
         image,
         *("serve", "--model", "tiny", "--port", "8000"),
+        *flags,
     )
     result = client_in(containers.pid(name), 8000, 8001, 8002, 8003)
     logs = containers.logs()
@@ -89,24 +96,12 @@ def test_serve_compiles_flex_attention_inside_the_image(
 ):
     """The GPU's default attention, flex_attention compiled on first use, built and run by
     inductor inside the image (on a read-only root: its cache lives on the cache volume)."""
-    name = containers.start(
-        "serve-compiled",
-        "--network=none",
-        f"--volume={writable_dir(tmp_path / 'cache')}:{names.MODEL_CACHE_DIR}",
-        f"--volume={writable_dir(tmp_path / 'tmp')}:/tmp",
-        image,
-        *("serve", "--model", "tiny", "--port", "8000"),
-        *("--attention-backend", "flex", "--compile"),
+    _serve_tiny(
+        image, containers, tmp_path, "serve-compiled", "--attention-backend", "flex", "--compile"
     )
-    result = client_in(containers.pid(name), 8000, 8001, 8002, 8003)
-    logs = containers.logs()
-    print(json.dumps(result, indent=1))
-    check_answers(result, logs)
     assert any(p.suffix == ".so" for p in (tmp_path / "cache" / "inductor").rglob("*")), (
         "inductor built no kernel"
     )
-    assert containers.running() == [name], logs
-    quiet_logs(logs)
 
 
 # --- the operator's pod: four stage containers and one IPC ring ---------------------------

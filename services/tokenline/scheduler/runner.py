@@ -30,7 +30,7 @@ from tokenline.scheduler.attention.decode_contexts import DecodeContexts
 from tokenline.scheduler.attention.flex import flex_block_size
 from tokenline.scheduler.decode_graphs import DecodeGraphs, capture_sizes
 from tokenline.scheduler.layers.context import ForwardContext
-from tokenline.scheduler.layers.linear import CACHE_SIZED_WEIGHTS, packs_weights
+from tokenline.scheduler.layers.linear import CACHE_SIZED_WEIGHTS, packs_weights, weight_bytes
 from tokenline.scheduler.layers.placement import ModelRefused, Placement
 from tokenline.scheduler.lora.adapters import ModelShape
 from tokenline.scheduler.lora.apply import LoraStep, LoraWeights
@@ -87,8 +87,7 @@ def default_torch_threads(model: torch.nn.Module) -> int:
     detokenizer stages use: a small model's step is mostly their kind of work, and threads
     that spin against them cost more than they bring."""
     cores = os.cpu_count() or 2
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return cores if weights >= CACHE_SIZED_WEIGHTS else max(1, cores - 1)
+    return cores if weight_bytes(model) >= CACHE_SIZED_WEIGHTS else max(1, cores - 1)
 
 
 def checkpoint_dtype(source: ModelSource) -> torch.dtype | None:

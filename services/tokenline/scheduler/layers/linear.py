@@ -39,6 +39,10 @@ WHOLE: Hashable = None  # the shard key of a parameter loaded in one piece
 CACHE_SIZED_WEIGHTS = 64 << 20
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weightᵀ + bias``, by oneDNN when the weight is packed (`pack`)."""
     if weight.is_mkldnn:

@@ -10,7 +10,7 @@ import torch
 
 from tokenline.scheduler.attention import AttentionLayer
 from tokenline.scheduler.layers.context import ForwardContext
-from tokenline.scheduler.layers.linear import CACHE_SIZED_WEIGHTS
+from tokenline.scheduler.layers.linear import CACHE_SIZED_WEIGHTS, weight_bytes
 from tokenline.scheduler.layers.placement import ModelRefused, Placement
 from tokenline.scheduler.layers.rotary import Rotary
 
@@ -78,15 +78,12 @@ class CausalLM(torch.nn.Module):
         """Compile what the family can (``--compile``); False: it runs eagerly."""
         return False
 
-    def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
-
     def pack_weights(self) -> None:
         """Repack the projections' and experts' weights for the CPU's GEMMs (layers/linear.py
         `Packable`, layers/moe.py `Experts`),
         once every weight is loaded. A model whose weights fit the caches keeps the plain
         ones too, for single rows."""
-        keep_plain = self.weight_bytes() < CACHE_SIZED_WEIGHTS
+        keep_plain = weight_bytes(self) < CACHE_SIZED_WEIGHTS
         for module in self.modules():
             if module is not self and hasattr(module, "pack_weights"):  # Packable, Experts
                 module.pack_weights(keep_plain)

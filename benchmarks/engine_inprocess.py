@@ -26,9 +26,9 @@ import json
 import statistics
 import time
 
-from tokenline.bench.config import BenchConfig, TargetConfig
-from tokenline.bench.load import isolated_phase
-from tokenline.bench.workload import LengthDist, build_workload
+from tokenline.loadgen.config import BenchConfig, TargetConfig
+from tokenline.loadgen.load import isolated_phase
+from tokenline.loadgen.workload import LengthDist, build_workload
 from tokenline.model_source import resolve
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.engine import Engine, EngineLimits, default_token_budget

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from tokenline.bench.workload import LengthDist, build_workload
+from tokenline.loadgen.workload import LengthDist, build_workload
 from tokenline.model_source import resolve
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.engine import Engine, EngineLimits, default_token_budget

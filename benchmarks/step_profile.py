@@ -23,9 +23,9 @@ from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenline.bench.config import BenchConfig, TargetConfig
-from tokenline.bench.load import isolated_phase
-from tokenline.bench.workload import LengthDist, build_workload
+from tokenline.loadgen.config import BenchConfig, TargetConfig
+from tokenline.loadgen.load import isolated_phase
+from tokenline.loadgen.workload import LengthDist, build_workload
 from tokenline.scheduler.step_times import STEP_PHASES
 from tokenline.serve import metrics_port
 

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return operator_main(argv[1:])
     if argv and argv[0] == "bench":
-        from tokenline.bench.cli import main as bench_main
+        from tokenline.loadgen.cli import main as bench_main
 
         return bench_main(argv[1:])
     if argv and argv[0] == "fetch":  # the pod's init container: one download before any stage

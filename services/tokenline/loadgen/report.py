@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tokenline.bench.records import BenchResult
+from tokenline.loadgen.records import BenchResult
 
 PERCENTILES = (50, 90, 99)
 # Distinct prompts still share a chat template's first tokens; more than this is a rerun.

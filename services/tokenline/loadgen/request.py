@@ -8,10 +8,10 @@ from typing import Any
 
 import aiohttp
 
-from tokenline.bench.config import ENDPOINT_PATHS, BenchConfig, TargetConfig
-from tokenline.bench.records import RequestRecord
-from tokenline.bench.sse import DONE, iter_sse_data, read_chunk
-from tokenline.bench.workload import RequestSpec
+from tokenline.loadgen.config import ENDPOINT_PATHS, BenchConfig, TargetConfig
+from tokenline.loadgen.records import RequestRecord
+from tokenline.loadgen.sse import DONE, iter_sse_data, read_chunk
+from tokenline.loadgen.workload import RequestSpec
 
 Message = dict[str, str]
 

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tokenline.bench.cli import main
-from tokenline.bench.workload import poisson_arrivals, shared_prefixes
+from tokenline.loadgen.cli import main
+from tokenline.loadgen.workload import poisson_arrivals, shared_prefixes
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from tokenline.bench.config import TargetConfig, normalize_base_url
-from tokenline.bench.load import round_order
-from tokenline.bench.report import Dist, percentile, ratio
-from tokenline.bench.sse import SSEDecoder, read_chunk
-from tokenline.bench.workload import LengthDist, build_workload, poisson_arrivals
+from tokenline.loadgen.config import TargetConfig, normalize_base_url
+from tokenline.loadgen.load import round_order
+from tokenline.loadgen.report import Dist, percentile, ratio
+from tokenline.loadgen.sse import SSEDecoder, read_chunk
+from tokenline.loadgen.workload import LengthDist, build_workload, poisson_arrivals
 
 
 def feed_all(lines: list[str]) -> list[str]:

@@ -12,12 +12,12 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from tokenline.bench.config import BenchConfig, TargetConfig, normalize_base_url
-from tokenline.bench.isolation import parse_pids
-from tokenline.bench.load import run_benchmark
-from tokenline.bench.records import RequestRecord
-from tokenline.bench.report import format_report, result_json
-from tokenline.bench.workload import LengthDist
+from tokenline.loadgen.config import BenchConfig, TargetConfig, normalize_base_url
+from tokenline.loadgen.isolation import parse_pids
+from tokenline.loadgen.load import run_benchmark
+from tokenline.loadgen.records import RequestRecord
+from tokenline.loadgen.report import format_report, result_json
+from tokenline.loadgen.workload import LengthDist
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json_out.write_text(json.dumps(result_json(result), indent=1) + "\n")
         print(f"\nwrote {args.json_out}")
     if args.plot is not None:
-        from tokenline.bench.plot import write_plot
+        from tokenline.loadgen.plot import write_plot
 
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         write_plot(result, args.plot)

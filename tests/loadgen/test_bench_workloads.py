@@ -7,10 +7,10 @@ from collections import Counter
 
 import pytest
 
-from tokenline.bench.cli import build_parser, config_from_args
-from tokenline.bench.config import BenchConfig, TargetConfig
-from tokenline.bench.request import build_body
-from tokenline.bench.workload import (
+from tokenline.loadgen.cli import build_parser, config_from_args
+from tokenline.loadgen.config import BenchConfig, TargetConfig
+from tokenline.loadgen.request import build_body
+from tokenline.loadgen.workload import (
     WORDS,
     LengthDist,
     build_workload,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tokenline.bench.workload import LengthDist
+from tokenline.loadgen.workload import LengthDist
 
 Endpoint = Literal["completions", "chat"]
 

@@ -1,7 +1,7 @@
 """The load generator measures what a real HTTP server did.
 
 These tests run `tokenline bench` over real HTTP against a stand-in SSE server whose delays
-and token counts are fixed in advance (tests/bench/stand_in_sse_server.py), and check the
+and token counts are fixed in advance (tests/loadgen/stand_in_sse_server.py), and check the
 load generator's own measurements: TTFT, gaps between chunks, token counts, percentiles,
 failures, the JSON and the PNG, and `--compare`. They say nothing about tokenline's server.
 """
@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from tokenline.bench.cli import main
-from tokenline.bench.report import percentile
-from tokenline.bench.workload import poisson_arrivals
+from tokenline.loadgen.cli import main
+from tokenline.loadgen.report import percentile
+from tokenline.loadgen.workload import poisson_arrivals
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tokenline.bench.isolation import frozen, parse_pids
-from tokenline.bench.load import wait_ready
+from tokenline.loadgen.isolation import frozen, parse_pids
+from tokenline.loadgen.load import wait_ready
 
 
 def _state(pid: int) -> str:

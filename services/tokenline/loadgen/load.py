@@ -23,11 +23,11 @@ from collections.abc import Callable
 
 import aiohttp
 
-from tokenline.bench.config import BenchConfig, TargetConfig
-from tokenline.bench.isolation import frozen
-from tokenline.bench.records import BenchResult, Phase, RequestRecord, TargetInfo
-from tokenline.bench.request import Message, discover_model, new_record, send_request
-from tokenline.bench.workload import (
+from tokenline.loadgen.config import BenchConfig, TargetConfig
+from tokenline.loadgen.isolation import frozen
+from tokenline.loadgen.records import BenchResult, Phase, RequestRecord, TargetInfo
+from tokenline.loadgen.request import Message, discover_model, new_record, send_request
+from tokenline.loadgen.workload import (
     RequestSpec,
     build_workload,
     conversations,

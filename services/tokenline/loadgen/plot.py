@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from tokenline.bench.records import BenchResult, RequestRecord
+from tokenline.loadgen.records import BenchResult, RequestRecord
 
 
 def throughput_series(

@@ -28,7 +28,7 @@ from tokenline.settings.declaration import (
     settings_dataclass,
     stage_settings,
 )
-from tokenline.settings.engine import ENGINE, TENSOR_PARALLEL
+from tokenline.settings.scheduler import ENGINE, TENSOR_PARALLEL
 from tokenline.settings.every_stage import EVERY_STAGE
 from tokenline.settings.kv_events import KV_EVENTS
 from tokenline.settings.lora import LORA

@@ -1,5 +1,6 @@
-"""The scheduler stage's engine: device and dtype, KV cache, batching, compilation, prefix
-caching.
+"""The scheduler stage's settings: its engine's (`ENGINE`: device and dtype, KV cache,
+batching, compilation, prefix caching, attention, model code) and tensor parallelism's
+(`TENSOR_PARALLEL`); the CRD's ``engine`` section sets both.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class SlowStage:
     def status(self) -> protocol.StageStatus:
         return protocol.StageStatus(stage=self.stage, instance="", running=7)
 
-    def fail(self, uid):
+    def drop(self, uid):
         return []
 
     def housekeeping(self, now):

@@ -80,7 +80,7 @@ class StageHandler(Protocol):
         """Waiting and running counts for heartbeats (``stage`` and ``instance`` are filled)."""
         ...
 
-    def fail(self, uid: str) -> Outbound:
+    def drop(self, uid: str) -> Outbound:
         """Free whatever is held for ``uid``; the runtime sends its `protocol.Failed` after."""
         ...
 
@@ -271,7 +271,7 @@ class StageRuntime:
         try:
             self._emit(self.handler.housekeeping(now))
             for uid in self.ledger.sweep(list(self.handler.held())):
-                self._emit(self.handler.fail(uid))
+                self._emit(self.handler.drop(uid))
             self._trim_heap(now)
         except Exception:
             log.exception(
@@ -298,7 +298,7 @@ class StageRuntime:
         )
         for uid in uids:
             try:
-                freed = self.handler.fail(uid)
+                freed = self.handler.drop(uid)
             except Exception:  # the handler's state for uid is beyond repair; drop it
                 log.exception("%s: freeing %s after a failure raised too", self.stage, uid)
                 freed = []

@@ -67,7 +67,7 @@ class Detokenizer(StepFreeHandler):
                     reply = self._decode(output, arrived)
                 except Exception as exc:  # one uid's failure is that uid's alone
                     log.exception("detokenizer: decoding %s raised", output.uid)
-                    self.fail(output.uid)
+                    self.drop(output.uid)
                     out.append(internal_error(output.uid, self.stage, exc))
                     continue
                 if reply is not None:
@@ -170,7 +170,7 @@ class Detokenizer(StepFreeHandler):
         self.ended_early.prune(now)
         return []
 
-    def fail(self, uid: str) -> list[msgspec.Struct]:
+    def drop(self, uid: str) -> list[msgspec.Struct]:
         live = self.live.pop(uid, None)
         if live is not None:
             self._ended_early(uid, live)

@@ -277,7 +277,7 @@ class SchedulerStage:
             "lora_adapters": loras.names,
         }
 
-    def fail(self, uid: str) -> list[msgspec.Struct]:
+    def drop(self, uid: str) -> list[msgspec.Struct]:
         self.engine.drop(uid)
         return []
 

@@ -243,7 +243,7 @@ class TokenizerStage(StepFreeHandler):
     def status(self) -> protocol.StageStatus:
         return protocol.StageStatus(stage=self.stage, instance="")
 
-    def fail(self, uid: str) -> list[msgspec.Struct]:
+    def drop(self, uid: str) -> list[msgspec.Struct]:
         return []
 
 

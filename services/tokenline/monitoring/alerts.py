@@ -6,7 +6,7 @@ file as it is. Thresholds are module constants so that tests and docs can name t
 
 from __future__ import annotations
 
-from tokenline.monitoring.promql import CONTAINER, INFERENCESERVICE, NAMESPACE, POD, by
+from tokenline.monitoring.promql import CONTAINER, INFERENCESERVICE, POD, SERVICE_LABELS, by
 
 LEAKED_UIDS_FOR = "5m"
 STAGE_DOWN_FOR = "2m"
@@ -20,8 +20,16 @@ WAITING_QUEUE_MIN = 10
 WAITING_QUEUE_FOR = "10m"
 WINDOW = "5m"
 
-_SERVICE = (NAMESPACE, INFERENCESERVICE)
 _WHERE = "{{ $labels.namespace }}/{{ $labels.inferenceservice }}"
+
+
+def _per_service(aggregation: str, expr: str, *labels: str) -> str:
+    """``expr`` aggregated per InferenceService and ``labels``."""
+    return f"{aggregation} {by(*SERVICE_LABELS, *labels)} ({expr})"
+
+
+def _rate(series: str) -> str:
+    return f"rate({series}[{WINDOW}])"
 
 
 def _alert(
@@ -39,7 +47,7 @@ def _alert(
 def leaked_uids() -> dict[str, object]:
     return _alert(
         "TokenlineLeakedUids",
-        f"max {by(*_SERVICE, POD, 'stage')} (tokenline_leaked_uids) > 0",
+        f"{_per_service('max', 'tokenline_leaked_uids', POD, 'stage')} > 0",
         LEAKED_UIDS_FOR,
         "warning",
         "tokenline stage holds leaked request state",
@@ -61,8 +69,8 @@ def stage_down() -> dict[str, object]:
 
 
 def ttft_p99_high() -> dict[str, object]:
-    rate = f"rate(tokenline_time_to_first_token_seconds_bucket[{WINDOW}])"
-    buckets = f"sum {by(*_SERVICE, 'model', 'le')} ({rate})"
+    rate = _rate("tokenline_time_to_first_token_seconds_bucket")
+    buckets = _per_service("sum", rate, "model", "le")
     return _alert(
         "TokenlineTimeToFirstTokenHigh",
         f"histogram_quantile(0.99, {buckets}) > {TTFT_P99_THRESHOLD_SECONDS}",
@@ -75,9 +83,8 @@ def ttft_p99_high() -> dict[str, object]:
 
 
 def error_ratio_high() -> dict[str, object]:
-    group = by(*_SERVICE, "model")
-    errors = f'sum {group} (rate(tokenline_requests_total{{finish_reason="error"}}[{WINDOW}]))'
-    total = f"sum {group} (rate(tokenline_requests_total[{WINDOW}]))"
+    errors = _per_service("sum", _rate('tokenline_requests_total{finish_reason="error"}'), "model")
+    total = _per_service("sum", _rate("tokenline_requests_total"), "model")
     return _alert(
         "TokenlineErrorRatioHigh",
         f"{errors} / {total} > {ERROR_RATIO_THRESHOLD}",
@@ -90,12 +97,11 @@ def error_ratio_high() -> dict[str, object]:
 
 
 def kv_cache_saturated() -> dict[str, object]:
-    group = by(*_SERVICE, POD, "model")
-    usage = f"max {group} (tokenline_kv_cache_usage_ratio) > {KV_CACHE_SATURATED_RATIO}"
-    waiting = f"sum {group} (tokenline_num_requests_waiting) > 0"
+    usage = _per_service("max", "tokenline_kv_cache_usage_ratio", POD, "model")
+    waiting = _per_service("sum", "tokenline_num_requests_waiting", POD, "model")
     return _alert(
         "TokenlineKVCacheSaturated",
-        f"({usage}) and ({waiting})",
+        f"({usage} > {KV_CACHE_SATURATED_RATIO}) and ({waiting} > 0)",
         KV_CACHE_FOR,
         "warning",
         "tokenline KV cache is full while requests wait",
@@ -105,12 +111,11 @@ def kv_cache_saturated() -> dict[str, object]:
 
 
 def waiting_queue_growing() -> dict[str, object]:
-    group = by(*_SERVICE, "model")
-    waiting = f"sum {group} (tokenline_num_requests_waiting) > {WAITING_QUEUE_MIN}"
-    growing = f"sum {group} (deriv(tokenline_num_requests_waiting[{WINDOW}])) > 0"
+    waiting = _per_service("sum", "tokenline_num_requests_waiting", "model")
+    growing = _per_service("sum", f"deriv(tokenline_num_requests_waiting[{WINDOW}])", "model")
     return _alert(
         "TokenlineWaitingQueueGrowing",
-        f"({waiting}) and ({growing})",
+        f"({waiting} > {WAITING_QUEUE_MIN}) and ({growing} > 0)",
         WAITING_QUEUE_FOR,
         "warning",
         "tokenline waiting queue keeps growing",

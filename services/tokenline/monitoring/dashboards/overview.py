@@ -10,6 +10,8 @@ from tokenline.monitoring.dashboards.panels import (
     Query,
     dashboard,
     latency_panel,
+    rate_by,
+    sum_by,
     with_rows,
 )
 from tokenline.monitoring.promql import selector, summed_rate
@@ -43,7 +45,7 @@ def overview() -> dash.Dashboard:
             "Finish reasons",
             "How requests end: stop, length, abort, error.",
             "reqps",
-            (Query(summed_rate(requests, ("finish_reason",)), "{{finish_reason}}"),),
+            rate_by(requests, "finish_reason"),
             stacked=True,
             width=8,
         ),
@@ -139,7 +141,7 @@ def overview() -> dash.Dashboard:
             "Errors by code",
             "Requests per second that ended in an error, by error code.",
             "reqps",
-            (Query(summed_rate("tokenline_request_errors_total", ("code",)), "{{code}}"),),
+            rate_by("tokenline_request_errors_total", "code"),
             stacked=True,
         ),
     ]
@@ -174,19 +176,14 @@ def lora_panels() -> list[PanelSpec]:
             "LoRA requests/s",
             "Finished requests per second, by the adapter they named in `model`.",
             "reqps",
-            (Query(summed_rate("tokenline_lora_requests_total", ("adapter",)), "{{adapter}}"),),
+            rate_by("tokenline_lora_requests_total", "adapter"),
             width=6,
         ),
         PanelSpec(
             "LoRA generated tokens/s",
             "Output tokens per second, by adapter.",
             "short",
-            (
-                Query(
-                    summed_rate("tokenline_lora_generated_tokens_total", ("adapter",)),
-                    "{{adapter}}",
-                ),
-            ),
+            rate_by("tokenline_lora_generated_tokens_total", "adapter"),
             width=6,
         ),
         PanelSpec(
@@ -194,12 +191,7 @@ def lora_panels() -> list[PanelSpec]:
             "Adapters known to the schedulers, by state (on the device, in host memory, "
             "loading, failed), summed over the pods.",
             "short",
-            (
-                Query(
-                    f"sum by (state) (tokenline_lora_adapters{selector()})",
-                    "{{state}}",
-                ),
-            ),
+            sum_by("tokenline_lora_adapters", "state"),
             stacked=True,
             width=6,
         ),

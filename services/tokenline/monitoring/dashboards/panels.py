@@ -13,7 +13,7 @@ from grafana_foundation_sdk.models import common as common_models
 from grafana_foundation_sdk.models import dashboard as dash_models
 
 from tokenline.monitoring import promql
-from tokenline.monitoring.promql import quantile
+from tokenline.monitoring.promql import by, mean, quantile, selector, summed_rate
 
 DATASOURCE = dash_models.DataSourceRef(type_val="prometheus", uid="${datasource}")
 TAG = "tokenline"
@@ -160,9 +160,29 @@ def with_rows(builder: dash.Dashboard, rows: list[tuple[str, list[PanelSpec]]]) 
     return builder
 
 
+def legend(*labels: str) -> str:
+    """A legend that names each series by its values of ``labels``: ``{{stage}} {{buffer}}``."""
+    return " ".join(f"{{{{{label}}}}}" for label in labels)
+
+
+def rate_by(counter: str, *labels: str) -> tuple[Query, ...]:
+    """One series per value of ``labels``: the counter's summed rate, named by them."""
+    return (Query(summed_rate(counter, labels), legend(*labels)),)
+
+
+def sum_by(gauge: str, *labels: str) -> tuple[Query, ...]:
+    """One series per value of ``labels``: the gauge summed, named by them."""
+    return (Query(f"sum {by(*labels)} ({gauge}{selector()})", legend(*labels)),)
+
+
+def mean_by(histogram: str, label: str) -> tuple[Query, ...]:
+    """One series per value of ``label``: the histogram's mean observation, named by it."""
+    return (Query(mean(histogram, (label,)), legend(label)),)
+
+
 def percentiles(histogram: str, group: str) -> tuple[Query, ...]:
     return tuple(
-        Query(quantile(q, histogram, (group,)), f"{{{{{group}}}}} p{round(q * 100)}")
+        Query(quantile(q, histogram, (group,)), f"{legend(group)} p{round(q * 100)}")
         for q in QUANTILES
     )
 

@@ -10,10 +10,13 @@ from tokenline.monitoring.dashboards.panels import (
     PanelSpec,
     Query,
     dashboard,
+    mean_by,
     percentiles,
+    rate_by,
+    sum_by,
     with_rows,
 )
-from tokenline.monitoring.promql import mean, selector, summed_rate
+from tokenline.monitoring.promql import mean, selector
 
 STAGES = ("api", "tokenizer", "scheduler", "detokenizer")
 
@@ -32,7 +35,7 @@ def pipeline() -> dash.Dashboard:
             "Mean time per request in each stage, stacked: the stack's height is the mean "
             "end-to-end time the stages account for.",
             "s",
-            (Query(mean(stage_latency, ("stage",)), "{{stage}}"),),
+            mean_by(stage_latency, "stage"),
             stacked=True,
         ),
     ]
@@ -43,26 +46,21 @@ def pipeline() -> dash.Dashboard:
             "Items held in each stage's queues and buffers (api: reply items held for clients; "
             "scheduler: waiting, running, paused; every stage: inbox).",
             "short",
-            (
-                Query(
-                    f"sum by (stage, buffer) (tokenline_buffer_depth{selector()})",
-                    "{{stage}} {{buffer}}",
-                ),
-            ),
+            sum_by("tokenline_buffer_depth", "stage", "buffer"),
             width=8,
         ),
         PanelSpec(
             "Live uids",
             "Requests each stage currently holds state for.",
             "short",
-            (Query(f"sum by (stage) (tokenline_live_uids{selector()})", "{{stage}}"),),
+            sum_by("tokenline_live_uids", "stage"),
             width=8,
         ),
         PanelSpec(
             "Leaked uids",
             "Uids held past their terminal event or past deadline plus grace. Must stay 0.",
             "short",
-            (Query(f"sum by (stage) (tokenline_leaked_uids{selector()})", "{{stage}}"),),
+            sum_by("tokenline_leaked_uids", "stage"),
             width=8,
             red_above=1,
         ),
@@ -71,12 +69,7 @@ def pipeline() -> dash.Dashboard:
             "Entries in each bounded cache and history (grammars, tombstones, prefix blocks, "
             "...). Each has a limit: a line that climbs without levelling off is a leak.",
             "short",
-            (
-                Query(
-                    f"sum by (stage, cache) (tokenline_cache_entries{selector()})",
-                    "{{stage}} {{cache}}",
-                ),
-            ),
+            sum_by("tokenline_cache_entries", "stage", "cache"),
             width=12,
         ),
         PanelSpec(
@@ -99,7 +92,7 @@ def pipeline() -> dash.Dashboard:
             "Aborts started by the api, per second: client_disconnect, deadline, slow_client, "
             "stage_failure, shutdown.",
             "short",
-            (Query(summed_rate("tokenline_aborts_total", ("reason",)), "{{reason}}"),),
+            rate_by("tokenline_aborts_total", "reason"),
             stacked=True,
             width=8,
         ),
@@ -107,7 +100,7 @@ def pipeline() -> dash.Dashboard:
             "Malformed frames",
             "Frames per second that failed to decode and were dropped, by stage.",
             "short",
-            (Query(summed_rate("tokenline_malformed_frames_total", ("stage",)), "{{stage}}"),),
+            rate_by("tokenline_malformed_frames_total", "stage"),
             width=8,
         ),
         PanelSpec(
@@ -130,7 +123,7 @@ def pipeline() -> dash.Dashboard:
             "batch, attention metadata), forward, sample, outputs. Everything but forward is "
             "host work: on a GPU, time the device waits.",
             "s",
-            (Query(mean("tokenline_step_phase_seconds", ("phase",)), "{{phase}}"),),
+            mean_by("tokenline_step_phase_seconds", "phase"),
             stacked=True,
             width=8,
         ),

@@ -23,10 +23,10 @@ from tokenline import protocol
 from tokenline.api.app import create_app
 from tokenline.api.http.lora_metrics import LoraInfo
 from tokenline.api.ring.pipeline import Pipeline
-from tokenline.detokenizer.stage import Detokenizer
+from tokenline.detokenizer.stage import DetokenizerStage
 from tokenline.metrics import LATE_REPLIES
 from tokenline.settings import Settings
-from tokenline.tokenizer.stage import Tokenizer, TokenizerStage
+from tokenline.tokenizer.stage import PromptEncoder, TokenizerStage
 
 LORA_ON = {"enable_lora": True, "allow_runtime_lora_updates": True}
 TO_API = protocol.Codec(protocol.ToApi)
@@ -381,7 +381,7 @@ def test_tokenize_takes_an_adapter_name_as_model(monkeypatch):
 
 # ── the tokenizer and the detokenizer carry LoRA on ────────────────────────────────────────────
 def test_the_tokenizer_carries_the_adapter_and_passes_lora_calls_on(tiny_tokenizer):
-    stage = TokenizerStage(Tokenizer(tiny_tokenizer, 1024))
+    stage = TokenizerStage(PromptEncoder(tiny_tokenizer, 1024))
     sampling = protocol.SamplingParams(max_tokens=4)
     call = protocol.LoraCall(uid="c", action="load", name="a", uri="s3://bucket/a")
     out = stage.handle_batch(
@@ -406,7 +406,7 @@ def test_the_tokenizer_carries_the_adapter_and_passes_lora_calls_on(tiny_tokeniz
 
 
 def test_the_detokenizer_passes_lora_answers_on(tiny_tokenizer):
-    stage = Detokenizer(tiny_tokenizer.backend_tokenizer)
+    stage = DetokenizerStage(tiny_tokenizer.backend_tokenizer)
     answer = protocol.LoraAnswer(uid="c", adapters=["a", "b"])
     assert stage.handle(answer, time.monotonic()) == [answer]
     assert stage.held() == []

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from tokenline import protocol
-from tokenline.detokenizer.stage import Detokenizer
+from tokenline.detokenizer.stage import DetokenizerStage
 from tokenline.stage_runtime import StageRuntime
 
 PROMPT = "Say hé 🙂 to the river"
@@ -20,7 +20,7 @@ class Ring:
     """The detokenizer under its real runtime, its sent messages decoded as the api would."""
 
     def __init__(self, tokenizer) -> None:
-        self.handler = Detokenizer(tokenizer)
+        self.handler = DetokenizerStage(tokenizer)
         self.sent: list[msgspec.Struct] = []
         codec = protocol.Codec(protocol.ToApi)
         self.runtime = StageRuntime(

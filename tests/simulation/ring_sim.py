@@ -26,12 +26,12 @@ import torch
 from tokenline import protocol
 from tokenline.api.ring.exchange import Exchange
 from tokenline.api.ring.pipeline import Pipeline
-from tokenline.detokenizer.stage import Detokenizer
+from tokenline.detokenizer.stage import DetokenizerStage
 from tokenline.scheduler.engine import Engine, EngineLimits
 from tokenline.scheduler.stage import SchedulerStage
 from tokenline.settings import Settings
 from tokenline.stage_runtime import StageRuntime
-from tokenline.tokenizer.stage import Tokenizer, TokenizerStage
+from tokenline.tokenizer.stage import PromptEncoder, TokenizerStage
 from tokenline.transport import INBOX_UNION, NEXT_STAGE
 
 STAGES = ("tokenizer", "scheduler", "detokenizer")
@@ -142,9 +142,9 @@ class RingSim:
     # ── stages ─────────────────────────────────────────────────────────────────────────────────
     def _new_runtime(self, stage: str) -> StageRuntime:
         if stage == "tokenizer":
-            handler = TokenizerStage(Tokenizer(self.hf_tokenizer, self.max_model_len))
+            handler = TokenizerStage(PromptEncoder(self.hf_tokenizer, self.max_model_len))
         elif stage == "detokenizer":
-            handler = Detokenizer(self.hf_tokenizer.backend_tokenizer)
+            handler = DetokenizerStage(self.hf_tokenizer.backend_tokenizer)
         else:
             end = self.hf_tokenizer.convert_tokens_to_ids("<|end|>")
             runner = ScriptedRunner(len(self.hf_tokenizer), [end], num_blocks=40, block_size=4)

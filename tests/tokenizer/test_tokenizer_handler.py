@@ -10,7 +10,7 @@ import pytest
 
 from tokenline import protocol
 from tokenline.stage_runtime import StageRuntime
-from tokenline.tokenizer.stage import Tokenizer, TokenizerStage
+from tokenline.tokenizer.stage import PromptEncoder, TokenizerStage
 
 MAX_MODEL_LEN = 1024
 SAMPLING = protocol.SamplingParams(max_tokens=4, temperature=0.0)
@@ -19,7 +19,7 @@ CHAT = [protocol.ChatMessage(role="user", content="Tell me about the river.")]
 
 @pytest.fixture
 def stage(tiny_tokenizer) -> TokenizerStage:
-    return TokenizerStage(Tokenizer(tiny_tokenizer, MAX_MODEL_LEN))
+    return TokenizerStage(PromptEncoder(tiny_tokenizer, MAX_MODEL_LEN))
 
 
 def run(stage: TokenizerStage, *messages: msgspec.Struct) -> list[msgspec.Struct]:

@@ -43,7 +43,9 @@ class _Live:
     deadline: float = float("inf")  # monotonic; past it the scheduler ends the uid itself
 
 
-class Detokenizer(StepFreeHandler):
+class DetokenizerStage(StepFreeHandler):
+    """The detokenizer stage's handler: an `IncrementalDecoder` per live uid."""
+
     stage = "detokenizer"
 
     def __init__(self, tokenizer) -> None:  # tokenizer: tokenizers.Tokenizer
@@ -189,5 +191,5 @@ def run(settings: Settings) -> int:
         serve_metrics(settings.metrics_port)
     ring = SyncRing("detokenizer", settings.endpoints, settings.ring_security)
     log.info("detokenizer ready: %s", source.spec)
-    serve_stage(Detokenizer(tokenizer), ring, drain)
+    serve_stage(DetokenizerStage(tokenizer), ring, drain)
     return 0

@@ -59,14 +59,15 @@ def _invalid(uid: str, param: str, message: str) -> protocol.Failed:
     return protocol.Failed(uid=uid, code="invalid_request_error", param=param, message=message)
 
 
-class Tokenizer:
-    """Turns `Generate` messages into `Tokenized` or terminal `Failed` ones, and answers
-    `TokenizeCall`s with `TokenizerAnswer`s."""
+class PromptEncoder:
+    """The stage's work over the model's own (transformers) tokenizer, ``hf_tokenizer``:
+    turns `Generate` messages into `Tokenized` or terminal `Failed` ones (chat templates
+    rendered, text encoded, ids checked), and answers `TokenizeCall`s with `TokenizerAnswer`s."""
 
-    def __init__(self, tokenizer, max_model_len: int) -> None:  # tokenizer: a transformers one
-        self.tokenizer = tokenizer
+    def __init__(self, hf_tokenizer, max_model_len: int) -> None:
+        self.hf_tokenizer = hf_tokenizer
         self.max_model_len = max_model_len
-        self.vocab_size = len(tokenizer)  # added tokens included: every id decode() knows
+        self.vocab_size = len(hf_tokenizer)  # added tokens included: every id decode() knows
 
     def _render(self, request: protocol.Generate | protocol.TokenizeCall) -> str:
         """The prompt's text; raises when the chat template refuses the messages."""
@@ -77,7 +78,7 @@ class Tokenizer:
         if isinstance(request, protocol.TokenizeCall):
             generation_prompt = request.add_generation_prompt
             continue_final = request.continue_final_message
-        return self.tokenizer.apply_chat_template(
+        return self.hf_tokenizer.apply_chat_template(
             messages,
             tools=request.tools,
             tokenize=False,
@@ -116,7 +117,7 @@ class Tokenizer:
         for special in (True, False):
             chosen = [(i, t) for i, t, s in texts if s == special]
             if chosen:
-                batch = self.tokenizer([t for _, t in chosen], add_special_tokens=special)
+                batch = self.hf_tokenizer([t for _, t in chosen], add_special_tokens=special)
                 encoded.update(zip((i for i, _ in chosen), batch["input_ids"], strict=True))
         return encoded
 
@@ -148,7 +149,7 @@ class Tokenizer:
         for i, call in enumerate(calls):
             if call.decode is not None:
                 bad = self._out_of_vocab(call.uid, call.decode, "tokens")
-                text = None if bad else self.tokenizer.decode(call.decode)
+                text = None if bad else self.hf_tokenizer.decode(call.decode)
                 done[i] = bad or protocol.TokenizerAnswer(uid=call.uid, text=text)
             else:
                 to_encode.append((i, call, call.add_special_tokens))
@@ -159,7 +160,7 @@ class Tokenizer:
                 out.append(done[i])
                 continue
             ids = encoded[i]
-            strs = self.tokenizer.convert_ids_to_tokens(ids) if call.return_token_strs else None
+            strs = self.hf_tokenizer.convert_ids_to_tokens(ids) if call.return_token_strs else None
             out.append(
                 protocol.TokenizerAnswer(
                     uid=call.uid, ids=ids, token_strs=strs, max_model_len=self.max_model_len
@@ -205,21 +206,22 @@ class Tokenizer:
 
 
 class TokenizerStage(StepFreeHandler):
-    """The tokenizer as a stage handler: it holds nothing between batches, so every message
-    leaves in the batch that brought it, in order, and aborts never overtake their request."""
+    """The tokenizer stage's handler, its `PromptEncoder` doing the work: it holds nothing
+    between batches, so every message leaves in the batch that brought it, in order, and
+    aborts never overtake their request."""
 
     stage = "tokenizer"
     batch_limit = 256  # a batch is tokenized at once; heartbeats wait behind it
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, encoder: PromptEncoder) -> None:
+        self.encoder = encoder
         self._latency = STAGE_LATENCY.labels(stage="tokenizer")
 
     def handle_batch(self, batch: list[tuple[float, msgspec.Struct]]) -> list[msgspec.Struct]:
         requests = [m for _, m in batch if isinstance(m, protocol.Generate)]
         calls = [m for _, m in batch if isinstance(m, protocol.TokenizeCall)]
-        results = iter(self.tokenizer.process(requests)) if requests else iter(())
-        answers = iter(self.tokenizer.answer(calls)) if calls else iter(())
+        results = iter(self.encoder.process(requests)) if requests else iter(())
+        answers = iter(self.encoder.answer(calls)) if calls else iter(())
         out: list[msgspec.Struct] = []
         for arrived, message in batch:
             if isinstance(message, protocol.Generate):
@@ -250,10 +252,10 @@ class TokenizerStage(StepFreeHandler):
 def run(settings: Settings) -> int:
     drain = Drain(settings.drain_timeout)
     source = resolve(settings.model, settings.model_cache_dir, settings.revision)
-    tokenizer = Tokenizer(source.load_tokenizer(), source.max_model_len(settings.max_model_len))
+    encoder = PromptEncoder(source.load_tokenizer(), source.max_model_len(settings.max_model_len))
     if settings.metrics_port:
         serve_metrics(settings.metrics_port)
     ring = SyncRing("tokenizer", settings.endpoints, settings.ring_security)
-    log.info("tokenizer ready: model %s, max_model_len %d", source.spec, tokenizer.max_model_len)
-    serve_stage(TokenizerStage(tokenizer), ring, drain)
+    log.info("tokenizer ready: model %s, max_model_len %d", source.spec, encoder.max_model_len)
+    serve_stage(TokenizerStage(encoder), ring, drain)
     return 0

@@ -60,6 +60,17 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _add_extra_body(group: argparse._ArgumentGroup, flag: str, bodies: str) -> None:
+    """A JSON object merged into ``bodies`` (each server has its own)."""
+    group.add_argument(
+        flag,
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help=f"JSON object merged into {bodies}",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenline bench",
@@ -77,13 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--model", help="model name (default: first id at /v1/models)")
     target.add_argument("--label", default="ours", help="name in the report (default ours)")
     target.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos: true")
-    target.add_argument(
-        "--extra-body",
-        type=_json_object,
-        default={},
-        metavar="JSON",
-        help="JSON object merged into every request body",
-    )
+    _add_extra_body(target, "--extra-body", "every request body")
 
     load = parser.add_argument_group("load")
     load.add_argument(
@@ -208,13 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="processes of the second server, stopped while the first is measured (a server "
         "that polls while idle otherwise takes CPU from the one under load)",
     )
-    compare.add_argument(
-        "--compare-extra-body",
-        type=_json_object,
-        default={},
-        metavar="JSON",
-        help="JSON object merged into the second server's request bodies",
-    )
+    _add_extra_body(compare, "--compare-extra-body", "the second server's request bodies")
 
     out = parser.add_argument_group("output")
     out.add_argument(

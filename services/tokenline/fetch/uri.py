@@ -10,8 +10,18 @@ from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 
+class _NoSecrets:
+    """A URI with nothing secret in it (credentials come from the environment, never in the
+    URI): it is its own form for logs. ``HttpsURI`` is the exception."""
+
+    uri: str  # each type's canonical spelling (a property)
+
+    def redacted(self) -> str:
+        return self.uri
+
+
 @dataclass(frozen=True)
-class HfURI:
+class HfURI(_NoSecrets):
     """``hf://org/name[@revision]``: a Hugging Face Hub model repository (or a mirror of it)."""
 
     repo_id: str
@@ -22,12 +32,9 @@ class HfURI:
     def uri(self) -> str:
         return f"hf://{self.repo_id}" + (f"@{self.revision}" if self.revision else "")
 
-    def redacted(self) -> str:
-        return self.uri
-
 
 @dataclass(frozen=True)
-class S3URI:
+class S3URI(_NoSecrets):
     """``s3://bucket/prefix``: every object under the prefix. Options ride in the query:
     ``endpoint`` (MinIO, Ceph, GCS's XML API), ``region``, ``path_style`` (true/false; by default
     path style exactly when an endpoint is given, which is what MinIO needs) and ``anonymous``
@@ -60,12 +67,9 @@ class S3URI:
         """The listing prefix: ``prefix/``, so ``models/llama`` never matches ``models/llama2``."""
         return f"{self.prefix}/" if self.prefix else ""
 
-    def redacted(self) -> str:
-        return self.uri
-
 
 @dataclass(frozen=True)
-class PvcURI:
+class PvcURI(_NoSecrets):
     """``pvc://claim/path``: a directory on a PersistentVolumeClaim the operator mounts at
     ``<pvc root>/<claim>`` (read-only); the model is read in place, never copied."""
 
@@ -77,12 +81,9 @@ class PvcURI:
     def uri(self) -> str:
         return f"pvc://{self.claim}" + (f"/{self.path}" if self.path else "")
 
-    def redacted(self) -> str:
-        return self.uri
-
 
 @dataclass(frozen=True)
-class OciURI:
+class OciURI(_NoSecrets):
     """``oci://registry/repo:tag`` or ``...@sha256:…``: a model image ("modelcar"). Only parsed
     here: the operator mounts it as an image volume (or copies it out in an init container)."""
 
@@ -106,9 +107,6 @@ class OciURI:
     def uri(self) -> str:
         return f"oci://{self.reference}"
 
-    def redacted(self) -> str:
-        return self.uri
-
 
 @dataclass(frozen=True)
 class HttpsURI:
@@ -128,7 +126,7 @@ class HttpsURI:
 
 
 @dataclass(frozen=True)
-class LocalURI:
+class LocalURI(_NoSecrets):
     """A directory on this machine (or ``file:///path``), read in place."""
 
     path: str
@@ -136,9 +134,6 @@ class LocalURI:
 
     @property
     def uri(self) -> str:
-        return self.path
-
-    def redacted(self) -> str:
         return self.path
 
 

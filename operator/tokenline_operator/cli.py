@@ -9,7 +9,8 @@ from typing import TypeVar
 
 import kopf
 
-from . import resync
+from . import handlers
+from .controller import resync
 from .metrics import OperatorMetrics
 
 T = TypeVar("T")
@@ -95,8 +96,6 @@ def main(argv: list[str] | None = None) -> int:
         for ns in os.environ.get("TOKENLINE_WATCH_NAMESPACES", "").split(",")
         if ns.strip()
     ]
-
-    from . import handlers  # registers the handlers in their own registry
 
     kopf.configure(
         debug=args.log_level == "debug",

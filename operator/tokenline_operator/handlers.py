@@ -1,4 +1,4 @@
-"""kopf handlers: thin wrappers that call :mod:`tokenline_operator.reconcile`.
+"""kopf handlers: thin wrappers that call :mod:`tokenline_operator.controller`.
 
 They live in their own registry (not kopf's global one), so importing this module changes
 nothing until an operator is started with ``registry=handlers.registry``.
@@ -14,10 +14,11 @@ from typing import Any
 
 import kopf
 
-from . import names, resync
+from . import names
+from .controller import resync
+from .controller.reconcile import Context, reconcile
 from .kube import KINDS, Kube, KubeError, load_configuration
 from .metrics import OperatorMetrics
-from .reconcile import Context, reconcile
 
 registry = kopf.OperatorRegistry()
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import names
-from .spec import selector_labels
 
 Manifest = dict[str, Any]
 
@@ -56,6 +55,11 @@ def owner_reference(owner: Owner) -> dict[str, Any]:
 def manifest(api_version: str, kind: str, meta: dict[str, Any], **body: Any) -> Manifest:
     """A Kubernetes object: its type and metadata, then its body (``spec``, ``data``, ...)."""
     return {"apiVersion": api_version, "kind": kind, "metadata": meta, **body}
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The pods' identity: immutable in the Deployment's selector, used by Service and PDB."""
+    return {names.LABEL_NAME: "tokenline", names.LABEL_OWNER: name}
 
 
 def labels(owner: Owner) -> dict[str, str]:

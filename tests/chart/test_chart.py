@@ -17,9 +17,11 @@ import pytest
 import yaml
 from pod_security import hardening_violations, restricted_violations
 
-from tokenline_operator import chartgen, crd, names, rbac, spec
+from tokenline_operator import chartgen, names, rbac
+from tokenline_operator.crd import definition as crd
+from tokenline_operator.crd import spec
 from tokenline_operator.objects import Owner
-from tokenline_operator.pods import deployment
+from tokenline_operator.pods.deployment import deployment
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "tokenline"

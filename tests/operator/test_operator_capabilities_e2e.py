@@ -18,7 +18,8 @@ import kmock
 import pytest
 from operator_testkit import IS_RESOURCE, NAMESPACE, absent, eventually, inference_service, stored
 
-from tokenline_operator import names, resync
+from tokenline_operator import names
+from tokenline_operator.controller import resync
 from tokenline_operator.kube import Kube
 
 pytestmark = pytest.mark.timeout(30)

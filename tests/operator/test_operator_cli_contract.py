@@ -14,8 +14,11 @@ from unittest import mock
 import pytest
 
 from tokenline.cli import build_parser, settings_from
-from tokenline_operator import config, names, pods, spec
+from tokenline_operator import names
+from tokenline_operator.crd import spec
 from tokenline_operator.objects import Owner
+from tokenline_operator.pods import config
+from tokenline_operator.pods import deployment as pods
 
 OWNER = Owner(name="chat", namespace="serving", uid="0b9c5a3e-2222-4c1b-9f44-2a4c1d6e7f80")
 SPECS: dict[str, dict[str, Any]] = {

@@ -13,8 +13,11 @@ import inference_pool_schema
 import kubernetes_validate.utils as kv
 import yaml
 
-from tokenline_operator import inference_pool, manifests, names, spec
+from tokenline_operator import names
+from tokenline_operator.controller import manifests
+from tokenline_operator.crd import spec
 from tokenline_operator.objects import Capabilities, Owner
+from tokenline_operator.routing import inference_pool
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "inference-gateway.yaml"
 

@@ -15,8 +15,12 @@ import pytest
 import yaml
 from pod_security import hardening_violations, restricted_violations
 
-from tokenline_operator import inference_pool, manifests, names, network, pods, rbac, spec
+from tokenline_operator import names, rbac
+from tokenline_operator.controller import manifests
+from tokenline_operator.crd import spec
 from tokenline_operator.objects import Capabilities, Owner
+from tokenline_operator.pods import deployment as pods
+from tokenline_operator.routing import inference_pool, network
 
 OWNER = Owner(name="chat", namespace="serving", uid="0b9c5a3e-1111-4c1b-9f44-2a4c1d6e7f80")
 ROUTED = Capabilities(inference_pool=True)

@@ -18,9 +18,15 @@ import yaml
 from pod_security import restricted_violations
 
 from tokenline.settings import BY_FLAG
-from tokenline_operator import config, crd, inference_pool, manifests, names, network, pods, spec
+from tokenline_operator import names
+from tokenline_operator.controller import manifests
+from tokenline_operator.crd import definition as crd
+from tokenline_operator.crd import spec
 from tokenline_operator.objects import Capabilities, Owner
-from tokenline_operator.picker_config import PRECISE_SCORER
+from tokenline_operator.pods import config
+from tokenline_operator.pods import deployment as pods
+from tokenline_operator.routing import inference_pool, network
+from tokenline_operator.routing.picker_config import PRECISE_SCORER
 
 OWNER = Owner(name="chat", namespace="serving", uid="0b9c5a3e-3131-4c1b-9f44-2a4c1d6e7f80")
 ROUTED = Capabilities(inference_pool=True)

@@ -14,9 +14,18 @@ import yaml
 
 from tokenline.scheduler.lora_config import parse_adapters
 from tokenline.settings import BY_FLAG
-from tokenline_operator import crd, inference_pool, lora, manifests, model, spec
+from tokenline_operator.controller import manifests
+from tokenline_operator.crd import definition as crd
+from tokenline_operator.crd import lora as crd_lora
+from tokenline_operator.crd import model_uri, spec
 from tokenline_operator.objects import Capabilities, Owner
-from tokenline_operator.picker_config import LORA_METRIC, LORA_SCORER, endpoint_picker_config
+from tokenline_operator.pods import lora
+from tokenline_operator.routing import inference_pool
+from tokenline_operator.routing.picker_config import (
+    LORA_METRIC,
+    LORA_SCORER,
+    endpoint_picker_config,
+)
 
 OWNER = Owner(name="chat", namespace="serving", uid="0b9c5a3e-2222-4c1b-9f44-2a4c1d6e7f80")
 ADAPTERS = [
@@ -64,10 +73,10 @@ def test_the_crd_declares_spec_model_lora():
     assert adapters["items"]["required"] == ["name", "uri"]
     # the same rules as spec.model.uri
     uri_rules = adapters["items"]["properties"]["uri"]["x-kubernetes-validations"]
-    assert [r["rule"] for r in uri_rules] == [rule for rule, _ in model.URI_RULES]
+    assert [r["rule"] for r in uri_rules] == [rule for rule, _ in model_uri.URI_RULES]
     assert schema["properties"]["maxAdapters"]["default"] == BY_FLAG["max-loras"].default
     assert schema["properties"]["maxRank"]["default"] == BY_FLAG["max-lora-rank"].default
-    assert lora.SERVED_NAME_RULE in crd.MODEL["x-kubernetes-validations"]
+    assert crd_lora.SERVED_NAME_RULE in crd.MODEL["x-kubernetes-validations"]
 
 
 def test_the_chart_crd_is_a_valid_crd_with_lora():
@@ -83,12 +92,12 @@ def test_the_chart_crd_is_a_valid_crd_with_lora():
         ({"adapters": [{"name": "a/b", "uri": "/x"}]}, "adapters[0].name"),
         ({"adapters": [{"name": "a"}]}, "adapters[0]"),
         ({"adapters": [{"name": "a", "uri": "/x", "extra": 1}]}, None),  # pruned, not refused
-        ({"adapters": [{"name": "a", "uri": "/" + "x" * lora.URI_MAX_LENGTH}]}, "uri"),
+        ({"adapters": [{"name": "a", "uri": "/" + "x" * crd_lora.URI_MAX_LENGTH}]}, "uri"),
         ({"adapters": [{"name": "a" * 129, "uri": "/x"}]}, "name"),
         ({"maxAdapters": 0}, "maxAdapters"),
-        ({"maxAdapters": lora.MAX_RESIDENT + 1}, "maxAdapters"),
+        ({"maxAdapters": crd_lora.MAX_RESIDENT + 1}, "maxAdapters"),
         ({"maxRank": 0}, "maxRank"),
-        ({"maxRank": lora.MAX_RANK + 1}, "maxRank"),
+        ({"maxRank": crd_lora.MAX_RANK + 1}, "maxRank"),
         ({"adapters": [{"name": f"a{i}", "uri": "/x"} for i in range(65)]}, "adapters"),
     ],
 )

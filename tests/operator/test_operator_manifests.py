@@ -9,18 +9,13 @@ import pytest
 from pod_security import hardening_violations, restricted_violations
 
 from tokenline.cli import build_parser, settings_from
-from tokenline_operator import (
-    config,
-    manifests,
-    monitoring,
-    names,
-    network,
-    pods,
-    rbac,
-    scaling,
-    spec,
-)
-from tokenline_operator.objects import Capabilities, Owner
+from tokenline_operator import names, rbac
+from tokenline_operator.controller import manifests
+from tokenline_operator.crd import spec
+from tokenline_operator.objects import Capabilities, Owner, selector_labels
+from tokenline_operator.pods import config, monitoring, scaling
+from tokenline_operator.pods import deployment as pods
+from tokenline_operator.routing import network
 
 OWNER = Owner(name="chat", namespace="serving", uid="0b9c5a3e-1111-4c1b-9f44-2a4c1d6e7f80")
 ALL_CAPS = Capabilities(keda=True, prometheus_operator=True)
@@ -464,7 +459,7 @@ def rules_of(raw: dict[str, Any]) -> list[dict[str, Any]]:
 
 def test_network_policy_defaults_to_the_own_namespace_and_monitoring():
     policy = network.network_policy(OWNER, parse({"model": {"name": "m"}}))
-    assert policy["spec"]["podSelector"] == {"matchLabels": spec.selector_labels(OWNER.name)}
+    assert policy["spec"]["podSelector"] == {"matchLabels": selector_labels(OWNER.name)}
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     api, metrics = policy["spec"]["ingress"]
     # An empty podSelector with no namespaceSelector: every pod of the owner's namespace.

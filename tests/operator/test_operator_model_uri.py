@@ -16,10 +16,15 @@ import pytest
 from pod_security import baseline_violations, hardening_violations, restricted_violations
 
 from tokenline.fetch import InvalidURI, cache_name, parse_uri
-from tokenline_operator import config, crd, kube, manifests, model, model_status, names, spec
-from tokenline_operator import status as status_mod
+from tokenline_operator import kube, names
+from tokenline_operator.controller import manifests
+from tokenline_operator.controller.reconcile import IMAGE_VOLUME_DEFAULT_ON, image_volumes_served
+from tokenline_operator.crd import definition as crd
+from tokenline_operator.crd import model_uri, spec
 from tokenline_operator.objects import Capabilities, Owner
-from tokenline_operator.reconcile import IMAGE_VOLUME_DEFAULT_ON, image_volumes_served
+from tokenline_operator.pods import config
+from tokenline_operator.status import conditions as status_mod
+from tokenline_operator.status import model as model_status
 
 OWNER = Owner(name="chat", namespace="serving", uid="0b9c5a3e-2222-4c1b-9f44-2a4c1d6e7f80")
 SECRET_ENV = {"HF_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"}
@@ -249,7 +254,7 @@ PARSER_ONLY = [
 
 @pytest.mark.parametrize("uri", VALID)
 def test_valid_uris_pass_the_crd_and_the_fetcher(uri):
-    assert model.crd_rule_violations(uri) == []
+    assert model_uri.crd_rule_violations(uri) == []
     parse_uri(uri)
     parsed = parse({"uri": uri})
     assert parsed["model"]["uri"] == uri
@@ -257,7 +262,7 @@ def test_valid_uris_pass_the_crd_and_the_fetcher(uri):
 
 @pytest.mark.parametrize(("uri", "word"), INVALID)
 def test_invalid_uris_are_refused_by_the_crd_with_a_clear_message(uri, word):
-    messages = model.crd_rule_violations(uri)
+    messages = model_uri.crd_rule_violations(uri)
     assert messages and any(word in m for m in messages), messages
     with pytest.raises(spec.SpecError, match=re.escape(word)):
         parse({"uri": uri})
@@ -268,7 +273,7 @@ def test_invalid_uris_are_refused_by_the_crd_with_a_clear_message(uri, word):
 
 @pytest.mark.parametrize("uri", PARSER_ONLY)
 def test_what_the_crd_cannot_express_the_reconcile_refuses(uri):
-    assert model.crd_rule_violations(uri) == []
+    assert model_uri.crd_rule_violations(uri) == []
     with pytest.raises(spec.SpecError, match=r"spec\.model\.uri: model URI"):
         parse({"uri": uri})
 
@@ -281,8 +286,14 @@ def _unquote_cel(literal: str) -> str:
 def test_the_crd_carries_the_rules_and_their_regexes_are_the_ones_tested():
     uri = crd.MODEL["properties"]["uri"]
     rules = [(r["rule"], r["message"]) for r in uri["x-kubernetes-validations"]]
-    assert rules == list(model.URI_RULES)
-    regexes = {model.HF_RE, model.S3_RE, model.PVC_RE, model.OCI_RE, model.HTTPS_RE}
+    assert rules == list(model_uri.URI_RULES)
+    regexes = {
+        model_uri.HF_RE,
+        model_uri.S3_RE,
+        model_uri.PVC_RE,
+        model_uri.OCI_RE,
+        model_uri.HTTPS_RE,
+    }
     found = set()
     for rule, _ in rules:
         for literal in re.findall(r"self\.matches\(('(?:[^'\\]|\\.)*')\)", rule):

@@ -19,8 +19,11 @@ from typing import Any
 
 import pytest
 
-from tokenline_operator import config, names, pods, spec
+from tokenline_operator import names
+from tokenline_operator.crd import spec
 from tokenline_operator.objects import Owner
+from tokenline_operator.pods import config
+from tokenline_operator.pods import deployment as pods
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -16,7 +16,8 @@ import pytest
 import yaml
 from operator_testkit import IS_RESOURCE, NAMESPACE, absent, eventually, inference_service, stored
 
-from tokenline_operator import inference_pool, names, picker_config
+from tokenline_operator import names
+from tokenline_operator.routing import inference_pool, picker_config
 
 pytestmark = pytest.mark.timeout(60)
 

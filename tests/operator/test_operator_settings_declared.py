@@ -10,8 +10,12 @@ from typing import Any
 import pytest
 
 from tokenline.settings import BY_FLAG, DEFAULT_METRICS_PORTS, SETTINGS, settings_of
-from tokenline_operator import chartgen, config, crd, names, pods, spec
+from tokenline_operator import chartgen, names
+from tokenline_operator.crd import definition as crd
+from tokenline_operator.crd import spec
 from tokenline_operator.objects import Owner
+from tokenline_operator.pods import config
+from tokenline_operator.pods import deployment as pods
 
 OWNER = Owner(name="chat", namespace="serving", uid="0b9c5a3e-2222-4c1b-9f44-2a4c1d6e7f80")
 BY_ENV = {s.env: s for s in SETTINGS}

@@ -12,7 +12,9 @@ import kubernetes_validate.utils as kv
 import pytest
 import yaml
 
-from tokenline_operator import crd, names, spec
+from tokenline_operator import names
+from tokenline_operator.crd import definition as crd
+from tokenline_operator.crd import spec
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "inferenceservice.yaml"
 MINIMAL = {"model": {"name": "tiny"}}

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from tokenline_operator import status
+from tokenline_operator.controller.reconcile import is_subset
 from tokenline_operator.names import INFERENCE_POOL_CRD
-from tokenline_operator.reconcile import is_subset
+from tokenline_operator.status import conditions as status
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
 T1 = T0 + datetime.timedelta(minutes=5)

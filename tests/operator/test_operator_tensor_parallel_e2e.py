@@ -7,8 +7,12 @@ from __future__ import annotations
 import pytest
 from operator_testkit import IS_RESOURCE, NAMESPACE, eventually, inference_service, stored
 
-from tokenline_operator import manifests, names, parallel, pods, spec
+from tokenline_operator import names
+from tokenline_operator.controller import manifests
+from tokenline_operator.crd import spec
 from tokenline_operator.objects import Capabilities, Owner
+from tokenline_operator.pods import deployment as pods
+from tokenline_operator.pods import parallel
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,7 +64,7 @@ def test_the_crd_carries_the_same_rules():
 
 
 def parallel_rules() -> list[dict]:
-    from tokenline_operator import crd
+    from tokenline_operator.crd import definition as crd
 
     return crd.ENGINE["x-kubernetes-validations"]
 

@@ -1,27 +1,29 @@
 """Every child an InferenceService asks for, from the builders of each part:
-:mod:`config` (ConfigMap), :mod:`pods` (Deployment), :mod:`network` (Service, NetworkPolicy),
-:mod:`scaling` (autoscaler, PodDisruptionBudget), :mod:`monitoring` (PodMonitor); the
-InferencePool and its picker are :mod:`inference_pool`'s, applied on their own.
+:mod:`~tokenline_operator.pods.config` (ConfigMap), :mod:`~tokenline_operator.pods.deployment`
+(Deployment), :mod:`~tokenline_operator.routing.network` (Service, NetworkPolicy),
+:mod:`~tokenline_operator.pods.scaling` (autoscaler, PodDisruptionBudget),
+:mod:`~tokenline_operator.pods.monitoring` (PodMonitor); the InferencePool and its picker are
+:mod:`~tokenline_operator.routing.inference_pool`'s, applied on their own.
 """
 
 from __future__ import annotations
 
-from . import lora
-from .config import config_map
-from .inference_pool import routing_enabled
-from .monitoring import pod_monitor
-from .network import network_policy, service
-from .objects import Capabilities, Manifest, Owner
-from .parallel import leader_worker_set, multi_node
-from .pods import deployment
-from .scaling import (
+from ..crd.spec import Spec
+from ..objects import Capabilities, Manifest, Owner
+from ..pods import lora
+from ..pods.config import config_map
+from ..pods.deployment import deployment
+from ..pods.monitoring import pod_monitor
+from ..pods.parallel import leader_worker_set, multi_node
+from ..pods.scaling import (
     autoscaler_kind,
     horizontal_pod_autoscaler,
     pod_disruption_budget,
     scaled_object,
     wants_disruption_budget,
 )
-from .spec import Spec
+from ..routing.inference_pool import routing_enabled
+from ..routing.network import network_policy, service
 
 # --- the whole set ------------------------------------------------------------------------
 

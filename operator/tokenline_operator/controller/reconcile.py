@@ -16,21 +16,17 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import (
-    inference_pool,
-    lora,
-    manifests,
-    model,
-    model_status,
-    names,
-    parallel,
-    spec,
-    status,
-)
-from .kube import Kube, KubeError
-from .metrics import OperatorMetrics
-from .network import service_url
-from .objects import Capabilities, Owner, picker_name
+from .. import names
+from ..crd import model_uri, spec
+from ..kube import Kube, KubeError
+from ..metrics import OperatorMetrics
+from ..objects import Capabilities, Owner, picker_name, selector_labels
+from ..pods import lora, model, parallel
+from ..routing import inference_pool
+from ..routing.network import service_url
+from ..status import conditions
+from ..status import model as model_status
+from . import manifests
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +189,7 @@ async def _remove(ctx: Context, owner: Owner, kind: str, name: str | None = None
 
 async def _apply_routing(
     ctx: Context, owner: Owner, parsed: spec.Spec, caps: Capabilities
-) -> status.Routing:
+) -> conditions.Routing:
     """The InferencePool and its picker when routing is on; none of them when it is off."""
     wanted = inference_pool.routing_enabled(parsed, caps)
     if wanted and caps.inference_pool:
@@ -203,7 +199,9 @@ async def _apply_routing(
             live[desired["kind"]] = await _ensure(ctx, owner, desired)
         if "NetworkPolicy" not in live:
             await _remove(ctx, owner, "NetworkPolicy", picker_name(owner))
-        return status.Routing(wanted=True, served=True, pool=owner.name, picker=live["Deployment"])
+        return conditions.Routing(
+            wanted=True, served=True, pool=owner.name, picker=live["Deployment"]
+        )
     for kind in reversed(inference_pool.KINDS):
         await _remove(ctx, owner, kind, inference_pool.child_name(owner, kind))
     # Asked for but not served is a state of the cluster, not a failed reconcile: retrying
@@ -219,13 +217,13 @@ async def _apply_routing(
             owner.name,
             names.INFERENCE_POOL_CRD,
         )
-        return status.Routing(wanted=True, served=False, pool=None)
-    return status.Routing(wanted=False, served=caps.inference_pool, pool=None)
+        return conditions.Routing(wanted=True, served=False, pool=None)
+    return conditions.Routing(wanted=False, served=caps.inference_pool, pool=None)
 
 
 async def _apply_children(
     ctx: Context, owner: Owner, parsed: spec.Spec, caps: Capabilities
-) -> tuple[dict[str, Any], status.Routing]:
+) -> tuple[dict[str, Any], conditions.Routing]:
     desired = manifests.children(owner, parsed, caps)
     missing = [k for k in desired if k in manifests.OPTIONAL_KINDS and not await ctx.kube.serves(k)]
     if missing:
@@ -272,7 +270,7 @@ async def _reconcile_locked(ctx: Context, body: dict[str, Any], *, trigger: str)
     previous = body.get("status") or {}
     spec_error = api_error = None
     deployment = None
-    routing: status.Routing | None = None
+    routing: conditions.Routing | None = None
     caps: Capabilities | None = None
     obs_extra: dict[str, Any] = {}
     try:
@@ -284,7 +282,7 @@ async def _reconcile_locked(ctx: Context, body: dict[str, Any], *, trigger: str)
         obs_extra = {
             "desired_replicas": spec.desired_replicas(parsed),
             "url": service_url(owner, parsed),
-            "selector": ",".join(f"{k}={v}" for k, v in spec.selector_labels(owner.name).items()),
+            "selector": ",".join(f"{k}={v}" for k, v in selector_labels(owner.name).items()),
         }
         try:
             caps = await capabilities(ctx.kube, image_volumes=ctx.image_volumes)
@@ -294,14 +292,14 @@ async def _reconcile_locked(ctx: Context, body: dict[str, Any], *, trigger: str)
             deployment = await _read_deployment(ctx, owner)
             if caps is None:  # discovery itself failed
                 caps = await _capabilities_or_none(ctx)
-            routing = status.Routing(
+            routing = conditions.Routing(
                 wanted=inference_pool.routing_enabled(parsed, caps), served=caps.inference_pool
             )
         obs_extra["model"] = await _model_status(ctx, owner, parsed, previous.get("model"))
     else:
         obs_extra["model"] = _invalid_model(body.get("spec"))
 
-    observation = status.Observation(
+    observation = conditions.Observation(
         generation=generation,
         desired_replicas=obs_extra.pop("desired_replicas", None),
         deployment=deployment,
@@ -311,8 +309,8 @@ async def _reconcile_locked(ctx: Context, body: dict[str, Any], *, trigger: str)
         reconcile_error=api_error,
         **obs_extra,
     )
-    new_status = status.compute(observation, previous)
-    if status.differs(previous, new_status):
+    new_status = conditions.compute(observation, previous)
+    if conditions.differs(previous, new_status):
         await ctx.kube.patch_status(
             names.KIND, owner.namespace, owner.name, _merge_patch(previous, new_status)
         )
@@ -349,7 +347,7 @@ async def _model_status(
     if uri is None:
         return {"servedName": served}
     try:
-        pods = await ctx.kube.list("Pod", owner.namespace, spec.selector_labels(owner.name))
+        pods = await ctx.kube.list("Pod", owner.namespace, selector_labels(owner.name))
     except KubeError as exc:
         log.warning("Reading the pods of %s/%s failed: %s", owner.namespace, owner.name, exc)
         pods = None  # the previous state stands
@@ -362,7 +360,7 @@ def _invalid_model(raw_spec: Any) -> dict[str, Any] | None:
     uri = raw.get("uri") if isinstance(raw, dict) else None
     if not isinstance(uri, str) or not uri.strip():
         return None
-    problems = model.uri_problems(uri.strip())
+    problems = model_uri.uri_problems(uri.strip())
     if not problems:
         return None
     problem = "; ".join(problems)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from .kube import KubeError
+from ..kube import KubeError
 from .reconcile import Context, capabilities, reconcile
 
 log = logging.getLogger(__name__)

@@ -1,11 +1,11 @@
 """The spec sections of the children around the stage pods: the Service, the autoscaler, the
-PodMonitor, the NetworkPolicy and the InferencePool with its picker (see :mod:`crd`)."""
+PodMonitor, the NetworkPolicy and the InferencePool with its picker (see :mod:`definition`)."""
 
 from __future__ import annotations
 
 import copy
 
-from . import names
+from .. import names
 from .schema import (
     DNS_LABEL_PATTERN,
     DURATION_PATTERN,

@@ -2,7 +2,7 @@
 
 The chart ships the generated copy (``charts/tokenline/crds/``); a test keeps the two equal,
 and ``python -m tokenline_operator.chartgen`` rewrites it. The same schema drives the
-operator's own defaulting and validation (:mod:`tokenline_operator.spec`), so an object that
+operator's own defaulting and validation (:mod:`.spec`), so an object that
 reached the operator without the API server's defaulting (an older CRD, a test emulator) is
 read exactly as the API server would have stored it.
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from . import names
-from .crd_children import AUTOSCALING, MONITORING, NETWORK_POLICY, ROUTER, ROUTING, SERVICE
+from .. import names
+from .children import AUTOSCALING, MONITORING, NETWORK_POLICY, ROUTER, ROUTING, SERVICE
 from .lora import LORA, SERVED_NAME_RULE
-from .model import uri_schema
+from .model_uri import uri_schema
 from .schema import (
     Schema,
     alternative_rules,
@@ -107,7 +107,7 @@ ENGINE = {
         ),
         **setting_fields("engine"),
     },
-    # Tensor parallelism (parallel.py): ranks spread evenly over the nodes, and a node holds
+    # Tensor parallelism (pods/parallel.py): ranks spread evenly over the nodes, and a node holds
     # at most as many as the gpus field allows (8).
     "x-kubernetes-validations": [
         {

@@ -1,6 +1,6 @@
 """The building blocks of the CRD's OpenAPI schema, and the schema of each declared setting.
 
-A stage setting's field (``spec.engine.maxNumSeqs``) is not written here or in :mod:`crd`:
+A stage setting's field (``spec.engine.maxNumSeqs``) is not written here or in :mod:`definition`:
 its type, enum and default come from the setting's declaration in `tokenline.settings`, its
 description and bounds from the declaration's `CrdField`; `setting_fields` builds them all.
 """
@@ -117,7 +117,7 @@ def setting_schema(setting: Setting) -> Schema:
     if declared.inverted:
         default = not default
     if "default" in extra and extra.pop("default") is None:
-        default = None  # the operator derives the value from other fields (see config.py)
+        default = None  # the operator derives the value from other fields (see pods/config.py)
     if default is not None and not declared.required and not setting.repeatable:
         schema["default"] = int(default) if schema["type"] == "integer" else default
     return {**schema, **kind, **extra}

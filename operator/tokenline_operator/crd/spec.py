@@ -1,7 +1,7 @@
 """Read an InferenceService spec: the CRD's defaults, its schema, its CEL rules.
 
 The API server normally defaults and validates before the operator sees an object; the
-operator does both again from the same schema (:mod:`tokenline_operator.crd`) so that an
+operator does both again from the same schema (:mod:`.definition`) so that an
 object stored under an older CRD, or created where no validation ran, is read the same way,
 and a spec that cannot be served becomes a ``SpecError`` (a Degraded condition), never a crash.
 """
@@ -14,7 +14,9 @@ from typing import Any
 
 import jsonschema
 
-from . import crd, lora, model, names
+from tokenline.fetch import parse_uri
+
+from . import definition, lora, model_uri
 
 Spec = dict[str, Any]
 
@@ -59,9 +61,7 @@ def _check_rules(spec: Spec) -> list[str]:
     if autoscaling["minReplicas"] > autoscaling["maxReplicas"]:
         problems.append("spec.autoscaling: minReplicas must not exceed maxReplicas")
     problems.extend(_model_problems(spec["model"]))
-    from .parallel import engine_problems  # imported here: parallel builds on objects, on spec
-
-    problems.extend(engine_problems(spec["engine"]))
+    problems.extend(_engine_problems(spec["engine"]))
     policy = spec["networkPolicy"]
     for field in ("apiFrom", "metricsFrom", "kvEventsFrom"):
         for index, peer in enumerate(policy.get(field) or []):
@@ -95,7 +95,29 @@ def _model_problems(model_spec: dict[str, Any]) -> list[str]:
         return problems
     if "revision" in model_spec:
         problems.append("spec.model: with uri, pin the revision in it: hf://ORG/NAME@REVISION")
-    problems.extend(f"spec.model.uri: {message}" for message in model.uri_problems(uri))
+    problems.extend(f"spec.model.uri: {message}" for message in model_uri.uri_problems(uri))
+    return problems
+
+
+def _engine_problems(engine: dict[str, Any]) -> list[str]:
+    """The CRD's CEL rules on spec.engine (definition.ENGINE), for where no API server ran them."""
+    size, count, gpus = engine["tensorParallelSize"], engine["nodes"], engine["gpus"]
+    problems = []
+    if size % count:
+        problems.append(
+            "spec.engine: tensorParallelSize must be a multiple of nodes (each node holds "
+            "tensorParallelSize / nodes ranks)"
+        )
+    if size > 8 * count:
+        problems.append(
+            "spec.engine: at most 8 GPUs per node: tensorParallelSize / nodes must not exceed "
+            "8; add nodes"
+        )
+    if size > 1 and gpus > 1 and size % count == 0 and gpus != size // count:
+        problems.append(
+            "spec.engine: gpus, when set above 1, must equal tensorParallelSize / nodes (the "
+            "GPUs of one pod)"
+        )
     return problems
 
 
@@ -104,9 +126,9 @@ def _served_name_if_valid(model_spec: dict[str, Any]) -> str | None:
     if model_spec.get("servedName") or model_spec.get("name"):
         return model_spec.get("servedName") or model_spec["name"]
     uri = model_spec.get("uri")
-    if not uri or model.uri_problems(uri):
+    if not uri or model_uri.uri_problems(uri):
         return None
-    return model.default_served_name(model.parse_uri(uri.strip()))
+    return model_uri.default_served_name(parse_uri(uri.strip()))
 
 
 def _path(error: jsonschema.ValidationError) -> str:
@@ -131,7 +153,7 @@ def parse(name: str, raw_spec: Any, *, default_image: str | None) -> Spec:
     if not isinstance(raw_spec, dict):
         raise SpecError("; ".join([*problems, "spec: must be an object"]))
 
-    schema = crd.spec_schema()
+    schema = definition.spec_schema()
     spec = apply_defaults(schema, raw_spec)
     validator = jsonschema.Draft202012Validator(schema)
     for error in sorted(validator.iter_errors(spec), key=lambda e: list(e.absolute_path)):
@@ -154,7 +176,7 @@ def served_model_name(spec: Spec) -> str:
     if spec["model"].get("servedName"):
         return spec["model"]["servedName"]
     if spec["model"].get("uri"):
-        return model.default_served_name(model.parse_uri(spec["model"]["uri"].strip()))
+        return model_uri.default_served_name(parse_uri(spec["model"]["uri"].strip()))
     return spec["model"]["name"]
 
 
@@ -163,11 +185,6 @@ def desired_replicas(spec: Spec) -> int:
     if spec["autoscaling"]["enabled"]:
         return int(spec["autoscaling"]["minReplicas"])
     return int(spec["replicas"])
-
-
-def selector_labels(name: str) -> dict[str, str]:
-    """The pods' identity: immutable in the Deployment's selector, used by Service and PDB."""
-    return {names.LABEL_NAME: "tokenline", names.LABEL_OWNER: name}
 
 
 def tls_enabled(spec: Spec) -> bool:

@@ -15,9 +15,10 @@ from typing import Any
 
 from tokenline.settings import ALL_STAGES, BY_FLAG, SETTINGS, Setting, settings_of
 
-from . import model, names, router
-from .objects import Manifest, Owner, config_map_name, metadata
-from .spec import Spec, served_model_name
+from .. import names
+from ..crd.spec import Spec, served_model_name
+from ..objects import Manifest, Owner, config_map_name, metadata
+from . import model, router
 
 #: The declared settings an InferenceService sets (those with a CRD field).
 CRD_SETTINGS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.crd is not None)

@@ -11,17 +11,19 @@ import json
 import math
 from typing import Any
 
-from . import lora, model, names, parallel, router
+from .. import names
+from ..crd.spec import Spec, desired_replicas, tls_enabled
+from ..objects import Manifest, Owner, config_map_name, labels, metadata, selector_labels
+from . import lora, model, parallel, router
 from .config import STAGE_SETTINGS, config_hash, config_map_data, env_name
-from .objects import Manifest, Owner, config_map_name, labels, metadata
-from .spec import Spec, desired_replicas, selector_labels, tls_enabled
 
 #: Seconds the preStop hook waits, so Service endpoints drop the pod before it drains.
 PRESTOP_SLEEP_SECONDS = 5
 #: Seconds between startup-probe attempts; the threshold follows startupTimeoutSeconds.
 STARTUP_PERIOD_SECONDS = 10
 #: The endpoint picker's --refresh-metrics-interval and --metrics-staleness-threshold
-#: (inference_pool.py passes both, so the preStop sizing below holds for the picker we run).
+#: (routing/inference_pool.py passes both, so the preStop sizing below holds for the picker
+#: we run).
 PICKER_REFRESH_METRICS_INTERVAL_S = 0.05
 PICKER_METRICS_STALENESS_S = 2
 #: Seconds for a pod's deletion to reach the picker's pod informer (one watch event, which

@@ -34,11 +34,11 @@ from tokenline.fetch import parse_uri
 from tokenline.fetch.uri import OciURI, PvcURI
 from tokenline.settings import BY_FLAG
 
-from . import model, names
-
-# not .objects at import time: it imports spec, which imports the CRD, which imports this
-Spec = dict[str, Any]
-Manifest = dict[str, Any]
+from .. import names
+from ..crd.lora import DEFAULT_MAX_ADAPTERS, DEFAULT_MAX_RANK
+from ..crd.spec import Spec
+from ..objects import Manifest, Owner, metadata
+from . import model
 
 #: Where the scheduler reads the adapters file (the ConfigMap volume, read-only).
 LORA_DIR = "/etc/tokenline/lora"
@@ -50,109 +50,7 @@ PVC_ROOT = "/mnt/lora/pvc"
 #: oci:// adapters with image volumes: each image at <OCI_ROOT>/<adapter name>.
 OCI_ROOT = "/mnt/lora/oci"
 
-#: Adapter names: what requests put in `model` and metrics in a label (vLLM takes any
-#: string; these survive URLs, label values and file names).
-NAME_PATTERN = r"^[A-Za-z0-9._-]+$"
-NAME_MAX_LENGTH = 128
-#: Adapters one InferenceService lists (the ConfigMap stays far below its 1 MiB, and the
-#: CEL rules on each uri stay within the API server's cost budget).
-MAX_ADAPTERS_LISTED = 64
-URI_MAX_LENGTH = 1024
-#: Bounds of the scheduler's flags: slots on the device, and the largest rank a slot holds.
-MAX_RESIDENT = 256
-MAX_RANK = 512
-
-DEFAULT_MAX_ADAPTERS: int = BY_FLAG["max-loras"].default
-DEFAULT_MAX_RANK: int = BY_FLAG["max-lora-rank"].default
 DEFAULT_MAX_CPU_LORAS: int = BY_FLAG["max-cpu-loras"].default
-
-
-def _uri_schema() -> dict[str, Any]:
-    return {
-        "type": "string",
-        "description": (
-            "Where the adapter (Hugging Face PEFT: adapter_config.json and "
-            "adapter_model.safetensors) comes from: " + model.SCHEMES_HINT + ". Fetched by the "
-            "scheduler with the model's credentials; pvc:// and oci:// are mounted instead (a "
-            "new claim or image rolls the pods, the other schemes never do)."
-        ),
-        "minLength": 1,
-        # half of spec.model.uri's: the rules run on every item, within the API server's
-        # CEL cost budget for the whole list
-        "maxLength": URI_MAX_LENGTH,
-        "x-kubernetes-validations": [
-            {"rule": rule, "message": message} for rule, message in model.URI_RULES
-        ],
-    }
-
-
-ADAPTER = {
-    "type": "object",
-    "required": ["name", "uri"],
-    "properties": {
-        "name": {
-            "type": "string",
-            "description": (
-                "What requests name in `model` and /v1/models lists: letters, digits, '.', "
-                "'_', '-'; unique, and not the base model's served name."
-            ),
-            "minLength": 1,
-            "maxLength": NAME_MAX_LENGTH,
-            "pattern": NAME_PATTERN,
-        },
-        "uri": _uri_schema(),
-    },
-}
-
-#: spec.model.lora's schema.
-LORA = {
-    "type": "object",
-    "description": (
-        "LoRA adapters served beside the base model, mixed in one batch. Adding, removing or "
-        "changing an adapter updates a ConfigMap the scheduler watches: no pod restarts "
-        "(but for an adapter on a new pvc:// claim or an oci:// image, which are mounted)."
-    ),
-    "properties": {
-        "adapters": {
-            "type": "array",
-            "description": "The adapters, each by its name and where it comes from.",
-            "maxItems": MAX_ADAPTERS_LISTED,
-            "items": ADAPTER,
-            # the API server rejects two adapters of one name
-            "x-kubernetes-list-type": "map",
-            "x-kubernetes-list-map-keys": ["name"],
-        },
-        "maxAdapters": {
-            "type": "integer",
-            "description": (
-                "Adapters resident on the device at once (--max-loras); requests for the "
-                "others wait for a slot. A change restarts the pods."
-            ),
-            "default": DEFAULT_MAX_ADAPTERS,
-            "minimum": 1,
-            "maximum": MAX_RESIDENT,
-        },
-        "maxRank": {
-            "type": "integer",
-            "description": (
-                "The highest adapter rank accepted (--max-lora-rank; sizes the device slots). "
-                "A change restarts the pods."
-            ),
-            "default": DEFAULT_MAX_RANK,
-            "minimum": 1,
-            "maximum": MAX_RANK,
-        },
-    },
-}
-
-#: spec.model's rule: no adapter takes the base model's name (with ``uri`` and no
-#: ``servedName`` the name is derived from the URI, which the operator checks itself).
-SERVED_NAME_RULE = {
-    "rule": "!has(self.lora) || !has(self.lora.adapters) "
-    "|| (!has(self.servedName) && !has(self.name)) "
-    "|| self.lora.adapters.all(a, a.name != (has(self.servedName) ? self.servedName : self.name))",
-    "message": "a LoRA adapter cannot take the served model's name",
-}
 
 
 def enabled(spec: Spec) -> bool:
@@ -164,30 +62,10 @@ def adapters(spec: Spec) -> list[dict[str, str]]:
     return list(lora.get("adapters") or [])
 
 
-def problems(model_spec: dict[str, Any], served_name: str | None) -> list[str]:
-    """What the CRD rejects in spec.model.lora (list-map keys, CEL rules), for where no API
-    server ran them, and what ``tokenline fetch`` would refuse in each uri."""
-    lora = model_spec.get("lora")
-    if not lora:
-        return []
-    found: list[str] = []
-    seen: set[str] = set()
-    for index, adapter in enumerate(lora.get("adapters") or []):
-        where = f"spec.model.lora.adapters[{index}]"
-        name, uri = adapter["name"], adapter["uri"]
-        if name in seen:
-            found.append(f"{where}.name: {name!r} is listed twice")
-        seen.add(name)
-        if served_name is not None and name == served_name:
-            found.append(f"{where}.name: {name!r} is the served model's name")
-        found.extend(f"{where}.uri: {message}" for message in model.uri_problems(uri))
-    return found
-
-
 # --- the adapters file ------------------------------------------------------------------------
 
 
-def config_map_name(owner: Any) -> str:
+def config_map_name(owner: Owner) -> str:
     return f"{owner.name}-lora"
 
 
@@ -228,9 +106,7 @@ def config_document(spec: Spec, image_volumes: bool = False) -> dict[str, Any]:
     }
 
 
-def config_map(owner: Any, spec: Spec, image_volumes: bool = False) -> Manifest:
-    from .objects import metadata
-
+def config_map(owner: Owner, spec: Spec, image_volumes: bool = False) -> Manifest:
     text = json.dumps(config_document(spec, image_volumes), indent=2) + "\n"
     return {
         "apiVersion": "v1",
@@ -308,7 +184,7 @@ def scheduler_mounts(spec: Spec, image_volumes: bool = False) -> list[dict[str, 
 CONFIG_FILE_MODE = 0o444
 
 
-def volumes(owner: Any, spec: Spec, image_volumes: bool = False) -> list[dict[str, Any]]:
+def volumes(owner: Owner, spec: Spec, image_volumes: bool = False) -> list[dict[str, Any]]:
     """The ConfigMap volume (no ``items``, no ``subPath``: only then does the kubelet update
     the file in place), and the pvc:// claims and oci:// images adapters need."""
     if not enabled(spec):

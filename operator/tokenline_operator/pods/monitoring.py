@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import names
-from .objects import Manifest, Owner, metadata
-from .spec import Spec, selector_labels, tls_enabled
+from .. import names
+from ..crd.spec import Spec, tls_enabled
+from ..objects import Manifest, Owner, metadata, selector_labels
 
 
 def pod_monitor(owner: Owner, spec: Spec) -> Manifest:

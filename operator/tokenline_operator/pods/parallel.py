@@ -15,9 +15,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .objects import Manifest, Owner, metadata
-
-Spec = dict[str, Any]  # spec.Spec, which imports this module for its rules
+from ..crd.spec import Spec
+from ..objects import Manifest, Owner, metadata
 
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
 #: the leader's rendezvous port for the group (the scheduler's --master-port)
@@ -58,28 +57,6 @@ def shm_size(spec: Spec) -> str:
         if tensor_parallel_size(spec) > 1
         else "1Gi"
     )
-
-
-def engine_problems(engine: dict[str, Any]) -> list[str]:
-    """The CRD's CEL rules on spec.engine (crd.ENGINE), for where no API server ran them."""
-    size, count, gpus = engine["tensorParallelSize"], engine["nodes"], engine["gpus"]
-    problems = []
-    if size % count:
-        problems.append(
-            "spec.engine: tensorParallelSize must be a multiple of nodes (each node holds "
-            "tensorParallelSize / nodes ranks)"
-        )
-    if size > 8 * count:
-        problems.append(
-            "spec.engine: at most 8 GPUs per node: tensorParallelSize / nodes must not exceed "
-            "8; add nodes"
-        )
-    if size > 1 and gpus > 1 and size % count == 0 and gpus != size // count:
-        problems.append(
-            "spec.engine: gpus, when set above 1, must equal tensorParallelSize / nodes (the "
-            "GPUs of one pod)"
-        )
-    return problems
 
 
 def _group_args() -> list[str]:

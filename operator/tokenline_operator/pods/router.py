@@ -1,7 +1,8 @@
 """``spec.router.kvEvents``: what the pods publish for cache-aware routers, read from a spec.
 
-Pure functions shared by the ConfigMap (:mod:`config`), the pods (:mod:`pods`), the
-NetworkPolicy (:mod:`network`) and the picker (:mod:`inference_pool`), so that the scheduler's
+Pure functions shared by the ConfigMap (:mod:`config`), the pods (:mod:`deployment`), the
+NetworkPolicy (:mod:`tokenline_operator.routing.network`) and the picker
+(:mod:`tokenline_operator.routing.inference_pool`), so that the scheduler's
 block size, hash scheme and seed and the picker's are the same by construction.
 
 The hash scheme: ``engine.prefixCachingHashAlgo`` when set; else ``sha256_cbor`` (vLLM's) with
@@ -16,10 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenline.fetch.uri import HfURI
 from tokenline.settings import BY_FLAG
 
-from . import model, names
-from .spec import Spec, served_model_name
+from .. import names
+from ..crd.spec import Spec, served_model_name
+from . import model
 
 #: The scheduler's block size: the pods' (no CRD field sets it), so the picker's too.
 BLOCK_SIZE: int = BY_FLAG["block-size"].default
@@ -73,7 +76,7 @@ def tokenizer_model(spec: Spec) -> str:
         return explicit
     uri = model.parsed_uri(spec)
     if uri is not None:
-        return uri.repo_id if isinstance(uri, model.HfURI) else served_model_name(spec)
+        return uri.repo_id if isinstance(uri, HfURI) else served_model_name(spec)
     name = spec["model"].get("name", "")
     if name and name != "tiny" and not name.startswith(("/", ".")):
         return name

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import names
-from .objects import Capabilities, Manifest, Owner, manifest, metadata
-from .spec import Spec, selector_labels
+from .. import names
+from ..crd.spec import Spec
+from ..objects import Capabilities, Manifest, Owner, manifest, metadata, selector_labels
 
 
 def wants_disruption_budget(spec: Spec) -> bool:

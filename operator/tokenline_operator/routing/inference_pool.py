@@ -13,7 +13,7 @@ inference scheduler (``names.LLMD_PICKER_IMAGE``, the same flags, built on the e
 its prefix scorer llm-d's precise-prefix-cache-scorer, configured as llm-d's
 precise-prefix-cache-aware guide documents for pod discovery: it subscribes to each pod's
 ``tcp://<pod IP>:5557``, keeps the ``kv@`` topics, and hashes prompts with the pods' block size
-and hash seed (see :mod:`router`).
+and hash seed (see :mod:`tokenline_operator.pods.router`).
 
 Every object is owned by the InferenceService, like the other children.
 """
@@ -25,9 +25,9 @@ from typing import Any
 
 import yaml
 
-from . import names, router
-from .network import network_peer
-from .objects import (
+from .. import names
+from ..crd.spec import Spec
+from ..objects import (
     Capabilities,
     Manifest,
     Owner,
@@ -35,10 +35,12 @@ from .objects import (
     owner_reference,
     picker_name,
     picker_selector,
+    selector_labels,
 )
+from ..pods import router
+from ..pods.deployment import PICKER_METRICS_STALENESS_S, PICKER_REFRESH_METRICS_INTERVAL_S
+from .network import network_peer
 from .picker_config import endpoint_picker_config
-from .pods import PICKER_METRICS_STALENESS_S, PICKER_REFRESH_METRICS_INTERVAL_S
-from .spec import Spec, selector_labels
 
 #: The picker's ports (its defaults in the pinned release, passed explicitly).
 PICKER_HEALTH_PORT = 9003

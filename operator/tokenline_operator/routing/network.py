@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import names, parallel, router
-from .objects import Manifest, Owner, metadata, picker_selector
-from .spec import Spec, selector_labels, tls_enabled
+from .. import names
+from ..crd.spec import Spec, tls_enabled
+from ..objects import Manifest, Owner, metadata, picker_selector, selector_labels
+from ..pods import parallel, router
 
 
 def service_url(owner: Owner, spec: Spec) -> str:

@@ -2,8 +2,8 @@
 each pod's api port under our names, and how it scores pods: queue depth, KV cache use and
 prefix affinity, the prefix scorer either the upstream approximate one or, with
 ``spec.router.kvEvents`` and sha256_cbor block names, llm-d's precise-prefix-cache-scorer fed
-by the pods' KV-cache events (see :mod:`router`). :mod:`inference_pool` mounts it into the
-picker.
+by the pods' KV-cache events (see :mod:`tokenline_operator.pods.router`).
+:mod:`inference_pool` mounts it into the picker.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from typing import Any
 
 from tokenline.settings import BY_FLAG
 
-from . import lora, names, router
-from .spec import Spec, tls_enabled
+from .. import names
+from ..crd.spec import Spec, tls_enabled
+from ..pods import lora, router
 
 #: The name our metric mapping is registered under in the picker's ``engineConfigs`` (and
 #: the default for every pod).

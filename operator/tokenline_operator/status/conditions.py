@@ -10,8 +10,8 @@ import datetime
 from dataclasses import dataclass
 from typing import Any
 
-from . import model_status
-from .names import INFERENCE_POOL_CRD
+from ..names import INFERENCE_POOL_CRD
+from .model import condition as model_condition
 
 Condition = dict[str, Any]
 
@@ -66,7 +66,7 @@ class Observation:
     service: str | None = None  # the plain Service's name
     url: str | None = None
     selector: str | None = None
-    #: status.model: the served name, and with spec.model.uri its delivery (model_status.py)
+    #: status.model: the served name, and with spec.model.uri its delivery (status/model.py)
     model: dict[str, Any] | None = None
     #: Why the spec cannot be served (Degraded, reason InvalidSpec), if it cannot.
     spec_error: str | None = None
@@ -230,7 +230,7 @@ def compute(
         _merge_condition(prev_conditions, "Degraded", degraded, obs.generation, stamp),
     ]
     if obs.model is not None and "state" in obs.model:
-        delivered = model_status.condition(obs.model)
+        delivered = model_condition(obs.model)
         conditions.append(
             _merge_condition(prev_conditions, "ModelReady", delivered, obs.generation, stamp)
         )

@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenline.fetch import is_remote, parse_uri, redact
 
-from . import names
+from .. import names
 
 #: Waiting reasons that will not resolve on their own: the model cannot be delivered.
 STUCK = {

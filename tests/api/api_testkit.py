@@ -40,10 +40,10 @@ class StandInPipeline:
     def problem(self) -> str | None:
         return None if self.ready else "stand-in not ready"
 
-    def open(self, n, build):
+    def open(self, messages):
         # encoded as the ring would: what reaches here must be carriable
-        messages = [build(f"uid-{i}", i) for i in range(n)]
-        for message in messages:
+        for i, message in enumerate(messages):
+            message.uid = f"uid-{i}"
             msgspec.msgpack.encode(message)
         self.opened.append(messages)
         raise ApiError(ADMITTED, "admitted (stand-in pipeline)", "admitted")

@@ -36,14 +36,14 @@ def pipeline(monkeypatch) -> Pipeline:
     return pipeline
 
 
-def _generate(**sampling):
-    def build(uid: str, index: int) -> protocol.Generate:
+def _generate(n: int, **sampling) -> list[protocol.Generate]:
+    def build(index: int) -> protocol.Generate:
         params = {k: (v(index) if callable(v) else v) for k, v in sampling.items()}
         return protocol.Generate(
-            uid=uid, sampling=protocol.SamplingParams(**params), prompt="x", timeout_s=60
+            uid="", sampling=protocol.SamplingParams(**params), prompt="x", timeout_s=60
         )
 
-    return build
+    return [build(i) for i in range(n)]
 
 
 @pytest.mark.parametrize(
@@ -57,11 +57,11 @@ def _generate(**sampling):
 )
 def test_an_unencodable_request_leaves_no_uid_live(pipeline, sampling):
     with pytest.raises((OverflowError, UnicodeEncodeError)):
-        pipeline.open(3, _generate(**sampling))
+        pipeline.open(_generate(3, **sampling))
     assert pipeline.exchanges == {}
     assert len(pipeline.ledger) == 0
     assert pipeline.ring.sent == []  # no choice of it reached the tokenizer
-    ex = pipeline.open(1, _generate(max_tokens=4))  # and admission goes on
+    ex = pipeline.open(_generate(1, max_tokens=4))  # and admission goes on
     assert list(pipeline.exchanges) == ex.uids
     pipeline.close(ex)
     assert pipeline.exchanges == {} and len(pipeline.ledger) == 0
@@ -70,7 +70,7 @@ def test_an_unencodable_request_leaves_no_uid_live(pipeline, sampling):
 def test_the_route_answers_an_unencodable_request_with_a_400():
     app, stand_in = app_with()
 
-    def unencodable(n, build):
+    def unencodable(messages):
         raise OverflowError("can't serialize ints < -2**63 or > 2**64 - 1")
 
     stand_in.open = unencodable

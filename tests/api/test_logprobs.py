@@ -185,7 +185,7 @@ def test_stop_string_keeps_logprobs_through_the_matching_token(client, stack):
 
 
 def test_coalesced_replies_keep_every_token_logprob():
-    from tokenline.api.endpoints.base import coalesce as _coalesce
+    from tokenline.api.ring.exchange import coalesce as _coalesce
     from tokenline.protocol import LogprobEntry, Reply
 
     def entry(token: str) -> LogprobEntry:

@@ -10,7 +10,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from tokenline.api.endpoints.chat import render_full, render_stream
+from tokenline.api.endpoints.chat import ChatAnswer
 from tokenline.api.openai.chat import ChatCompletionRequest
 from tokenline.api.ring.exchange import Exchange
 from tokenline.api.tools import grammars as structured
@@ -66,7 +66,7 @@ def test_a_whole_reply_carries_its_calls():
     ex = _exchange([OUTPUT])
     ex.keep([(0, Reply(uid="u0", text=OUTPUT, num_tokens=1))])
     ex.choices[0].finish_reason = "stop"
-    choice = render_full(ex, _body(False), PARSER, META)["choices"][0]
+    choice = ChatAnswer(_body(False), PARSER).whole(ex, META)["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] == "Let me check."
     calls = choice["message"]["tool_calls"]
@@ -84,7 +84,7 @@ async def test_streamed_deltas_assemble_in_the_official_client(size):
     first = await ex.next_batch()
     state = ChatCompletionStreamState(input_tools=[TOOL])
     content_chunks = []
-    async for raw in render_stream(ex, _body(True), PARSER, first, META):
+    async for raw in ChatAnswer(_body(True), PARSER).stream(ex, first, META):
         data = raw.decode().removeprefix("data: ").strip()
         if data == "[DONE]":
             break

@@ -65,7 +65,11 @@ class ScriptedRunner:
             logits[row, nxt] = 30.0
         return logits
 
-    def forward_keeping(self, chunks, spans) -> tuple[torch.Tensor, torch.Tensor]:
+    def step_inputs(self, chunks) -> list:
+        """What `execute` takes, as `ModelRunner.step_inputs` builds it: here the chunks."""
+        return chunks
+
+    def execute(self, chunks, spans=()) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`, and a stand-in hidden state per kept row (prompt logprobs)."""
         return self.forward(chunks), torch.zeros(sum(n for _, _, n in spans), 1)
 
@@ -246,7 +250,7 @@ class RingSim:
             return protocol.Generate(uid=uid, sampling=sampling, timeout_s=30, prompt=prompt)
 
         try:
-            ex = self.pipeline.open(n, build)
+            ex = self.pipeline.open([build("", i) for i in range(n)])
         except Exception as exc:  # refused at admission: nothing may be held for it
             assert getattr(exc, "status", None) in (429, 503), exc
             return

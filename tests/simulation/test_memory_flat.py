@@ -85,7 +85,7 @@ class MixedRing(RingSim):
                 )
             return protocol.Generate(uid=uid, sampling=sampling, timeout_s=30, prompt=text)
 
-        ex = self.pipeline.open(rng.choice([1, 2]), build)
+        ex = self.pipeline.open([build("", i) for i in range(rng.choice([1, 2]))])
         self.open.append((ex, 0 if rng.random() < 0.1 else None))
         if rng.random() < 0.05:
             link = self.links[rng.choice(list(self.links))]

@@ -134,10 +134,7 @@ async def test_calls_count_as_waiting_so_a_flood_of_them_gets_429s(sim_tokenizer
     assert (caught.value.status, caught.value.code) == (429, "too_many_requests")
     with pytest.raises(ApiError) as caught:  # generations wait behind the same inbox
         sim.pipeline.open(
-            1,
-            lambda uid, i: protocol.Generate(
-                uid=uid, sampling=protocol.SamplingParams(), prompt="x", timeout_s=1.0
-            ),
+            [protocol.Generate(uid="", sampling=protocol.SamplingParams(), prompt="x", timeout_s=1)]
         )
     assert caught.value.status == 429
     sim.settle_links()

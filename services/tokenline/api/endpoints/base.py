@@ -1,9 +1,10 @@
 """What every endpoint shares, the way vLLM's ``OpenAIServing`` is shared by its endpoints.
 
-An endpoint is made per HTTP request. A generating one says what each choice sends into the
-ring (`build`) and how the ring's replies read as its answer, streamed or whole
-(`render_stream`, `render_full`); `generate` owns the rest: the model check, the limits, the
-disconnect watcher, the early-error status code, and closing the exchange on every path.
+An endpoint is made per HTTP request. A generating one has `admit` check the request, builds
+the ring messages of its choices and an `Answer` (how the ring's replies read as its answer,
+streamed or whole), and hands both to `generate`, which owns the rest: the disconnect watcher,
+the early-error status code, and closing the exchange on every path. Nothing here calls an
+endpoint back; `generate` calls only the answer.
 """
 
 from __future__ import annotations
@@ -11,26 +12,31 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
-import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenline import protocol
 from tokenline.api.http.errors import (
-    ApiError,
     ended_with,
     invalid,
     model_not_found,
     unencodable,
 )
-from tokenline.api.http.sse import DONE, EventStream, event
+from tokenline.api.http.sse import EventStream
 from tokenline.api.openai.limits import check_request
-from tokenline.api.openai.usage import Usage
-from tokenline.api.ring.exchange import Exchange
+from tokenline.api.ring.exchange import NORMAL_ENDS, Exchange
 from tokenline.api.ring.pipeline import Pipeline
 
-NORMAL_ENDS = ("stop", "length")
+
+class Answer(Protocol):
+    """How one request's replies read as its answer: an SSE stream, or a whole JSON body once
+    every choice has ended normally; ``meta`` is the answer's id, created and model."""
+
+    def stream(self, ex: Exchange, first: list, meta: dict) -> AsyncIterator[bytes]: ...
+
+    def whole(self, ex: Exchange, meta: dict) -> dict: ...
 
 
 class Endpoint:
@@ -41,6 +47,7 @@ class Endpoint:
         self.pipeline: Pipeline = request.app.state.pipeline
         self.settings = request.app.state.settings
         self.lora = ""  # the LoRA adapter the request names ("" the base model), once checked
+        self.admitted = False
 
     # ── what every endpoint checks ─────────────────────────────────────────────────────────────
     def check_model(self, model: str | None) -> str:
@@ -66,35 +73,28 @@ class Endpoint:
         except (OverflowError, UnicodeError) as exc:  # a gap in the schemas, as in `generate`
             raise unencodable(exc) from exc
 
-    # ── what a generating endpoint says ────────────────────────────────────────────────────────
-    def build(self, uid: str, index: int) -> protocol.Generate:
-        """What choice ``index`` sends into the ring as ``uid``."""
-        raise NotImplementedError
-
-    def render_stream(self, ex: Exchange, first: list, meta: dict) -> AsyncIterator[bytes]:
-        """The SSE stream of the answer; ``meta`` is id, created and model."""
-        raise NotImplementedError
-
-    def render_full(self, ex: Exchange, meta: dict) -> dict:
-        """The whole answer's JSON body, once every choice has ended normally."""
-        raise NotImplementedError
-
-    def grammar_param(self) -> str | None:
-        """The request field whose answer follows a grammar, or None: free text."""
-        return None
-
     # ── the flow every generation takes ────────────────────────────────────────────────────────
-    async def generate(self, body, n: int) -> Response:
-        """Admit ``n`` choices of ``body`` and answer, streamed if it asks."""
-        pipeline = self.pipeline
+    def admit(self, body, grammar_param: str | None = None) -> None:
+        """Refuse what ``body`` may not ask before anything of it is built: a model not served
+        (404), a limit exceeded, a grammar this scheduler cannot follow (400); ``grammar_param``
+        names the field whose answer follows a grammar (None: free text)."""
         self.check_model(body.model)
         check_request(body, self.settings)
-        param = self.grammar_param()
-        refusal = pipeline.grammar_refusal if param is not None else ""
+        refusal = self.pipeline.grammar_refusal if grammar_param is not None else ""
         if refusal:
-            raise invalid(param, refusal, "unsupported_parameter")
+            raise invalid(grammar_param, refusal, "unsupported_parameter")
+        self.admitted = True
+
+    async def generate(self, body, messages: list[protocol.Generate], answer: Answer) -> Response:
+        """Send ``messages`` (one a choice of ``body``, which `admit` let in) into the ring and
+        answer, streamed if ``body`` asks."""
+        if not self.admitted:
+            raise RuntimeError("generate() before admit(): the request's limits went unchecked")
+        pipeline = self.pipeline
+        for message in messages:
+            message.lora = self.lora
         try:
-            ex = pipeline.open(n, self._build_for_adapter)
+            ex = pipeline.open(messages)
         except (OverflowError, UnicodeError) as exc:
             # The schemas bound every field, so this is a gap in them; open() has already let
             # go of the request's uids.
@@ -120,7 +120,7 @@ class Endpoint:
             }
             if body.stream:
                 handed_over = True
-                return EventStream(self.render_stream(ex, first, meta), close)
+                return EventStream(answer.stream(ex, first, meta), close)
             ex.keep(first)
             await ex.collect()
             pipeline.close(ex)
@@ -129,17 +129,11 @@ class Endpoint:
             failed = [c for c in ex.choices if c.finish_reason not in NORMAL_ENDS]
             if failed:
                 return ended_with(failed[0].finish_reason).response()
-            headers = {"X-Tokenline-Timings": timings_header(ex)}
-            return JSONResponse(self.render_full(ex, meta), headers=headers)
+            headers = {"X-Tokenline-Timings": _timings_header(ex)}
+            return JSONResponse(answer.whole(ex, meta), headers=headers)
         finally:
             if not handed_over:
                 close()
-
-    def _build_for_adapter(self, uid: str, index: int) -> protocol.Generate:
-        """`build`, served by the adapter the request named (one place, for every endpoint)."""
-        message = self.build(uid, index)
-        message.lora = self.lora
-        return message
 
     async def _watch_disconnect(self, ex: Exchange) -> None:
         """Turn a client disconnect into an abort the moment it happens, even mid-wait."""
@@ -150,84 +144,5 @@ class Endpoint:
                 return
 
 
-# ── reading an exchange's replies, for every stream ────────────────────────────────────────────
-def timings_header(ex: Exchange) -> str:
+def _timings_header(ex: Exchange) -> str:
     return ", ".join(f"{k.removesuffix('_s')}={v * 1000:.3f}ms" for k, v in ex.timings.items())
-
-
-def coalesce(batch: list[tuple[int, protocol.Reply]]) -> list[tuple[int, protocol.Reply]]:
-    """Merge consecutive pieces of one choice, so a client that fell behind gets fewer,
-    larger events instead of one per token."""
-    merged: list[tuple[int, protocol.Reply]] = []
-    for index, reply in batch:
-        if merged and merged[-1][0] == index and merged[-1][1].finish_reason is None:
-            last = merged[-1][1]
-            merged[-1] = (
-                index,
-                msgspec.structs.replace(
-                    last,
-                    text=last.text + reply.text,
-                    num_tokens=last.num_tokens + reply.num_tokens,
-                    finish_reason=reply.finish_reason,
-                    logprobs=_merge_logprobs(last.logprobs, reply.logprobs),
-                ),
-            )
-        else:
-            merged.append((index, reply))
-    return merged
-
-
-def _merge_logprobs(
-    first: list[protocol.LogprobEntry] | None, second: list[protocol.LogprobEntry] | None
-) -> list[protocol.LogprobEntry] | None:
-    if first is None or second is None:
-        return first if second is None else second
-    return first + second
-
-
-async def replies(ex: Exchange, first: list) -> AsyncIterator[tuple[int, protocol.Reply]]:
-    """Every reply of the exchange from ``first`` on, coalesced, until the request is over."""
-    batch = first
-    while batch:
-        for item in coalesce(batch):
-            yield item
-        batch = await ex.next_batch()
-
-
-def error_of(ex: Exchange, reply: protocol.Reply | None) -> ApiError:
-    """Why a stream ends early: the exchange's error, or the reply's own end."""
-    if ex.error is not None:
-        return ex.error
-    return ended_with(reply.finish_reason if reply else None, reply.error_code if reply else None)
-
-
-class RunningUsage:
-    """Usage as a stream has sent it so far (vLLM's ``continuous_usage_stats``)."""
-
-    def __init__(self, ex: Exchange, per_prompt: int) -> None:
-        self._ex, self._per_prompt = ex, per_prompt
-        self._sent = [0] * len(ex.choices)
-
-    def sent(self, index: int, reply: protocol.Reply) -> None:
-        self._sent[index] += reply.num_tokens
-
-    def chunk_usage(self, body) -> dict:
-        """What a chunk before the last says of usage: nothing unless asked, then null
-        (OpenAI), or the usage so far with ``continuous_usage_stats`` (vLLM)."""
-        if not body.include_usage:
-            return {}
-        if not body.continuous_usage:
-            return {"usage": None}
-        ex = self._ex
-        usage = Usage.of(ex.choices, ex.cached_tokens, self._per_prompt, sum(self._sent))
-        return {"usage": usage.completions_shape()}
-
-
-def final_events(ex: Exchange, body, head: dict) -> list[bytes]:
-    """The end of a chat or completions stream: the error, or the usage if asked; [DONE]."""
-    if ex.error is not None:
-        return [event(ex.error.body()), DONE]
-    if body.include_usage:
-        usage = Usage.of(ex.choices, ex.cached_tokens, body.n).completions_shape()
-        return [event({**head, "choices": [], "usage": usage}), DONE]
-    return [DONE]

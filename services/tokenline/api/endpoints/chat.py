@@ -10,19 +10,12 @@ import msgspec
 from fastapi.responses import Response
 
 from tokenline import protocol
-from tokenline.api.endpoints.base import (
-    NORMAL_ENDS,
-    Endpoint,
-    RunningUsage,
-    error_of,
-    final_events,
-    replies,
-)
-from tokenline.api.http.sse import DONE, event
+from tokenline.api.endpoints.base import Endpoint
+from tokenline.api.http.sse import DONE, RunningUsage, event
 from tokenline.api.openai.chat import ChatCompletionRequest
 from tokenline.api.openai.logprobs import chat_logprobs
 from tokenline.api.openai.usage import Usage
-from tokenline.api.ring.exchange import Exchange
+from tokenline.api.ring.exchange import NORMAL_ENDS, Exchange
 from tokenline.api.tools import chat_calls
 from tokenline.api.tools.formats import ToolCallFormat, format_for
 from tokenline.api.tools.grammars import ToolPlan, plan_tools, refuse_deprecated
@@ -34,8 +27,9 @@ class Chat(Endpoint):
 
     async def create(self, body: ChatCompletionRequest) -> Response:
         refuse_deprecated(body.functions, body.function_call)
-        self.prepare(body, await self.plan(body))
-        return await self.generate(body, body.n)
+        plan = await self.plan(body)
+        self.admit(body, grammar_param(plan))
+        return await self.generate(body, self.messages(body, plan), ChatAnswer(body, plan.parser))
 
     async def plan(self, chat: ChatCompletionRequest) -> ToolPlan:
         """What the request's tools and response_format mean for its sampling and its reply."""
@@ -43,10 +37,6 @@ class Chat(Endpoint):
         return plan_tools(
             chat.tools, chat.tool_choice, chat.parallel_tool_calls, chat.response_format, fmt
         )
-
-    def prepare(self, chat: ChatCompletionRequest, plan: ToolPlan) -> None:
-        self.body, self.tool_plan = chat, plan
-        self.messages = chat.wire_messages()
 
     async def tool_format(self) -> ToolCallFormat:
         """The model's tool-call format: --tool-call-parser, or read once from its template."""
@@ -61,90 +51,89 @@ class Chat(Endpoint):
             state.tool_format = format_for(template, settings.tool_call_parser)
         return state.tool_format
 
-    def build(self, uid: str, index: int) -> protocol.Generate:
-        return protocol.Generate(
-            uid=uid,
-            sampling=msgspec.structs.replace(
-                self.body.sampling(index), grammar=self.tool_plan.grammar
-            ),
-            messages=self.messages,
-            tools=self.tool_plan.tools,
-            timeout_s=self.settings.request_timeout,
-        )
-
-    def grammar_param(self) -> str | None:
-        if self.tool_plan.grammar is None:
-            return None
-        return "tools" if self.tool_plan.tools is not None else "response_format"
-
-    def render_stream(self, ex: Exchange, first: list, meta: dict) -> AsyncIterator[bytes]:
-        return render_stream(ex, self.body, self.tool_plan.parser, first, meta)
-
-    def render_full(self, ex: Exchange, meta: dict) -> dict:
-        return render_full(ex, self.body, self.tool_plan.parser, meta)
+    def messages(self, chat: ChatCompletionRequest, plan: ToolPlan) -> list[protocol.Generate]:
+        """What each choice sends into the ring (its uid is given at admission)."""
+        wire = chat.wire_messages()
+        return [
+            protocol.Generate(
+                uid="",
+                sampling=msgspec.structs.replace(chat.sampling(index), grammar=plan.grammar),
+                messages=wire,
+                tools=plan.tools,
+                timeout_s=self.settings.request_timeout,
+            )
+            for index in range(chat.n)
+        ]
 
 
-def render_full(
-    ex: Exchange, body: ChatCompletionRequest, parser: ToolCallFormat | None, meta: dict
-) -> dict:
-    wanted = body.wanted_logprobs() is not None
-    choices = []
-    for choice in ex.choices:
-        text = "".join(ex.texts[choice.index])
-        message, has_calls = chat_calls.message(text, parser)
-        choices.append(
-            {
-                "index": choice.index,
-                "message": message,
-                "finish_reason": chat_calls.finish_reason(choice.finish_reason, has_calls),
-                "logprobs": chat_logprobs(ex.logprobs[choice.index]) if wanted else None,
-            }
-        )
-    usage = Usage.of(ex.choices, ex.cached_tokens, body.n).completions_shape()
-    return {**meta, "object": "chat.completion", "choices": choices, "usage": usage}
+def grammar_param(plan: ToolPlan) -> str | None:
+    """The field whose answer follows the plan's grammar, or None: free text."""
+    if plan.grammar is None:
+        return None
+    return "tools" if plan.tools is not None else "response_format"
 
 
-async def render_stream(
-    ex: Exchange,
-    body: ChatCompletionRequest,
-    parser: ToolCallFormat | None,
-    first: list,
-    meta: dict,
-) -> AsyncIterator[bytes]:
-    head = {**meta, "object": "chat.completion.chunk"}
-    wanted = body.wanted_logprobs() is not None
-    running = RunningUsage(ex, body.n)
+class ChatAnswer:
+    """A chat completion's replies read as its answer; tool calls are parsed out of the text
+    with ``parser`` (None: the request has no tools)."""
 
-    def chunk(
-        index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None
-    ) -> bytes:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return event({**head, "choices": [choice], **running.chunk_usage(body)})
+    def __init__(self, body: ChatCompletionRequest, parser: ToolCallFormat | None) -> None:
+        self.body, self.parser = body, parser
+        self.wanted = body.wanted_logprobs() is not None
 
-    calls = {c.index: chat_calls.DeltaStream(parser) for c in ex.choices} if parser else {}
-    for choice in ex.choices:
-        yield chunk(choice.index, {"role": "assistant", "content": ""})
-    async for index, reply in replies(ex, first):
-        running.sent(index, reply)
-        if index in calls:  # tool calls are parsed out of the text before it is sent
-            deltas = calls[index].feed(reply.text)
-            if reply.finish_reason is not None:
-                deltas += calls[index].finish()
-            if wanted and reply.logprobs:
-                yield chunk(index, {"content": ""}, logprobs=chat_logprobs(reply.logprobs))
-            for delta in deltas:
-                yield chunk(index, delta)
-        elif wanted and reply.logprobs:
-            # tokens whose text is still held back get their chunk now, with empty content
-            yield chunk(index, {"content": reply.text}, logprobs=chat_logprobs(reply.logprobs))
-        elif reply.text:
-            yield chunk(index, {"content": reply.text})
-        if reply.finish_reason in NORMAL_ENDS:
-            has_calls = index in calls and calls[index].has_calls
-            yield chunk(index, {}, chat_calls.finish_reason(reply.finish_reason, has_calls))
-        elif reply.finish_reason:
-            yield event(error_of(ex, reply).body())
-            yield DONE
-            return
-    for piece in final_events(ex, body, head):
-        yield piece
+    def whole(self, ex: Exchange, meta: dict) -> dict:
+        choices = []
+        for choice in ex.choices:
+            text = "".join(ex.texts[choice.index])
+            message, has_calls = chat_calls.message(text, self.parser)
+            logprobs = ex.logprobs[choice.index]
+            choices.append(
+                {
+                    "index": choice.index,
+                    "message": message,
+                    "finish_reason": chat_calls.finish_reason(choice.finish_reason, has_calls),
+                    "logprobs": chat_logprobs(logprobs) if self.wanted else None,
+                }
+            )
+        usage = Usage.of(ex.choices, ex.cached_tokens, self.body.n).completions_shape()
+        return {**meta, "object": "chat.completion", "choices": choices, "usage": usage}
+
+    async def stream(self, ex: Exchange, first: list, meta: dict) -> AsyncIterator[bytes]:
+        head = {**meta, "object": "chat.completion.chunk"}
+        running = RunningUsage(ex, self.body, self.body.n)
+
+        def chunk(
+            index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None
+        ) -> bytes:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return event({**head, "choices": [choice], **running.of_chunk()})
+
+        parser = self.parser
+        calls = {c.index: chat_calls.DeltaStream(parser) for c in ex.choices} if parser else {}
+        for choice in ex.choices:
+            yield chunk(choice.index, {"role": "assistant", "content": ""})
+        async for index, reply in ex.replies(first):
+            running.sent(index, reply)
+            if index in calls:  # tool calls are parsed out of the text before it is sent
+                deltas = calls[index].feed(reply.text)
+                if reply.finish_reason is not None:
+                    deltas += calls[index].finish()
+                if self.wanted and reply.logprobs:
+                    yield chunk(index, {"content": ""}, logprobs=chat_logprobs(reply.logprobs))
+                for delta in deltas:
+                    yield chunk(index, delta)
+            elif self.wanted and reply.logprobs:
+                # tokens whose text is still held back get their chunk now, with empty content
+                logprobs = chat_logprobs(reply.logprobs)
+                yield chunk(index, {"content": reply.text}, logprobs=logprobs)
+            elif reply.text:
+                yield chunk(index, {"content": reply.text})
+            if reply.finish_reason in NORMAL_ENDS:
+                has_calls = index in calls and calls[index].has_calls
+                yield chunk(index, {}, chat_calls.finish_reason(reply.finish_reason, has_calls))
+            elif reply.finish_reason:
+                yield event(ex.error_for(reply).body())
+                yield DONE
+                return
+        for piece in running.final_events(head):
+            yield piece

@@ -9,19 +9,12 @@ import msgspec
 from fastapi.responses import Response
 
 from tokenline import protocol
-from tokenline.api.endpoints.base import (
-    NORMAL_ENDS,
-    Endpoint,
-    RunningUsage,
-    error_of,
-    final_events,
-    replies,
-)
-from tokenline.api.http.sse import DONE, event
+from tokenline.api.endpoints.base import Endpoint
+from tokenline.api.http.sse import DONE, RunningUsage, event
 from tokenline.api.openai.completions import CompletionRequest
 from tokenline.api.openai.logprobs import completion_logprobs, echoed
 from tokenline.api.openai.usage import Usage
-from tokenline.api.ring.exchange import Exchange
+from tokenline.api.ring.exchange import NORMAL_ENDS, Exchange
 from tokenline.api.tools.grammars import completion_grammar
 
 
@@ -29,29 +22,22 @@ class Completions(Endpoint):
     id_prefix = "cmpl-"
 
     async def create(self, body: CompletionRequest) -> Response:
-        self.body = body
-        self.grammar = completion_grammar(body.response_format)
-        self.prompts = body.prompts()
-        return await self.generate(body, body.choices)
-
-    def build(self, uid: str, index: int) -> protocol.Generate:
-        prompt = self.prompts[index // self.body.n]  # choices go prompt by prompt, n each
-        return protocol.Generate(
-            uid=uid,
-            sampling=msgspec.structs.replace(self.body.sampling(index), grammar=self.grammar),
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_ids=None if isinstance(prompt, str) else prompt,
-            timeout_s=self.settings.request_timeout,
-        )
-
-    def grammar_param(self) -> str | None:
-        return "response_format" if self.grammar is not None else None
-
-    def render_stream(self, ex: Exchange, first: list, meta: dict) -> AsyncIterator[bytes]:
-        return render_stream(ex, self.body, first, meta)
-
-    def render_full(self, ex: Exchange, meta: dict) -> dict:
-        return render_full(ex, self.body, meta)
+        grammar = completion_grammar(body.response_format)
+        self.admit(body, "response_format" if grammar is not None else None)
+        prompts = body.prompts()
+        messages = []
+        for index in range(body.choices):
+            prompt = prompts[index // body.n]  # choices go prompt by prompt, n each
+            messages.append(
+                protocol.Generate(
+                    uid="",
+                    sampling=msgspec.structs.replace(body.sampling(index), grammar=grammar),
+                    prompt=prompt if isinstance(prompt, str) else None,
+                    prompt_ids=None if isinstance(prompt, str) else prompt,
+                    timeout_s=self.settings.request_timeout,
+                )
+            )
+        return await self.generate(body, messages, CompletionsAnswer(body))
 
 
 def _prompt_logprobs(ex: Exchange, index: int, per_prompt: int):
@@ -60,100 +46,106 @@ def _prompt_logprobs(ex: Exchange, index: int, per_prompt: int):
     return ex.choices[index - index % per_prompt].prompt_logprobs
 
 
-def render_full(ex: Exchange, body: CompletionRequest, meta: dict) -> dict:
-    wanted = body.wanted_logprobs() is not None
-    choices = []
-    for choice in ex.choices:
-        text = "".join(ex.texts[choice.index])
-        logprobs = completion_logprobs(ex.logprobs[choice.index]) if wanted else None
-        if body.echo:
-            borrowed = _prompt_logprobs(ex, choice.index, body.n)
-            text, logprobs = echoed(choice.prompt_text or "", borrowed, text, logprobs)
-        choices.append(
-            {
-                "index": choice.index,
-                "text": text,
-                "finish_reason": choice.finish_reason,
-                "logprobs": logprobs,
-            }
-        )
-    usage = Usage.of(ex.choices, ex.cached_tokens, body.n).completions_shape()
-    return {**meta, "object": "text_completion", "choices": choices, "usage": usage}
+class CompletionsAnswer:
+    """A completion's replies read as its answer; with echo, the prompt (and its logprobs) go
+    in front of each choice's text."""
 
+    def __init__(self, body: CompletionRequest) -> None:
+        self.body = body
 
-async def render_stream(
-    ex: Exchange, body: CompletionRequest, first: list, meta: dict
-) -> AsyncIterator[bytes]:
-    head = {**meta, "object": "text_completion"}
-    wanted = body.wanted_logprobs() is not None
-    offsets = [0] * len(ex.choices)  # per choice: where the next token's text starts
-    echo_pending = [body.echo] * len(ex.choices)  # the prompt goes in front of the first piece
-    running = RunningUsage(ex, body.n)
+    def whole(self, ex: Exchange, meta: dict) -> dict:
+        body = self.body
+        wanted = body.wanted_logprobs() is not None
+        choices = []
+        for choice in ex.choices:
+            text = "".join(ex.texts[choice.index])
+            logprobs = completion_logprobs(ex.logprobs[choice.index]) if wanted else None
+            if body.echo:
+                borrowed = _prompt_logprobs(ex, choice.index, body.n)
+                text, logprobs = echoed(choice.prompt_text or "", borrowed, text, logprobs)
+            choices.append(
+                {
+                    "index": choice.index,
+                    "text": text,
+                    "finish_reason": choice.finish_reason,
+                    "logprobs": logprobs,
+                }
+            )
+        usage = Usage.of(ex.choices, ex.cached_tokens, body.n).completions_shape()
+        return {**meta, "object": "text_completion", "choices": choices, "usage": usage}
 
-    def chunk(index: int, reply: protocol.Reply, finish: str | None = None) -> bytes:
-        text, logprobs = reply.text, None
-        if wanted:
-            entries = reply.logprobs or []
-            logprobs = completion_logprobs(entries, offsets[index])
-            offsets[index] += sum(len(e.token) for e in entries)
-        if echo_pending[index]:
-            echo_pending[index] = False
-            borrowed = _prompt_logprobs(ex, index, body.n)
-            prompt = ex.choices[index].prompt_text or ""
-            text, logprobs = echoed(prompt, borrowed, text, logprobs)
-            offsets[index] += len(ex.choices[index].prompt_text or "")
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return event({**head, "choices": [choice], **running.chunk_usage(body)})
+    async def stream(self, ex: Exchange, first: list, meta: dict) -> AsyncIterator[bytes]:
+        body = self.body
+        head = {**meta, "object": "text_completion"}
+        wanted = body.wanted_logprobs() is not None
+        offsets = [0] * len(ex.choices)  # per choice: where the next token's text starts
+        echo_pending = [body.echo] * len(ex.choices)  # the prompt goes in front of the first piece
+        running = RunningUsage(ex, body, body.n)
 
-    # A choice that borrows its prompt's logprobs waits, before its first chunk, for the
-    # prompt's first choice to bring them (or to end without them).
-    waiting: dict[int, list[protocol.Reply]] = {}
-    borrows = body.echo and wanted and body.n > 1
+        def chunk(index: int, reply: protocol.Reply, finish: str | None = None) -> bytes:
+            text, logprobs = reply.text, None
+            if wanted:
+                entries = reply.logprobs or []
+                logprobs = completion_logprobs(entries, offsets[index])
+                offsets[index] += sum(len(e.token) for e in entries)
+            if echo_pending[index]:
+                echo_pending[index] = False
+                borrowed = _prompt_logprobs(ex, index, body.n)
+                prompt = ex.choices[index].prompt_text or ""
+                text, logprobs = echoed(prompt, borrowed, text, logprobs)
+                offsets[index] += len(ex.choices[index].prompt_text or "")
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return event({**head, "choices": [choice], **running.of_chunk()})
 
-    def must_wait(index: int) -> bool:
-        lender = ex.choices[index - index % body.n]
-        return (
-            borrows
-            and echo_pending[index]
-            and lender.index != index
-            and lender.prompt_logprobs is None
-            and not lender.finish_reason
-        )
+        # A choice that borrows its prompt's logprobs waits, before its first chunk, for the
+        # prompt's first choice to bring them (or to end without them).
+        waiting: dict[int, list[protocol.Reply]] = {}
+        borrows = body.echo and wanted and body.n > 1
 
-    def ready() -> list[tuple[int, protocol.Reply]]:
-        out = []
-        for index in [i for i in waiting if not must_wait(i)]:
-            out += [(index, reply) for reply in waiting.pop(index)]
-        return out
+        def must_wait(index: int) -> bool:
+            lender = ex.choices[index - index % body.n]
+            return (
+                borrows
+                and echo_pending[index]
+                and lender.index != index
+                and lender.prompt_logprobs is None
+                and not lender.finish_reason
+            )
 
-    def chunks(index: int, reply: protocol.Reply) -> list[bytes] | None:
-        """The chunks a reply makes; None when it ended the stream with an error."""
-        running.sent(index, reply)
-        if reply.finish_reason in NORMAL_ENDS:
-            return [chunk(index, reply, reply.finish_reason)]
-        if reply.finish_reason:
-            return None
-        if reply.text or (wanted and reply.logprobs) or echo_pending[index]:
-            return [chunk(index, reply)]
-        return []
+        def ready() -> list[tuple[int, protocol.Reply]]:
+            out = []
+            for index in [i for i in waiting if not must_wait(i)]:
+                out += [(index, reply) for reply in waiting.pop(index)]
+            return out
 
-    async def in_order() -> AsyncIterator[tuple[int, protocol.Reply]]:
-        async for index, reply in replies(ex, first):
-            if index in waiting or must_wait(index):
-                waiting.setdefault(index, []).append(reply)
-                continue
-            for item in [(index, reply), *ready()]:
+        def chunks(index: int, reply: protocol.Reply) -> list[bytes] | None:
+            """The chunks a reply makes; None when it ended the stream with an error."""
+            running.sent(index, reply)
+            if reply.finish_reason in NORMAL_ENDS:
+                return [chunk(index, reply, reply.finish_reason)]
+            if reply.finish_reason:
+                return None
+            if reply.text or (wanted and reply.logprobs) or echo_pending[index]:
+                return [chunk(index, reply)]
+            return []
+
+        async def in_order() -> AsyncIterator[tuple[int, protocol.Reply]]:
+            async for index, reply in ex.replies(first):
+                if index in waiting or must_wait(index):
+                    waiting.setdefault(index, []).append(reply)
+                    continue
+                for item in [(index, reply), *ready()]:
+                    yield item
+            for item in ready():  # lenders that ended: nothing left to wait for
                 yield item
-        for item in ready():  # lenders that ended: nothing left to wait for
-            yield item
 
-    async for index, reply in in_order():
-        out = chunks(index, reply)
-        if out is None:
-            yield event(error_of(ex, reply).body())
-            yield DONE
-            return
-        for piece in out:
+        async for index, reply in in_order():
+            out = chunks(index, reply)
+            if out is None:
+                yield event(ex.error_for(reply).body())
+                yield DONE
+                return
+            for piece in out:
+                yield piece
+        for piece in running.final_events(head):
             yield piece
-    for piece in final_events(ex, body, head):
-        yield piece

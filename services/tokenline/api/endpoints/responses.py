@@ -21,13 +21,12 @@ from typing import Any
 
 from fastapi.responses import Response
 
-from tokenline.api.endpoints.base import NORMAL_ENDS, error_of, replies
-from tokenline.api.endpoints.chat import Chat
+from tokenline.api.endpoints.chat import Chat, grammar_param
 from tokenline.api.http.errors import ApiError
 from tokenline.api.http.sse import event
 from tokenline.api.openai.responses import ResponsesRequest, renamed, to_chat
 from tokenline.api.openai.usage import Usage
-from tokenline.api.ring.exchange import Exchange
+from tokenline.api.ring.exchange import NORMAL_ENDS, Exchange
 from tokenline.api.tools.chat_calls import call_id
 from tokenline.api.tools.formats import ToolCallFormat
 from tokenline.api.tools.parsers import ArgumentsPiece, Call, CallEnd, CallStart, Content
@@ -39,19 +38,14 @@ class Responses(Chat):
     id_prefix = "resp_"
 
     async def create(self, body: ResponsesRequest) -> Response:  # type: ignore[override]
-        self.responses_body = body
         chat = to_chat(body)
         try:
-            self.prepare(chat, await self.plan(chat))
-            return await self.generate(chat, 1)
+            plan = await self.plan(chat)
+            self.admit(chat, grammar_param(plan))
+            answer = ResponsesAnswer(body, plan.parser)
+            return await self.generate(chat, self.messages(chat, plan), answer)
         except ApiError as exc:  # the tool plan and the limits name chat's fields
             raise renamed(exc) from exc
-
-    def render_stream(self, ex: Exchange, first: list, meta: dict) -> AsyncIterator[bytes]:
-        return render_stream(ex, first, meta, self.responses_body, self.tool_plan.parser)
-
-    def render_full(self, ex: Exchange, meta: dict) -> dict:
-        return render_full(ex, meta, self.responses_body, self.tool_plan.parser)
 
 
 def not_stored(response_id: str) -> ApiError:
@@ -293,33 +287,34 @@ class OutputBuilder:
         return out
 
 
-def render_full(
-    ex: Exchange, meta: dict, body: ResponsesRequest, parser: ToolCallFormat | None
-) -> dict:
-    builder = OutputBuilder(meta, body, parser, emit=False)
-    builder.start()
-    builder.feed("".join(ex.texts[0]))
-    builder.finish(ex.choices[0].finish_reason or "stop", _usage(ex))
-    return builder.response
+class ResponsesAnswer:
+    """A response's one choice read as a response object, or as the events that build it."""
 
+    def __init__(self, body: ResponsesRequest, parser: ToolCallFormat | None) -> None:
+        self.body, self.parser = body, parser
 
-async def render_stream(
-    ex: Exchange, first: list, meta: dict, body: ResponsesRequest, parser: ToolCallFormat | None
-) -> AsyncIterator[bytes]:
-    builder = OutputBuilder(meta, body, parser, emit=True)
-    for chunk in builder.start():
-        yield chunk
-    async for _, reply in replies(ex, first):
-        for chunk in builder.feed(reply.text):
+    def whole(self, ex: Exchange, meta: dict) -> dict:
+        builder = OutputBuilder(meta, self.body, self.parser, emit=False)
+        builder.start()
+        builder.feed("".join(ex.texts[0]))
+        builder.finish(ex.choices[0].finish_reason or "stop", _usage(ex))
+        return builder.response
+
+    async def stream(self, ex: Exchange, first: list, meta: dict) -> AsyncIterator[bytes]:
+        builder = OutputBuilder(meta, self.body, self.parser, emit=True)
+        for chunk in builder.start():
             yield chunk
-        if reply.finish_reason in NORMAL_ENDS:
-            for chunk in builder.finish(reply.finish_reason, _usage(ex)):
+        async for _, reply in ex.replies(first):
+            for chunk in builder.feed(reply.text):
                 yield chunk
-            return
-        if reply.finish_reason:
-            for chunk in builder.fail(error_of(ex, reply), _usage(ex)):
-                yield chunk
-            return
-    # over without a terminal reply: aborted (deadline, shutdown, a stage failing)
-    for chunk in builder.fail(error_of(ex, None), _usage(ex)):
-        yield chunk
+            if reply.finish_reason in NORMAL_ENDS:
+                for chunk in builder.finish(reply.finish_reason, _usage(ex)):
+                    yield chunk
+                return
+            if reply.finish_reason:
+                for chunk in builder.fail(ex.error_for(reply), _usage(ex)):
+                    yield chunk
+                return
+        # over without a terminal reply: aborted (deadline, shutdown, a stage failing)
+        for chunk in builder.fail(ex.error_for(None), _usage(ex)):
+            yield chunk

@@ -1,7 +1,10 @@
-"""Server-sent events: the one encoder of every stream, and the response that sends them.
+"""Server-sent events: the one encoder of every stream, the response that sends them, and the
+usage a chat or completions stream reports.
 
-Chat and completions send ``data:`` lines ending in ``data: [DONE]``; the Responses API names
-each event (``event: <type>`` before its ``data:``) and sends no ``[DONE]``.
+Each endpoint turns its exchange's replies into its own events and calls these helpers; they
+never call an endpoint back. Chat and completions send ``data:`` lines ending in
+``data: [DONE]``; the Responses API names each event (``event: <type>`` before its ``data:``)
+and sends no ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -10,6 +13,10 @@ from collections.abc import AsyncIterator, Callable
 
 import msgspec
 from fastapi.responses import StreamingResponse
+
+from tokenline.api.openai.usage import Usage
+from tokenline.api.ring.exchange import Exchange
+from tokenline.protocol import Reply
 
 SSE_HEADERS = {
     "Cache-Control": "no-cache",
@@ -52,3 +59,36 @@ class EventStream(StreamingResponse):
         finally:
             self._on_close()
             await self._events.aclose()
+
+
+class RunningUsage:
+    """Usage as a chat or completions stream has sent it so far (vLLM's
+    ``continuous_usage_stats``); ``body`` is the request, ``per_prompt`` its n."""
+
+    def __init__(self, ex: Exchange, body, per_prompt: int) -> None:
+        self._ex, self._body, self._per_prompt = ex, body, per_prompt
+        self._sent = [0] * len(ex.choices)
+
+    def sent(self, index: int, reply: Reply) -> None:
+        self._sent[index] += reply.num_tokens
+
+    def of_chunk(self) -> dict:
+        """What a chunk before the last says of usage: nothing unless asked, then null
+        (OpenAI), or the usage so far with ``continuous_usage_stats`` (vLLM)."""
+        if not self._body.include_usage:
+            return {}
+        if not self._body.continuous_usage:
+            return {"usage": None}
+        ex = self._ex
+        usage = Usage.of(ex.choices, ex.cached_tokens, self._per_prompt, sum(self._sent))
+        return {"usage": usage.completions_shape()}
+
+    def final_events(self, head: dict) -> list[bytes]:
+        """The stream's end: the request's error, or the usage if asked; then [DONE]."""
+        ex = self._ex
+        if ex.error is not None:
+            return [event(ex.error.body()), DONE]
+        if self._body.include_usage:
+            usage = Usage.of(ex.choices, ex.cached_tokens, self._per_prompt).completions_shape()
+            return [event({**head, "choices": [], "usage": usage}), DONE]
+        return [DONE]

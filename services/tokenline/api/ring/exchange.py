@@ -10,14 +10,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tokenline.api.http.errors import ApiError
+import msgspec
+
+from tokenline.api.http.errors import ApiError, ended_with
 from tokenline.protocol import LogprobEntry, Reply
 
 HIGH_WATER = 64
 LOW_WATER = 16
+NORMAL_ENDS = ("stop", "length")  # every other finish reason ends an answer in an error
 
 
 class FlowControl(Protocol):
@@ -125,6 +129,20 @@ class Exchange:
             self.flow.resume(self)
         return items
 
+    async def replies(self, first: list[tuple[int, Reply]]) -> AsyncIterator[tuple[int, Reply]]:
+        """Every reply from ``first`` on, coalesced, until the request is over (a stream)."""
+        batch = first
+        while batch:
+            for item in coalesce(batch):
+                yield item
+            batch = await self.next_batch()
+
+    def error_for(self, reply: Reply | None) -> ApiError:
+        """Why a stream ends early: the request's error, or the reply's own end."""
+        if self.error is not None:
+            return self.error
+        return ended_with(reply and reply.finish_reason, reply and reply.error_code)
+
     def keep(self, batch: list[tuple[int, Reply]]) -> None:
         """Accumulate replies' text and logprobs per choice (non-streaming)."""
         for index, reply in batch:
@@ -139,3 +157,33 @@ class Exchange:
             self.keep(batch)
             if not batch and self.done:
                 return
+
+
+def coalesce(batch: list[tuple[int, Reply]]) -> list[tuple[int, Reply]]:
+    """Merge consecutive pieces of one choice, so a client that fell behind gets fewer,
+    larger events instead of one per token."""
+    merged: list[tuple[int, Reply]] = []
+    for index, reply in batch:
+        if merged and merged[-1][0] == index and merged[-1][1].finish_reason is None:
+            last = merged[-1][1]
+            merged[-1] = (
+                index,
+                msgspec.structs.replace(
+                    last,
+                    text=last.text + reply.text,
+                    num_tokens=last.num_tokens + reply.num_tokens,
+                    finish_reason=reply.finish_reason,
+                    logprobs=_merge_logprobs(last.logprobs, reply.logprobs),
+                ),
+            )
+        else:
+            merged.append((index, reply))
+    return merged
+
+
+def _merge_logprobs(
+    first: list[LogprobEntry] | None, second: list[LogprobEntry] | None
+) -> list[LogprobEntry] | None:
+    if first is None or second is None:
+        return first if second is None else second
+    return first + second

@@ -18,7 +18,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import msgspec
 
@@ -147,18 +147,21 @@ class Pipeline:
     def new_uid(self) -> str:
         return f"{self._origin}-{next(self._uid_counter)}"
 
-    def open(self, n: int, build: Callable[[str, int], protocol.Generate]) -> Exchange:
-        """Admit a request of ``n`` choices and send them into the ring.
+    def open(self, messages: list[protocol.Generate]) -> Exchange:
+        """Admit a request of one message a choice, give each its uid and send them into the
+        ring.
 
-        Every exchange opened must be closed (`close` or the `exchange` context manager): that
+        Every exchange opened must be closed (`close`): that
         is the only place per-request api state is freed.
         """
         self._refuse_unless_admissible()
         base = self.new_uid()
-        uids = [base] if n == 1 else [f"{base}.{i}" for i in range(n)]
-        # Everything is built and encoded before any state exists, so a request that cannot
-        # be encoded leaves nothing behind.
-        frames = [self.ring.encode(build(uid, i)) for i, uid in enumerate(uids)]
+        uids = [base] if len(messages) == 1 else [f"{base}.{i}" for i in range(len(messages))]
+        for message, uid in zip(messages, uids, strict=True):
+            message.uid = uid
+        # Everything is encoded before any state exists, so a request that cannot be encoded
+        # leaves nothing behind.
+        frames = [self.ring.encode(message) for message in messages]
         timeout = self.settings.request_timeout
         ex = Exchange(uids=uids, deadline=time.monotonic() + timeout, flow=self)
         for uid, frame in zip(uids, frames, strict=True):
@@ -177,16 +180,6 @@ class Pipeline:
             self.abort(ex, "client_disconnect")
         self._forget(ex)
         self.metrics.end(ex)
-
-    @contextlib.contextmanager
-    def exchange(
-        self, n: int, build: Callable[[str, int], protocol.Generate]
-    ) -> Iterator[Exchange]:
-        ex = self.open(n, build)
-        try:
-            yield ex
-        finally:
-            self.close(ex)
 
     def _forget(self, ex: Exchange) -> None:
         for uid in ex.uids:

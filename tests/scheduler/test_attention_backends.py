@@ -97,9 +97,9 @@ def recorded_run(backend: str, path, scenario, compiled: bool = False):
     logits_at: dict[str, dict[int, torch.Tensor]] = {}
     execute = runner.execute
 
-    def recording(prepared, spans=()):
-        logits, hidden = execute(prepared, spans)
-        sampling = [c for c in prepared.chunks if c.samples]
+    def recording(inputs, spans=()):
+        logits, hidden = execute(inputs, spans)
+        sampling = [c for c in inputs.chunks if c.samples]
         for chunk, row in zip(sampling, logits, strict=True):
             logits_at.setdefault(chunk.seq.uid, {})[chunk.start + chunk.num_tokens] = row.clone()
         return logits, hidden

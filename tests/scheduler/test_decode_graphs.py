@@ -33,10 +33,10 @@ def _run(runner: ModelRunner, sampling: SamplingParams, count: int = 7) -> tuple
     execute = runner.execute
     buckets: list[int] = []
 
-    def recording(prepared, spans=()):
-        out = execute(prepared, spans)
-        buckets.append(prepared.bucket)
-        sampling_chunks = [c for c in prepared.chunks if c.samples]
+    def recording(inputs, spans=()):
+        out = execute(inputs, spans)
+        buckets.append(inputs.bucket)
+        sampling_chunks = [c for c in inputs.chunks if c.samples]
         for chunk, row in zip(sampling_chunks, out[0], strict=True):
             logits.setdefault(chunk.seq.uid, []).append(row.clone())
         return out

@@ -61,9 +61,9 @@ def record_logits(engine: Engine) -> dict[str, list[torch.Tensor]]:
     seen: dict[str, list[torch.Tensor]] = {}
     execute = engine.runner.execute
 
-    def recording(prepared, spans=()):
-        logits, hidden = execute(prepared, spans)
-        sampling = [c.seq.uid for c in prepared.chunks if c.samples]
+    def recording(inputs, spans=()):
+        logits, hidden = execute(inputs, spans)
+        sampling = [c.seq.uid for c in inputs.chunks if c.samples]
         for uid, row in zip(sampling, logits, strict=True):
             seen.setdefault(uid, []).append(row.clone())
         return logits, hidden

@@ -83,8 +83,8 @@ def _recording(engine: Engine) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     execute = engine.runner.execute
 
-    def record(prepared, spans=()):
-        logits, hidden = execute(prepared, spans)
+    def record(inputs, spans=()):
+        logits, hidden = execute(inputs, spans)
         seen.append(logits.clone())
         return logits, hidden
 
@@ -147,8 +147,8 @@ _FLEX = textwrap.dedent(
     def run(runner):
         engine = Engine(runner, EngineLimits(256, 256, 7), [])
         logits, execute = [], runner.execute
-        def record(prepared, spans=()):
-            out = execute(prepared, spans)
+        def record(inputs, spans=()):
+            out = execute(inputs, spans)
             logits.append(out[0].clone())
             return out
         runner.execute = record

@@ -59,7 +59,7 @@ class DecodeGraphs:
             return None
         return next((b for b in self.sizes if b >= len(chunks)), None)
 
-    def prepare(self, chunks: list[Chunk], bucket: int) -> None:
+    def write(self, chunks: list[Chunk], bucket: int) -> None:
         """Write a decode step into its bucket's buffers."""
         bs = self.runner.block_size
         ids, positions, slots, tables = [], [], [], []

@@ -305,16 +305,16 @@ class Engine:
         """Run the model over the chunks and sample; the policy applies what came out
         (`update_from_output`), and its account of each sequence becomes the outputs."""
         mark = time.perf_counter()
-        prepared = self.runner.prepare(chunks)
+        inputs = self.runner.step_inputs(chunks)
         times.inputs, mark = lap(mark)
         spans = prompt_logprobs.spans(chunks)
         scored = []
         if spans:
             kept = [(span.chunk, span.offset, span.count) for span in spans]
-            logits, hidden = self.runner.execute(prepared, kept)
+            logits, hidden = self.runner.execute(inputs, kept)
             scored = prompt_logprobs.score(self.runner, hidden, spans)
         else:
-            logits = self.runner.execute(prepared)[0]
+            logits = self.runner.execute(inputs)[0]
         times.forward, mark = lap(mark)
         sampling_seqs = [c.seq for c in chunks if c.samples]
         # max_tokens 0: the prompt is only read (for its logprobs); nothing is sampled

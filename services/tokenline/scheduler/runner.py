@@ -3,7 +3,7 @@
 The model is a family's own module (``models/``: the native ones, or transformers' modules with
 tokenline's attention for the rest), chosen and loaded once at start; the runner never reaches
 into a layer. It sizes the KV pool from the model's attention geometry, chooses the attention
-backend (``attention/``) that every layer calls, and runs a step: ``prepare`` turns the step's
+backend (``attention/``) that every layer calls, and runs a step: ``step_inputs`` turns the step's
 chunks into a flat batch of token rows and the backend's metadata (``step_inputs.py``), and
 ``execute`` runs the model over them and returns the logits of the rows that sample. Layers with
 a sliding window keep their K/V in the pool for the whole context (blocks that fell out of every
@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class PreparedStep:
-    """One step's inputs, built by `ModelRunner.prepare` for `ModelRunner.execute`."""
+class StepInputs:
+    """One step's inputs, built by `ModelRunner.step_inputs` for `ModelRunner.execute`."""
 
     chunks: list[Chunk]
     step: StepBatch | None  # None: a decode step in fixed buffers (``bucket``)
@@ -301,39 +301,39 @@ class ModelRunner:
         states come back [sum of the spans' rows, hidden size] in span order, for `logits`:
         kept rather than turned into logits here, so that the caller bounds how many rows of
         logits exist at once (a prompt's rows times the vocabulary can be gigabytes)."""
-        return self.execute(self.prepare(chunks), spans)
+        return self.execute(self.step_inputs(chunks), spans)
 
     @torch.inference_mode()
-    def prepare(self, chunks: list[Chunk]) -> PreparedStep:
+    def step_inputs(self, chunks: list[Chunk]) -> StepInputs:
         """A step's inputs: the flat batch and every layer's attention metadata. The host work
         before the forward, timed apart from it."""
         uses_lora = self.lora is not None and any(c.seq.lora_slot >= 0 for c in chunks)
         if self.graphs is not None and not uses_lora:
             bucket = self.graphs.bucket_for(chunks)
             if bucket is not None:
-                self.graphs.prepare(chunks, bucket)
-                return PreparedStep(chunks, None, None, bucket=bucket)
+                self.graphs.write(chunks, bucket)
+                return StepInputs(chunks, None, None, bucket=bucket)
         step = build_step_batch(chunks, block_size=self.block_size, device=self.device)
         lora = None
         if uses_lora:
             slots = [s for c in chunks for s in [c.seq.lora_slot] * c.num_tokens]
             lora = self.lora.step(slots)
-        return PreparedStep(chunks, step, self.attention.prepare(step), lora)
+        return StepInputs(chunks, step, self.attention.prepare(step), lora)
 
     @torch.inference_mode()
     def execute(
-        self, prepared: PreparedStep, spans: Sequence[tuple[int, int, int]] = ()
+        self, inputs: StepInputs, spans: Sequence[tuple[int, int, int]] = ()
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward over prepared inputs: logits of the rows that sample, and the kept
+        """The forward over a step's inputs: logits of the rows that sample, and the kept
         hidden states of ``spans`` (see `forward_keeping`)."""
-        if prepared.bucket:  # decode only: every row samples; padding rows are cut off
-            logits = self.graphs.run(prepared.bucket)[: len(prepared.chunks)]
+        if inputs.bucket:  # decode only: every row samples; padding rows are cut off
+            logits = self.graphs.run(inputs.bucket)[: len(inputs.chunks)]
             return logits, logits[:0]
-        step = prepared.step
+        step = inputs.step
         rows = step.sample_rows
         if spans:
             starts = [0]
-            for chunk in prepared.chunks:
+            for chunk in inputs.chunks:
                 starts.append(starts[-1] + chunk.num_tokens)
             kept = [starts[k] + first + i for k, first, n in spans for i in range(n)]
             rows = torch.cat((rows, to_device(long_tensor(kept), self.device)))
@@ -341,8 +341,8 @@ class ModelRunner:
             step.positions,
             step.max_position,
             self.attention,
-            prepared.metadata,
-            prepared.lora,
+            inputs.metadata,
+            inputs.lora,
             self.lora,
         )
         hidden = self.model(step.input_ids, context, rows)

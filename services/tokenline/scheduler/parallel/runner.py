@@ -25,7 +25,7 @@ from tokenline.model_source import ModelSource
 from tokenline.scheduler import models
 from tokenline.scheduler.layers.placement import Placement
 from tokenline.scheduler.parallel.group import COLLECTIVE_TIME, RANK_STEP_TIME, TensorParallel
-from tokenline.scheduler.runner import ModelRunner, PreparedStep
+from tokenline.scheduler.runner import ModelRunner, StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +68,12 @@ class ShardedModelRunner(ModelRunner):
 
     # ── rank 0: mirror each model call to the workers ───────────────────────────────────────
     def execute(
-        self, prepared: PreparedStep, spans: Sequence[tuple[int, int, int]] = ()
+        self, inputs: StepInputs, spans: Sequence[tuple[int, int, int]] = ()
     ) -> tuple[torch.Tensor, torch.Tensor]:
         with self._lock:
             try:
-                self._send("execute", _step_message(prepared), list(spans))
-                return self._timed_execute(prepared, spans)
+                self._send("execute", _step_message(inputs), list(spans))
+                return self._timed_execute(inputs, spans)
             except Exception:
                 fatal("tensor parallel: a step failed on rank 0; the stage exits")
                 raise  # unreachable
@@ -115,10 +115,10 @@ class ShardedModelRunner(ModelRunner):
 
     # ── every rank ───────────────────────────────────────────────────────────────────────────
     def _timed_execute(
-        self, prepared: PreparedStep, spans: Sequence[tuple[int, int, int]]
+        self, inputs: StepInputs, spans: Sequence[tuple[int, int, int]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         start = time.perf_counter()
-        out = super().execute(prepared, spans)
+        out = super().execute(inputs, spans)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         timings = torch.tensor([time.perf_counter() - start, self.tp.take_collective_time()])
@@ -156,20 +156,20 @@ class ShardedModelRunner(ModelRunner):
             return False
         return True
 
-    def _rebuild(self, message: dict[str, Any]) -> PreparedStep:
-        """The driver's PreparedStep, rebuilt as `ModelRunner.prepare` builds it from the flat
-        batch (the attention metadata is computed here, not sent)."""
+    def _rebuild(self, message: dict[str, Any]) -> StepInputs:
+        """The driver's StepInputs, rebuilt as `ModelRunner.step_inputs` builds them from the
+        flat batch (the attention metadata is computed here, not sent)."""
         step = _to_device(message["step"], self.device)
         chunks = [_ChunkShape(n) for n in message["chunk_tokens"]]
-        return PreparedStep(chunks, step, self.attention.prepare(step))
+        return StepInputs(chunks, step, self.attention.prepare(step))
 
 
-def _step_message(prepared: PreparedStep) -> dict[str, Any]:
+def _step_message(inputs: StepInputs) -> dict[str, Any]:
     """The flat batch on the CPU (every field, whatever step_inputs adds) and the chunks'
     row counts: all a worker needs to run the same forward."""
     return {
-        "step": _to_device(prepared.step, torch.device("cpu")),
-        "chunk_tokens": [chunk.num_tokens for chunk in prepared.chunks],
+        "step": _to_device(inputs.step, torch.device("cpu")),
+        "chunk_tokens": [chunk.num_tokens for chunk in inputs.chunks],
     }
 
 

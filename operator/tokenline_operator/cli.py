@@ -22,6 +22,17 @@ def _env(name: str, parse: Callable[[str], T], default: T) -> T:
     return parse(value) if value else default
 
 
+def _port(parser: argparse.ArgumentParser, flag: str, env: str, default: int, what: str) -> None:
+    """A port the operator listens on: the same rules for every such flag (0 turns it off, the
+    environment may set the default), and help that names both."""
+    parser.add_argument(
+        flag,
+        type=int,
+        default=_env(env, int, default),
+        help=f"Port of {what} (0 disables). Env: {env}. Default: {default}.",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenline operator",
@@ -42,20 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="Image for InferenceServices that name none (the chart passes the operator's "
         "own). Env: TOKENLINE_DEFAULT_IMAGE.",
     )
-    parser.add_argument(
+    _port(
+        parser,
         "--metrics-port",
-        type=int,
-        default=_env("TOKENLINE_METRICS_PORT", int, 8080),
-        help="Port of the operator's Prometheus /metrics (0 disables). Env: "
-        "TOKENLINE_METRICS_PORT. Default: 8080.",
+        "TOKENLINE_METRICS_PORT",
+        8080,
+        "the operator's Prometheus /metrics",
     )
-    parser.add_argument(
-        "--health-port",
-        type=int,
-        default=_env("TOKENLINE_HEALTH_PORT", int, 8081),
-        help="Port of the liveness endpoint /healthz (0 disables). Env: TOKENLINE_HEALTH_PORT. "
-        "Default: 8081.",
-    )
+    _port(parser, "--health-port", "TOKENLINE_HEALTH_PORT", 8081, "the liveness endpoint /healthz")
     parser.add_argument(
         "--discovery-interval",
         type=float,

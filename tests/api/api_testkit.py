@@ -1,4 +1,4 @@
-"""The api's FastAPI app in-process, without the ring: a stand-in pipeline that records what
+"""The api's FastAPI app in-process, without the ring: a stand-in ring client that records what
 reaches admission, so tests of auth, limits and validation need no running stack."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ ADMITTED = 299  # the stand-in's answer once a request reaches admission: nothin
 
 
 @dataclass
-class StandInPipeline:
+class StandInRingClient:
     settings: Settings
     model: str = "tiny"
     ready: bool = True
@@ -46,14 +46,14 @@ class StandInPipeline:
             message.uid = f"uid-{i}"
             msgspec.msgpack.encode(message)
         self.opened.append(messages)
-        raise ApiError(ADMITTED, "admitted (stand-in pipeline)", "admitted")
+        raise ApiError(ADMITTED, "admitted (stand-in ring client)", "admitted")
 
 
-def app_with(**settings) -> tuple[FastAPI, StandInPipeline]:
+def app_with(**settings) -> tuple[FastAPI, StandInRingClient]:
     app = create_app(Settings(**settings))
-    pipeline = StandInPipeline(app.state.settings)
-    app.state.pipeline = pipeline  # the lifespan, which would start the ring, never runs
-    return app, pipeline
+    ring_client = StandInRingClient(app.state.settings)
+    app.state.ring_client = ring_client  # the lifespan, which would start the ring, never runs
+    return app, ring_client
 
 
 def client_for(app: FastAPI) -> TestClient:

@@ -1,4 +1,4 @@
-"""A request the ring cannot carry leaves nothing behind: `Pipeline.open` builds and encodes
+"""A request the ring cannot carry leaves nothing behind: `RingClient.open` builds and encodes
 every choice before any uid is live, and the route answers 400 in OpenAI's shape."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from api_testkit import app_with, client_for
 
 from tokenline import protocol
-from tokenline.api.ring.pipeline import Pipeline
+from tokenline.api.ring.client import RingClient
 from tokenline.settings import Settings
 
 
@@ -29,11 +29,11 @@ class EncodingRing:
 
 
 @pytest.fixture
-def pipeline(monkeypatch) -> Pipeline:
-    pipeline = Pipeline(Settings(), EncodingRing())
+def ring_client(monkeypatch) -> RingClient:
+    ring_client = RingClient(Settings(), EncodingRing())
     # admission's readiness check, which would need heartbeats from live stages
-    monkeypatch.setattr(pipeline.health, "problem", lambda now: None)
-    return pipeline
+    monkeypatch.setattr(ring_client.health, "problem", lambda now: None)
+    return ring_client
 
 
 def _generate(n: int, **sampling) -> list[protocol.Generate]:
@@ -55,16 +55,16 @@ def _generate(n: int, **sampling) -> list[protocol.Generate]:
         {"seed": lambda i: 2**64 - 2 + i},  # only the third choice overflows
     ],
 )
-def test_an_unencodable_request_leaves_no_uid_live(pipeline, sampling):
+def test_an_unencodable_request_leaves_no_uid_live(ring_client, sampling):
     with pytest.raises((OverflowError, UnicodeEncodeError)):
-        pipeline.open(_generate(3, **sampling))
-    assert pipeline.exchanges == {}
-    assert len(pipeline.ledger) == 0
-    assert pipeline.ring.sent == []  # no choice of it reached the tokenizer
-    ex = pipeline.open(_generate(1, max_tokens=4))  # and admission goes on
-    assert list(pipeline.exchanges) == ex.uids
-    pipeline.close(ex)
-    assert pipeline.exchanges == {} and len(pipeline.ledger) == 0
+        ring_client.open(_generate(3, **sampling))
+    assert ring_client.exchanges == {}
+    assert len(ring_client.ledger) == 0
+    assert ring_client.ring.sent == []  # no choice of it reached the tokenizer
+    ex = ring_client.open(_generate(1, max_tokens=4))  # and admission goes on
+    assert list(ring_client.exchanges) == ex.uids
+    ring_client.close(ex)
+    assert ring_client.exchanges == {} and len(ring_client.ledger) == 0
 
 
 def test_the_route_answers_an_unencodable_request_with_a_400():

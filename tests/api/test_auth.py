@@ -92,7 +92,7 @@ def test_a_refused_request_never_reaches_admission(keyed):
     app, client = keyed
     body = {"model": "tiny", "prompt": "x"}
     assert client.post("/v1/completions", json=body).status_code == 401
-    assert app.state.pipeline.opened == []
+    assert app.state.ring_client.opened == []
     response = client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
     assert response.status_code == ADMITTED
 

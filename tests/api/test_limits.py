@@ -1,5 +1,5 @@
 """Request limits and validation, in-process: every refusal is a 4xx in OpenAI's error shape
-naming the param, and comes before anything reaches admission (the stand-in pipeline)."""
+naming the param, and comes before anything reaches admission (the stand-in ring client)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import pytest
 from api_testkit import ADMITTED, BAD_BODIES, OUT_OF_RANGE, SURROGATES, app_with, client_for
 
-from tokenline.api.http.limits import BodySizeLimit
+from tokenline.api.http.body_size import BodySizeLimit
 from tokenline.settings import Settings
 
 DEFAULTS = Settings()
@@ -18,8 +18,8 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def served():
-    app, pipeline = app_with()
-    return client_for(app), pipeline
+    app, ring_client = app_with()
+    return client_for(app), ring_client
 
 
 def _error(response, status: int = 400) -> dict:
@@ -109,13 +109,13 @@ LIMITED = [
 
 @pytest.mark.parametrize(("path", "body", "param", "flag"), LIMITED)
 def test_each_limit_is_a_400_naming_the_param_and_the_flag(served, path, body, param, flag):
-    client, pipeline = served
-    before = len(pipeline.opened)
+    client, ring_client = served
+    before = len(ring_client.opened)
     error = _error(_post(client, f"/v1/{path}", body))
     assert error["param"] == param
     assert error["code"] == "limit_exceeded"
     assert flag in error["message"]
-    assert len(pipeline.opened) == before, "a refused request reached admission"
+    assert len(ring_client.opened) == before, "a refused request reached admission"
 
 
 WITHIN = [
@@ -159,18 +159,18 @@ def test_limits_follow_the_flags():
 # ── hard bounds in the schemas: values the ring cannot carry ───────────────────────────────────
 @pytest.mark.parametrize(("field", "value"), OUT_OF_RANGE)
 def test_integers_beyond_their_range_are_400_naming_the_param(served, field, value):
-    client, pipeline = served
-    before = len(pipeline.opened)
+    client, ring_client = served
+    before = len(ring_client.opened)
     body = json.dumps({"model": "tiny", "prompt": "x", field: value})  # 1e309 is Infinity
     response = client.post(
         "/v1/completions", content=body, headers={"content-type": "application/json"}
     )
     assert _error(response)["param"].split(".")[0] == field
-    assert len(pipeline.opened) == before
+    assert len(ring_client.opened) == before
 
 
 def test_the_extremes_of_each_range_are_carried(served):
-    client, pipeline = served
+    client, ring_client = served
     body = {
         "prompt": "x",
         "seed": 2**63 - 1,
@@ -181,14 +181,14 @@ def test_the_extremes_of_each_range_are_carried(served):
     }
     assert _post(client, "/v1/completions", body).status_code == ADMITTED
     assert _post(client, "/v1/completions", {**body, "seed": -(2**63)}).status_code == ADMITTED
-    sampling = [m.sampling for m in pipeline.opened[-2]]
+    sampling = [m.sampling for m in ring_client.opened[-2]]
     assert [s.seed for s in sampling] == [2**63 - 1, 2**63]  # seed + index, still uint64
 
 
 @pytest.mark.parametrize(("path", "body", "param"), SURROGATES)
 def test_a_lone_surrogate_in_any_string_is_400_naming_the_param(served, path, body, param):
-    client, pipeline = served
-    before = len(pipeline.opened)
+    client, ring_client = served
+    before = len(ring_client.opened)
     raw = json.dumps({"model": "tiny", **body})  # ensure_ascii: "\ud800" travels as an escape
     response = client.post(f"/v1/{path}", content=raw, headers={"content-type": "application/json"})
     error = _error(response)
@@ -196,7 +196,7 @@ def test_a_lone_surrogate_in_any_string_is_400_naming_the_param(served, path, bo
         assert error["param"].startswith("messages.0.")
     else:
         assert error["param"] == param
-    assert len(pipeline.opened) == before
+    assert len(ring_client.opened) == before
 
 
 def test_a_lone_surrogate_in_the_model_name_is_refused_not_echoed_into_a_500(served):
@@ -209,20 +209,20 @@ def test_a_lone_surrogate_in_the_model_name_is_refused_not_echoed_into_a_500(ser
 
 
 def test_a_surrogate_pair_is_one_valid_character(served):
-    client, pipeline = served
+    client, ring_client = served
     raw = json.dumps({"model": "tiny", "prompt": "smile \U0001f600"})
     response = client.post(
         "/v1/completions", content=raw, headers={"content-type": "application/json"}
     )
     assert response.status_code == ADMITTED
-    assert pipeline.opened[-1][0].prompt == "smile \U0001f600"
+    assert ring_client.opened[-1][0].prompt == "smile \U0001f600"
 
 
 # ── bodies that are not what they claim ────────────────────────────────────────────────────────
 @pytest.mark.parametrize(("raw", "content_type", "param"), BAD_BODIES)
 def test_malformed_bodies_are_400_in_openai_shape(served, raw, content_type, param):
-    client, pipeline = served
-    before = len(pipeline.opened)
+    client, ring_client = served
+    before = len(ring_client.opened)
     headers = {"content-type": content_type} if content_type else {}
     path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
     # a body declared as something else than JSON is 415, anything else malformed 400
@@ -232,11 +232,11 @@ def test_malformed_bodies_are_400_in_openai_shape(served, raw, content_type, par
     if param is not None:
         assert error["param"] == param
     assert "[" not in (error["param"] or ""), "a pydantic union tag leaked into param"
-    assert len(pipeline.opened) == before
+    assert len(ring_client.opened) == before
 
 
 def test_duplicated_keys_take_the_last_value(served):
-    client, pipeline = served
+    client, ring_client = served
     raw = b'{"model": "tiny", "prompt": "first", "prompt": "second", "n": 1, "n": 99}'
     response = client.post(
         "/v1/completions", content=raw, headers={"content-type": "application/json"}
@@ -246,7 +246,7 @@ def test_duplicated_keys_take_the_last_value(served):
     response = client.post(
         "/v1/completions", content=raw, headers={"content-type": "application/json"}
     )
-    assert response.status_code == ADMITTED and pipeline.opened[-1][0].prompt == "second"
+    assert response.status_code == ADMITTED and ring_client.opened[-1][0].prompt == "second"
 
 
 def test_unknown_routes_and_methods_answer_in_openai_shape(served):
@@ -314,7 +314,7 @@ def test_a_bad_content_length_is_400():
 
 
 def test_the_app_refuses_oversized_bodies_in_openai_shape():
-    app, pipeline = app_with(max_body_size=4096)
+    app, ring_client = app_with(max_body_size=4096)
     client = client_for(app)
     big = {"model": "tiny", "prompt": "x" * 5000}
     error = _error(client.post("/v1/completions", json=big), 413)
@@ -330,4 +330,4 @@ def test_the_app_refuses_oversized_bodies_in_openai_shape():
         "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
     )
     assert _error(response, 413)["code"] == "request_too_large"
-    assert pipeline.opened == []
+    assert ring_client.opened == []

@@ -22,7 +22,7 @@ from test_lora_e2e import COLON_LINT, promtool_problems
 from tokenline import protocol
 from tokenline.api.app import create_app
 from tokenline.api.http.lora_metrics import LoraInfo
-from tokenline.api.ring.pipeline import Pipeline
+from tokenline.api.ring.client import RingClient
 from tokenline.detokenizer.stage import DetokenizerStage
 from tokenline.metrics import LATE_REPLIES
 from tokenline.settings import Settings
@@ -39,10 +39,10 @@ def scheduler_status(*adapters: str, **fields) -> protocol.StageStatus:
     )
 
 
-# ── which adapter a request names (the api alone: a stand-in pipeline admits nothing) ─────────
+# ── which adapter a request names (the api alone: a stand-in ring client admits nothing) ─────────
 def stand_in(**settings):
-    app, pipeline = app_with(**settings)
-    return app, pipeline, client_for(app)
+    app, ring_client = app_with(**settings)
+    return app, ring_client, client_for(app)
 
 
 @pytest.mark.parametrize(
@@ -54,31 +54,31 @@ def stand_in(**settings):
     ],
 )
 def test_model_names_the_base_or_a_reported_adapter_and_nothing_else(path, body):
-    app, pipeline, client = stand_in(enable_lora=True)
-    app.state.adapters.on_status(scheduler_status("sql-lora", "chat-lora"))
+    app, ring_client, client = stand_in(enable_lora=True)
+    app.state.lora_names.on_status(scheduler_status("sql-lora", "chat-lora"))
     for model, lora in (("tiny", ""), ("sql-lora", "sql-lora"), ("chat-lora", "chat-lora")):
         response = client.post(path, json={"model": model, **body})
         assert response.status_code == ADMITTED, response.text
-        assert [m.lora for m in pipeline.opened[-1]] == [lora]
+        assert [m.lora for m in ring_client.opened[-1]] == [lora]
     for unknown in ("other", "SQL-LORA", ""):
         response = client.post(path, json={"model": unknown, **body})
         assert response.status_code == 404, response.text
         error = response.json()["error"]
         assert (error["code"], error["param"]) == ("model_not_found", "model")
-    assert len(pipeline.opened) == 3
+    assert len(ring_client.opened) == 3
 
 
 def test_every_choice_of_an_adapter_request_names_the_adapter():
-    app, pipeline, client = stand_in(enable_lora=True)
-    app.state.adapters.on_status(scheduler_status("a"))
+    app, ring_client, client = stand_in(enable_lora=True)
+    app.state.lora_names.on_status(scheduler_status("a"))
     response = client.post("/v1/completions", json={"model": "a", "prompt": ["x", "y"], "n": 2})
     assert response.status_code == ADMITTED
-    assert [m.lora for m in pipeline.opened[-1]] == ["a"] * 4
+    assert [m.lora for m in ring_client.opened[-1]] == ["a"] * 4
 
 
 def test_without_enable_lora_an_adapter_name_is_an_unknown_model():
     app, _pipeline, client = stand_in()  # the scheduler reports one anyway
-    app.state.adapters.on_status(scheduler_status("a"))
+    app.state.lora_names.on_status(scheduler_status("a"))
     response = client.post("/v1/completions", json={"model": "a", "prompt": "x"})
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "model_not_found"
@@ -87,17 +87,17 @@ def test_without_enable_lora_an_adapter_name_is_an_unknown_model():
 
 def test_an_adapter_unloaded_is_unknown_again_at_the_next_status():
     app, _pipeline, client = stand_in(enable_lora=True)
-    app.state.adapters.on_status(scheduler_status("a"))
+    app.state.lora_names.on_status(scheduler_status("a"))
     assert client.post("/v1/completions", json={"model": "a", "prompt": "x"}).status_code == 299
-    app.state.adapters.on_status(scheduler_status())
+    app.state.lora_names.on_status(scheduler_status())
     assert client.post("/v1/completions", json={"model": "a", "prompt": "x"}).status_code == 404
-    app.state.adapters.on_status(None)  # a heartbeat without the scheduler: nothing changes
+    app.state.lora_names.on_status(None)  # a heartbeat without the scheduler: nothing changes
     assert client.post("/v1/completions", json={"model": "a", "prompt": "x"}).status_code == 404
 
 
 def test_models_lists_the_base_then_each_adapter_as_vllm_does():
     app, _pipeline, client = stand_in(enable_lora=True, model="tiny", served_model_name="base")
-    app.state.adapters.on_status(scheduler_status("a", "b", "base"))  # the base is not an adapter
+    app.state.lora_names.on_status(scheduler_status("a", "b", "base"))  # the base is not an adapter
     cards = client.get("/v1/models").json()["data"]
     assert [(c["id"], c["root"], c["parent"]) for c in cards] == [
         ("base", "tiny", None),
@@ -192,8 +192,8 @@ class StandInScheduler:
     path under /slow is never answered (a scheduler that hangs)."""
 
     def __init__(self) -> None:
-        self.pipeline: Pipeline | None = None
-        self.adapters: list[str] = []
+        self.ring_client: RingClient | None = None
+        self.lora_names: list[str] = []
         self.calls: list[protocol.LoraCall] = []
         self.unanswered: list[protocol.LoraCall] = []
 
@@ -208,7 +208,7 @@ class StandInScheduler:
         loop = asyncio.get_running_loop()
         if isinstance(message, protocol.TokenizeCall):  # the tokenizer's part, for /tokenize
             answer = protocol.TokenizerAnswer(uid=message.uid, ids=[7, 8], max_model_len=64)
-            loop.call_soon(self.pipeline.route, answer)
+            loop.call_soon(self.ring_client.route, answer)
         if not isinstance(message, protocol.LoraCall):
             return
         self.calls.append(message)
@@ -217,7 +217,7 @@ class StandInScheduler:
             return
         answer = self.answer(message)
         # later, as a reply from the ring comes: never inside the send
-        loop.call_soon(self.pipeline.route, TO_API.decode(self.encode(answer)))
+        loop.call_soon(self.ring_client.route, TO_API.decode(self.encode(answer)))
 
     def answer(self, call: protocol.LoraCall) -> msgspec.Struct:
         if call.uri.startswith("/missing"):
@@ -229,28 +229,30 @@ class StandInScheduler:
                 stage="scheduler",
             )
         if call.action == "load":
-            self.adapters.append(call.name)
+            self.lora_names.append(call.name)
         else:
-            self.adapters.remove(call.name)
-        return protocol.LoraAnswer(uid=call.uid, adapters=list(self.adapters))
+            self.lora_names.remove(call.name)
+        return protocol.LoraAnswer(uid=call.uid, adapters=list(self.lora_names))
 
     def close(self) -> None:
         pass
 
 
-def ring_app(monkeypatch, **settings) -> tuple[FastAPI, Pipeline, StandInScheduler]:
+def ring_app(monkeypatch, **settings) -> tuple[FastAPI, RingClient, StandInScheduler]:
     monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
     app = create_app(Settings(**LORA_ON, **settings))
     scheduler = StandInScheduler()
-    pipeline = Pipeline(app.state.settings, scheduler, adapters=app.state.adapters)
-    monkeypatch.setattr(pipeline.health, "problem", lambda now: None)  # the ring answers
-    scheduler.pipeline = pipeline
-    app.state.pipeline = pipeline  # the lifespan, which would start a real ring, never runs
-    return app, pipeline, scheduler
+    ring_client = RingClient(app.state.settings, scheduler, lora_names=app.state.lora_names)
+    monkeypatch.setattr(ring_client.health, "problem", lambda now: None)  # the ring answers
+    scheduler.ring_client = ring_client
+    app.state.ring_client = ring_client  # the lifespan, which would start a real ring, never runs
+    return app, ring_client, scheduler
 
 
-def nothing_held(pipeline: Pipeline) -> bool:
-    return len(pipeline.calls) == 0 and len(pipeline.ledger) == 0 and not pipeline.exchanges
+def nothing_held(ring_client: RingClient) -> bool:
+    return (
+        len(ring_client.calls) == 0 and len(ring_client.ledger) == 0 and not ring_client.exchanges
+    )
 
 
 def model_ids(client: TestClient) -> list[str]:
@@ -258,7 +260,7 @@ def model_ids(client: TestClient) -> list[str]:
 
 
 def test_load_then_unload_through_the_ring(monkeypatch):
-    app, pipeline, scheduler = ring_app(monkeypatch)
+    app, ring_client, scheduler = ring_app(monkeypatch)
     client = client_for(app)
     response = client.post("/v1/load_lora_adapter", json=LOAD)
     assert response.status_code == 200, response.text
@@ -272,7 +274,7 @@ def test_load_then_unload_through_the_ring(monkeypatch):
         ("tiny", "tiny", None),
         ("a", "/adapters/a", "tiny"),
     ]
-    assert "a" in app.state.adapters
+    assert "a" in app.state.lora_names
     again = client.post("/v1/load_lora_adapter", json=LOAD)
     assert again.status_code == 400
     assert again.json()["error"]["message"] == "The lora adapter 'a' has already been loaded."
@@ -284,11 +286,11 @@ def test_load_then_unload_through_the_ring(monkeypatch):
     assert (scheduler.calls[-1].action, scheduler.calls[-1].name) == ("unload", "a")
     assert model_ids(client) == ["tiny"]
     assert client.post("/v1/completions", json={"model": "a", "prompt": "x"}).status_code == 404
-    assert nothing_held(pipeline)
+    assert nothing_held(ring_client)
 
 
 def test_a_load_the_scheduler_fails_is_its_error_and_changes_nothing(monkeypatch):
-    app, pipeline, _scheduler = ring_app(monkeypatch)
+    app, ring_client, _scheduler = ring_app(monkeypatch)
     client = client_for(app)
     response = client.post(
         "/v1/load_lora_adapter", json={"lora_name": "m", "lora_path": "/missing/m"}
@@ -298,11 +300,11 @@ def test_a_load_the_scheduler_fails_is_its_error_and_changes_nothing(monkeypatch
     assert error["code"] == "lora_not_found"
     assert "No adapter found" in error["message"]
     assert model_ids(client) == ["tiny"]
-    assert nothing_held(pipeline)
+    assert nothing_held(ring_client)
 
 
 def test_a_load_never_answered_times_out_and_leaves_nothing(monkeypatch):
-    app, pipeline, scheduler = ring_app(monkeypatch, request_timeout=0.3)
+    app, ring_client, scheduler = ring_app(monkeypatch, request_timeout=0.3)
     client = client_for(app)
     late = LATE_REPLIES.labels(stage="api")
     before = late._value.get()
@@ -311,47 +313,47 @@ def test_a_load_never_answered_times_out_and_leaves_nothing(monkeypatch):
     error = response.json()["error"]
     assert error["code"] == "request_timeout"
     assert "the load of the lora adapter 's' was not answered" in error["message"]
-    assert nothing_held(pipeline)
+    assert nothing_held(ring_client)
     # The answer that comes after all is no late reply, and its adapters count from then on.
     (call,) = scheduler.unanswered
-    pipeline.route(protocol.LoraAnswer(uid=call.uid, adapters=["s"]))
+    ring_client.route(protocol.LoraAnswer(uid=call.uid, adapters=["s"]))
     assert late._value.get() == before
-    assert "s" in app.state.adapters
-    assert nothing_held(pipeline)
+    assert "s" in app.state.lora_names
+    assert nothing_held(ring_client)
 
 
 def test_a_load_refused_while_the_ring_is_down_sends_nothing(monkeypatch):
-    app, pipeline, scheduler = ring_app(monkeypatch)
-    monkeypatch.setattr(pipeline.health, "problem", lambda now: "scheduler disconnected")
+    app, ring_client, scheduler = ring_app(monkeypatch)
+    monkeypatch.setattr(ring_client.health, "problem", lambda now: "scheduler disconnected")
     response = client_for(app).post("/v1/load_lora_adapter", json=LOAD)
     assert response.status_code == 503
-    assert scheduler.calls == [] and nothing_held(pipeline)
+    assert scheduler.calls == [] and nothing_held(ring_client)
 
 
 def test_heartbeats_keep_the_adapters_current(monkeypatch):
-    app, pipeline, _scheduler = ring_app(monkeypatch)
+    app, ring_client, _scheduler = ring_app(monkeypatch)
     client = client_for(app)
 
     def heartbeat(status: protocol.StageStatus) -> None:
-        pipeline.route(protocol.Heartbeat(seq=0, origin=pipeline._origin, statuses=[status]))
+        ring_client.route(protocol.Heartbeat(seq=0, origin=ring_client._origin, statuses=[status]))
 
     heartbeat(scheduler_status("x", "y"))
     assert model_ids(client) == ["tiny", "x", "y"]
-    pipeline.route(protocol.Heartbeat(seq=1, origin="another-replica", statuses=[]))
+    ring_client.route(protocol.Heartbeat(seq=1, origin="another-replica", statuses=[]))
     heartbeat(scheduler_status("y"))
     assert model_ids(client) == ["tiny", "y"]
 
 
 def test_a_second_change_of_an_adapter_on_its_way_is_refused(monkeypatch):
-    app, pipeline, scheduler = ring_app(monkeypatch)
+    app, ring_client, scheduler = ring_app(monkeypatch)
     client = client_for(app)
-    with app.state.adapters.changing("a"):  # a load of "a" still travelling
+    with app.state.lora_names.changing("a"):  # a load of "a" still travelling
         response = client.post("/v1/load_lora_adapter", json=LOAD)
         assert response.status_code == 400
         assert "in progress" in response.json()["error"]["message"]
-    assert scheduler.calls == [] and nothing_held(pipeline)
+    assert scheduler.calls == [] and nothing_held(ring_client)
     assert client.post("/v1/load_lora_adapter", json=LOAD).status_code == 200
-    with app.state.adapters.changing("a"):
+    with app.state.lora_names.changing("a"):
         response = client.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
         assert response.status_code == 400
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 200
@@ -369,14 +371,14 @@ def test_models_shows_no_secret_of_the_uri_an_adapter_came_from(monkeypatch):
 
 
 def test_tokenize_takes_an_adapter_name_as_model(monkeypatch):
-    app, pipeline, _ = ring_app(monkeypatch)
+    app, ring_client, _ = ring_app(monkeypatch)
     client = client_for(app)
     assert client.post("/tokenize", json={"model": "a", "prompt": "x"}).status_code == 404
     assert client.post("/v1/load_lora_adapter", json=LOAD).status_code == 200
     response = client.post("/tokenize", json={"model": "a", "prompt": "x"})
     assert response.status_code == 200, response.text
     assert response.json()["tokens"] == [7, 8]
-    assert nothing_held(pipeline)
+    assert nothing_held(ring_client)
 
 
 # ── the tokenizer and the detokenizer carry LoRA on ────────────────────────────────────────────
@@ -446,17 +448,17 @@ def test_lora_requests_info_is_vllms_gauge_with_only_the_current_labels():
 
 
 def test_the_api_port_shows_the_schedulers_lora_state_from_heartbeats(monkeypatch):
-    app, pipeline, _ = ring_app(monkeypatch)
+    app, ring_client, _ = ring_app(monkeypatch)
     status = scheduler_status("a", max_loras=2, lora_running=["a"], lora_waiting=["b"])
     before = time.time()
-    pipeline.route(protocol.Heartbeat(seq=0, origin=pipeline._origin, statuses=[status]))
+    ring_client.route(protocol.Heartbeat(seq=0, origin=ring_client._origin, statuses=[status]))
     text = client_for(app).get("/metrics").text
     (line,) = [x for x in text.splitlines() if x.startswith("vllm:lora_requests_info{")]
     labels = 'max_lora="2",running_lora_adapters="a",waiting_lora_adapters="b"'
     assert line.startswith("vllm:lora_requests_info{" + labels + "} ")
     assert before <= float(line.rsplit(" ", 1)[1]) <= time.time()
     assert promtool_problems(text) == [COLON_LINT]  # vLLM's name: the one lint it must break
-    pipeline.route(
-        protocol.Heartbeat(seq=1, origin=pipeline._origin, statuses=[scheduler_status()])
+    ring_client.route(
+        protocol.Heartbeat(seq=1, origin=ring_client._origin, statuses=[scheduler_status()])
     )
     assert "vllm:lora_requests_info{" not in client_for(app).get("/metrics").text

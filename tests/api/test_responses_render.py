@@ -9,9 +9,9 @@ import pydantic
 from openai.types.responses import Response, ResponseStreamEvent
 
 from tokenline.api.endpoints.responses import OutputBuilder
+from tokenline.api.function_calling.formats import HERMES
 from tokenline.api.http.errors import ApiError
 from tokenline.api.openai.responses import ResponsesRequest
-from tokenline.api.tools.formats import HERMES
 
 EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
 META = {"id": "resp_t-1", "created": 1700000000, "model": "tiny"}

@@ -6,10 +6,10 @@ import llguidance
 import llguidance.hf
 import pytest
 
+from tokenline.api.function_calling import grammars as structured
+from tokenline.api.function_calling.formats import HERMES, LLAMA3_JSON
 from tokenline.api.http.errors import ApiError
 from tokenline.api.openai.tools import NamedToolChoice, ResponseFormat, Tool
-from tokenline.api.tools import grammars as structured
-from tokenline.api.tools.formats import HERMES, LLAMA3_JSON
 
 TOOL = Tool.model_validate(
     {

@@ -11,10 +11,10 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
 from tokenline.api.endpoints.chat import ChatAnswer
+from tokenline.api.function_calling import grammars as structured
+from tokenline.api.function_calling.formats import HERMES
 from tokenline.api.openai.chat import ChatCompletionRequest
 from tokenline.api.ring.exchange import Exchange
-from tokenline.api.tools import grammars as structured
-from tokenline.api.tools.formats import HERMES
 from tokenline.protocol import Reply
 
 TOOL = {

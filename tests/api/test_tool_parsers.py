@@ -9,8 +9,14 @@ import llguidance.hf
 import pytest
 
 from tokenline import tiny_model
-from tokenline.api.tools.formats import FORMATS, HERMES, LLAMA3_JSON, PARSER_CHOICES, format_for
-from tokenline.api.tools.parsers import (
+from tokenline.api.function_calling.formats import (
+    FORMATS,
+    HERMES,
+    LLAMA3_JSON,
+    PARSER_CHOICES,
+    format_for,
+)
+from tokenline.api.function_calling.parsers import (
     ArgumentsPiece,
     Call,
     CallEnd,

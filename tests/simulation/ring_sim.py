@@ -1,6 +1,6 @@
 """The four stages chained into a ring in one process, driven by a seeded random scenario.
 
-The real api `Pipeline` (admission, routing, aborts, ring health), the real tokenizer and
+The real api `RingClient` (admission, routing, aborts, ring health), the real tokenizer and
 detokenizer handlers, and the real scheduler handler over the real `Engine` (its policy, KV
 pool and prefix cache) with a scripted runner in place of the model: the next token is a
 function of the last one, so a scenario runs in milliseconds. Every message crosses each hop
@@ -24,8 +24,8 @@ import msgspec
 import torch
 
 from tokenline import protocol
+from tokenline.api.ring.client import RingClient
 from tokenline.api.ring.exchange import Exchange
-from tokenline.api.ring.pipeline import Pipeline
 from tokenline.detokenizer.stage import DetokenizerStage
 from tokenline.scheduler.engine import Engine, EngineLimits
 from tokenline.scheduler.stage import SchedulerStage
@@ -84,7 +84,7 @@ class ScriptedRunner:
 
 
 class ListRing:
-    """What `Pipeline` needs of `AsyncRing`: an outbox, here the api → tokenizer link."""
+    """What `RingClient` needs of `AsyncRing`: an outbox, here the api → tokenizer link."""
 
     def __init__(self, link: deque) -> None:
         self._link = link
@@ -132,7 +132,7 @@ class RingSim:
         self.codecs = {s: protocol.Codec(INBOX_UNION[s]) for s in self.links}
         self.malformed = 0
         settings = Settings(request_timeout=30.0, slow_client_timeout=5.0, max_waiting=10_000)
-        self.pipeline = Pipeline(settings, ListRing(self.links["tokenizer"]))
+        self.ring_client = RingClient(settings, ListRing(self.links["tokenizer"]))
         self.runtimes: dict[str, StageRuntime] = {}
         for stage in STAGES:
             self.runtimes[stage] = self._new_runtime(stage)
@@ -165,9 +165,9 @@ class RingSim:
         """The stage dies with its state and whatever waited in its inbox; a new one starts."""
         self.links[stage].clear()
         self.restarts += 1
-        self.pipeline.route(protocol.Link(reporter="sim", peer=stage, up=False))
+        self.ring_client.route(protocol.Link(reporter="sim", peer=stage, up=False))
         self.runtimes[stage] = self._new_runtime(stage)
-        self.pipeline.route(protocol.Link(reporter="sim", peer=stage, up=True))
+        self.ring_client.route(protocol.Link(reporter="sim", peer=stage, up=True))
 
     def _detokenizer_fails_once(self) -> None:
         """The detokenizer's next decode raises, as a tokenizer bug would on one uid."""
@@ -197,14 +197,16 @@ class RingSim:
                 batch.append((time.monotonic(), message))
         if stage == "api":
             for _, message in batch:
-                self.pipeline.route(message)
+                self.ring_client.route(message)
         elif batch:
             self.runtimes[stage].process(batch)
         return len(batch)
 
     def heartbeat(self) -> None:
-        seq = self.pipeline.health.heartbeat_sent(time.monotonic())
-        self.pipeline.ring.send_nowait(protocol.Heartbeat(seq=seq, origin=self.pipeline._origin))
+        seq = self.ring_client.health.heartbeat_sent(time.monotonic())
+        self.ring_client.ring.send_nowait(
+            protocol.Heartbeat(seq=seq, origin=self.ring_client._origin)
+        )
 
     def in_flight(self) -> int:
         return sum(len(link) for link in self.links.values())
@@ -250,7 +252,7 @@ class RingSim:
             return protocol.Generate(uid=uid, sampling=sampling, timeout_s=30, prompt=prompt)
 
         try:
-            ex = self.pipeline.open([build("", i) for i in range(n)])
+            ex = self.ring_client.open([build("", i) for i in range(n)])
         except Exception as exc:  # refused at admission: nothing may be held for it
             assert getattr(exc, "status", None) in (429, 503), exc
             return
@@ -295,7 +297,7 @@ class RingSim:
 
     def _end(self, client: Client, how: str) -> None:
         client.ends.append(how)
-        self.pipeline.close(client.exchange)
+        self.ring_client.close(client.exchange)
 
     # ── one scenario ───────────────────────────────────────────────────────────────────────────
     async def run(self, ticks: int = 60) -> None:
@@ -318,7 +320,7 @@ class RingSim:
                 self._detokenizer_fails_once()
             elif roll < 0.42:
                 self.clock_offset += 40.0  # time passes: deadlines and slow clients
-                self.pipeline.check_exchanges(time.monotonic() + self.clock_offset)
+                self.ring_client.check_exchanges(time.monotonic() + self.clock_offset)
             elif roll < 0.47:
                 self.heartbeat()
             for stage in rng.sample(list(self.links), k=len(self.links)):
@@ -367,10 +369,10 @@ class RingSim:
                 found.append(f"request {uid} never ended")
             found += [f"request {uid}: prompt fields on {where}" for where in client.misplaced]
             found += self._echo_violations(client)
-        if self.pipeline.exchanges:
-            found.append(f"api holds {sorted(self.pipeline.exchanges)}")
-        if len(self.pipeline.ledger):
-            found.append(f"api ledger holds {len(self.pipeline.ledger)} uid(s)")
+        if self.ring_client.exchanges:
+            found.append(f"api holds {sorted(self.ring_client.exchanges)}")
+        if len(self.ring_client.ledger):
+            found.append(f"api ledger holds {len(self.ring_client.ledger)} uid(s)")
         for stage, runtime in self.runtimes.items():
             held = list(runtime.handler.held())
             if held:

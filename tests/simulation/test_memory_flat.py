@@ -1,7 +1,7 @@
 """Memory stays flat: thousands of mixed requests through the in-memory ring leave every stage
 holding what it held before them (issue 34).
 
-The ring is `ring_sim`'s (the real api pipeline, the real stage handlers under their runtimes,
+The ring is `ring_sim`'s (the real api ring_client, the real stage handlers under their runtimes,
 the real engine with a scripted runner) with a grammar compiler added. After a warm-up, the
 objects reachable from each stage are counted by type; a few thousand more requests go round
 (chat and completions, ``n`` 2, never-seen JSON grammars, stop strings, logprobs, clients that
@@ -24,7 +24,7 @@ from ring_sim import RingSim
 
 from tokenline import protocol
 from tokenline.api.ring.abort_log import AbortLog
-from tokenline.api.tools.grammars import json_grammar
+from tokenline.api.function_calling.grammars import json_grammar
 from tokenline.bounded import ExpiringSet, LruCache
 from tokenline.scheduler.grammar import CACHE_SIZE, GrammarCompiler
 
@@ -85,7 +85,7 @@ class MixedRing(RingSim):
                 )
             return protocol.Generate(uid=uid, sampling=sampling, timeout_s=30, prompt=text)
 
-        ex = self.pipeline.open([build("", i) for i in range(rng.choice([1, 2]))])
+        ex = self.ring_client.open([build("", i) for i in range(rng.choice([1, 2]))])
         self.open.append((ex, 0 if rng.random() < 0.1 else None))
         if rng.random() < 0.05:
             link = self.links[rng.choice(list(self.links))]
@@ -98,7 +98,7 @@ class MixedRing(RingSim):
             return protocol.TokenizeCall(uid=uid, prompt=text)
 
         try:
-            await self.pipeline.call(build)
+            await self.ring_client.call(build)
         except Exception:  # abandoned (cancelled) calls end here too
             pass
 
@@ -123,7 +123,7 @@ class MixedRing(RingSim):
                     batch = await ex.next_batch()
                     del batch
                 if (ex.done and not ex.depth) or leaves is not None:
-                    self.pipeline.close(ex)
+                    self.ring_client.close(ex)
                     self.open.remove((ex, leaves))
         await asyncio.gather(*self.calls, return_exceptions=True)
         self.calls.clear()
@@ -132,14 +132,14 @@ class MixedRing(RingSim):
     def let_every_deadline_pass(self) -> None:
         """What time does to an idle ring: sweeps, housekeeping, histories that expire."""
         later = time.monotonic() + 3_600
-        self.pipeline.check_exchanges(later)
+        self.ring_client.check_exchanges(later)
         for runtime in self.runtimes.values():
             runtime.tick(force=True)
             runtime.handler.housekeeping(later)
         self.settle_links()
 
     def roots(self) -> dict[str, object]:
-        return {"api": self.pipeline, **{s: r for s, r in self.runtimes.items()}}
+        return {"api": self.ring_client, **{s: r for s, r in self.runtimes.items()}}
 
     def bounded_caches(self) -> list[object]:
         engine = self.scheduler_engine()
@@ -206,7 +206,7 @@ def test_every_stage_holds_after_thousands_of_requests_what_it_held_before(sim_t
     # what was left out of the count stays within its bounds
     assert len(grammars.cache) <= CACHE_SIZE
     assert grammars.cache.bytes <= grammars.cache.max_bytes
-    assert not sim.pipeline.exchanges and not len(sim.pipeline.aborts)
+    assert not sim.ring_client.exchanges and not len(sim.ring_client.aborts)
 
 
 def test_expiring_set_forgets_by_age_and_by_count():

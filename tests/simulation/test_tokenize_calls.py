@@ -1,4 +1,4 @@
-"""/tokenize and /detokenize calls (`Pipeline.call`) around the in-memory ring: answered through
+"""/tokenize and /detokenize calls (`RingClient.call`) around the in-memory ring: answered through
 every hop, failed by name, refused when the ring is down, and cleaned up on every path
 (answer, failure, cancellation, timeout, ring failure) with no ledger left holding a uid."""
 
@@ -21,14 +21,14 @@ def ring(tokenizer) -> RingSim:
     for _ in range(3):  # the ring answers before the first call
         sim.heartbeat()
         sim.settle_links()
-    assert sim.pipeline.problem() is None
+    assert sim.ring_client.problem() is None
     return sim
 
 
 def nothing_held(sim: RingSim) -> list[str]:
     problems = sim.violations()
-    if len(sim.pipeline.calls):
-        problems.append(f"api holds calls {list(sim.pipeline.calls)}")
+    if len(sim.ring_client.calls):
+        problems.append(f"api holds calls {list(sim.ring_client.calls)}")
     return problems
 
 
@@ -44,18 +44,18 @@ def tokenize(uid: str, **fields) -> protocol.TokenizeCall:
 
 async def test_a_call_is_answered_through_every_hop(sim_tokenizer):
     sim = ring(sim_tokenizer)
-    call = asyncio.create_task(sim.pipeline.call(lambda uid: tokenize(uid, prompt="old river")))
+    call = asyncio.create_task(sim.ring_client.call(lambda uid: tokenize(uid, prompt="old river")))
     answer = await answered(sim, call)
     assert answer.ids == sim_tokenizer("old river")["input_ids"]
     assert answer.max_model_len == sim.max_model_len
-    decode = asyncio.create_task(sim.pipeline.call(lambda uid: tokenize(uid, decode=answer.ids)))
+    decode = asyncio.create_task(sim.ring_client.call(lambda uid: tokenize(uid, decode=answer.ids)))
     assert (await answered(sim, decode)).text == "old river"
     assert nothing_held(sim) == []
 
 
 async def test_a_failed_call_raises_its_error(sim_tokenizer):
     sim = ring(sim_tokenizer)
-    call = asyncio.create_task(sim.pipeline.call(lambda uid: tokenize(uid, decode=[10**6])))
+    call = asyncio.create_task(sim.ring_client.call(lambda uid: tokenize(uid, decode=[10**6])))
     with pytest.raises(ApiError) as caught:
         await answered(sim, call)
     assert (caught.value.status, caught.value.param) == (400, "tokens")
@@ -66,7 +66,7 @@ async def test_a_failed_call_raises_its_error(sim_tokenizer):
 async def test_a_call_is_refused_at_once_while_the_ring_is_down(sim_tokenizer):
     sim = RingSim(0, sim_tokenizer)  # no heartbeat has come back yet
     with pytest.raises(ApiError) as caught:
-        await sim.pipeline.call(lambda uid: tokenize(uid, prompt="x"))
+        await sim.ring_client.call(lambda uid: tokenize(uid, prompt="x"))
     assert (caught.value.status, caught.value.code) == (503, "stage_unavailable")
     assert not sim.links["tokenizer"]  # nothing was sent
     assert nothing_held(sim) == []
@@ -76,9 +76,9 @@ async def test_a_ring_failure_fails_the_waiting_call_and_its_late_answer_is_expe
     sim_tokenizer,
 ):
     sim = ring(sim_tokenizer)
-    call = asyncio.create_task(sim.pipeline.call(lambda uid: tokenize(uid, prompt="x")))
+    call = asyncio.create_task(sim.ring_client.call(lambda uid: tokenize(uid, prompt="x")))
     await asyncio.sleep(0)
-    sim.pipeline.route(protocol.Link(reporter="sim", peer="scheduler", up=False))
+    sim.ring_client.route(protocol.Link(reporter="sim", peer="scheduler", up=False))
     with pytest.raises(ApiError) as caught:
         await call
     assert (caught.value.status, caught.value.code) == (503, "stage_failure")
@@ -90,12 +90,12 @@ async def test_a_ring_failure_fails_the_waiting_call_and_its_late_answer_is_expe
 
 async def test_a_cancelled_call_leaves_nothing(sim_tokenizer):
     sim = ring(sim_tokenizer)
-    call = asyncio.create_task(sim.pipeline.call(lambda uid: tokenize(uid, prompt="x")))
+    call = asyncio.create_task(sim.ring_client.call(lambda uid: tokenize(uid, prompt="x")))
     await asyncio.sleep(0)
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
-    assert len(sim.pipeline.calls) == 0 and len(sim.pipeline.ledger) == 0
+    assert len(sim.ring_client.calls) == 0 and len(sim.ring_client.ledger) == 0
     late = LATE._value.get()
     sim.settle_links()
     assert LATE._value.get() == late
@@ -104,10 +104,10 @@ async def test_a_cancelled_call_leaves_nothing(sim_tokenizer):
 
 async def test_a_call_past_the_request_timeout_is_a_504(sim_tokenizer):
     sim = ring(sim_tokenizer)
-    sim.pipeline.settings.request_timeout = 0.05
+    sim.ring_client.settings.request_timeout = 0.05
     # never delivered: the tokenizer's inbox is not drained
     with pytest.raises(ApiError) as caught:
-        await sim.pipeline.call(lambda uid: tokenize(uid, prompt="x"))
+        await sim.ring_client.call(lambda uid: tokenize(uid, prompt="x"))
     assert (caught.value.status, caught.value.code) == (504, "request_timeout")
     sim.settle_links()
     assert nothing_held(sim) == []
@@ -116,24 +116,24 @@ async def test_a_call_past_the_request_timeout_is_a_504(sim_tokenizer):
 async def test_an_unknown_answer_is_counted_late(sim_tokenizer):
     sim = ring(sim_tokenizer)
     late = LATE._value.get()
-    sim.pipeline.route(protocol.TokenizerAnswer(uid="nobody", ids=[1]))
+    sim.ring_client.route(protocol.TokenizerAnswer(uid="nobody", ids=[1]))
     assert LATE._value.get() == late + 1
 
 
 async def test_calls_count_as_waiting_so_a_flood_of_them_gets_429s(sim_tokenizer):
     sim = ring(sim_tokenizer)
-    sim.pipeline.settings.max_waiting = 2
+    sim.ring_client.settings.max_waiting = 2
     # not delivered yet: both wait in the tokenizer's inbox
     first = [
-        asyncio.create_task(sim.pipeline.call(lambda uid: tokenize(uid, prompt="x")))
+        asyncio.create_task(sim.ring_client.call(lambda uid: tokenize(uid, prompt="x")))
         for _ in range(2)
     ]
     await asyncio.sleep(0)
     with pytest.raises(ApiError) as caught:
-        await sim.pipeline.call(lambda uid: tokenize(uid, prompt="x"))
+        await sim.ring_client.call(lambda uid: tokenize(uid, prompt="x"))
     assert (caught.value.status, caught.value.code) == (429, "too_many_requests")
     with pytest.raises(ApiError) as caught:  # generations wait behind the same inbox
-        sim.pipeline.open(
+        sim.ring_client.open(
             [protocol.Generate(uid="", sampling=protocol.SamplingParams(), prompt="x", timeout_s=1)]
         )
     assert caught.value.status == 429

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 
 from tokenline.api.endpoints.lora import runtime_updates_allowed
 from tokenline.api.http.auth import ApiKeyAuth, ApiKeys
+from tokenline.api.http.body_size import BodySizeLimit
 from tokenline.api.http.cors import OpenAIShapedCORS, RefuseWebSockets
 from tokenline.api.http.errors import (
     ApiError,
@@ -23,9 +24,8 @@ from tokenline.api.http.errors import (
     validation_error,
 )
 from tokenline.api.http.head import HeadAsGet
-from tokenline.api.http.limits import BodySizeLimit
-from tokenline.api.ring.adapters import Adapters
-from tokenline.api.ring.pipeline import Pipeline
+from tokenline.api.ring.client import RingClient
+from tokenline.api.ring.lora_names import LoraNames
 from tokenline.api.routes import lora_router, router
 from tokenline.lifecycle import freeze_startup_heap
 from tokenline.settings import Settings
@@ -38,20 +38,20 @@ def create_app(settings: Settings, heartbeat_timeout: float = 5.0) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         ring = AsyncRing(settings.endpoints, settings.ring_security)
-        pipeline = Pipeline(settings, ring, heartbeat_timeout, app.state.adapters)
-        app.state.pipeline = pipeline
-        await pipeline.start()
+        ring_client = RingClient(settings, ring, heartbeat_timeout, app.state.lora_names)
+        app.state.ring_client = ring_client
+        await ring_client.start()
         freeze_startup_heap()
         try:
             yield
         finally:
-            await pipeline.stop()
+            await ring_client.stop()
 
     app = FastAPI(title="tokenline", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.started = int(time.time())
     app.state.settings = settings
-    # The LoRA adapters requests may name: the endpoints read them, the pipeline keeps them
-    app.state.adapters = Adapters(settings.enable_lora, settings.model_name, settings.model)
+    # The LoRA adapters requests may name: the endpoints read them, the ring client keeps them
+    app.state.lora_names = LoraNames(settings.enable_lora, settings.model_name, settings.model)
     app.include_router(router)
     if runtime_updates_allowed(settings):
         # Not served otherwise, as in vLLM: a 404 like any unknown route, not a refusal
@@ -90,25 +90,25 @@ class DrainingServer(uvicorn.Server):
         self._drain_task: asyncio.Task | None = None
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self._drain_task is None and hasattr(self._app.state, "pipeline"):
+        if self._drain_task is None and hasattr(self._app.state, "ring_client"):
             loop = asyncio.get_event_loop()
             self._drain_task = loop.create_task(self._drain())
         else:  # a second signal, or nothing to drain: stop now
             super().handle_exit(sig, frame)
 
     async def _drain(self) -> None:
-        pipeline: Pipeline = self._app.state.pipeline
-        pipeline.draining = True
+        ring_client: RingClient = self._app.state.ring_client
+        ring_client.draining = True
         log.info(
             "api: draining %d in-flight request(s) for up to %.0fs",
-            pipeline.in_flight,
+            ring_client.in_flight,
             self._drain_timeout,
         )
         deadline = time.monotonic() + self._drain_timeout
-        while pipeline.in_flight and time.monotonic() < deadline:  # noqa: ASYNC110 (polls a count)
+        while ring_client.in_flight and time.monotonic() < deadline:  # noqa: ASYNC110 (polls a count)
             await asyncio.sleep(0.1)
-        if pipeline.in_flight:
-            pipeline.fail_all("shutdown")
+        if ring_client.in_flight:
+            ring_client.fail_all("shutdown")
             await asyncio.sleep(0.5)  # let the handlers send their error events
         self.should_exit = True
 

@@ -1,5 +1,5 @@
 """Every HTTP route: each one hands its validated body to its endpoint (api/endpoints/), or
-answers from the pipeline's state (health, readiness, metrics). The LoRA load and unload routes
+answers from the ring client's state (health, readiness, metrics). The LoRA load and unload routes
 are a router of their own, served only when runtime LoRA updates are allowed (app.py)."""
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ async def health() -> dict:
 
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
-    pipeline = request.app.state.pipeline
-    problem = pipeline.problem()  # the same answer admission gives at this moment
+    ring_client = request.app.state.ring_client
+    problem = ring_client.problem()  # the same answer admission gives at this moment
     body = {
         "ready": problem is None,
         "problem": problem,
-        "draining": pipeline.draining,
+        "draining": ring_client.draining,
         "stages": {
             s: {"instance": st.instance, "waiting": st.waiting, "running": st.running}
-            for s, st in pipeline.stage_statuses.items()
+            for s, st in ring_client.stage_statuses.items()
         },
     }
     return JSONResponse(body, status_code=200 if problem is None else 503)

@@ -26,8 +26,8 @@ from tokenline.api.http.errors import (
 )
 from tokenline.api.http.sse import EventStream
 from tokenline.api.openai.limits import check_request
+from tokenline.api.ring.client import RingClient
 from tokenline.api.ring.exchange import NORMAL_ENDS, Exchange
-from tokenline.api.ring.pipeline import Pipeline
 
 
 class Answer(Protocol):
@@ -44,7 +44,7 @@ class Endpoint:
 
     def __init__(self, request: Request) -> None:
         self.request = request
-        self.pipeline: Pipeline = request.app.state.pipeline
+        self.ring_client: RingClient = request.app.state.ring_client
         self.settings = request.app.state.settings
         self.lora = ""  # the LoRA adapter the request names ("" the base model), once checked
         self.admitted = False
@@ -54,9 +54,9 @@ class Endpoint:
         """The adapter serving ``model`` ("" for the base model, also when None is sent); a
         request for a model that is neither the served one nor an adapter the scheduler
         serves now is a 404 in OpenAI's shape."""
-        if model is not None and model != self.pipeline.model:
-            if model not in self.request.app.state.adapters:
-                raise model_not_found(model, self.pipeline.model)
+        if model is not None and model != self.ring_client.model:
+            if model not in self.request.app.state.lora_names:
+                raise model_not_found(model, self.ring_client.model)
             self.lora = model
         return self.lora
 
@@ -64,12 +64,12 @@ class Endpoint:
     def model_name(self) -> str:
         """What answers give as ``model``: the adapter asked for, else the served model (as
         vLLM does)."""
-        return self.lora or self.pipeline.model
+        return self.lora or self.ring_client.model
 
     async def call(self, build: Callable[[str], protocol.TokenizeCall]) -> protocol.TokenizerAnswer:
-        """A call the tokenizer answers alone (`Pipeline.call`)."""
+        """A call the tokenizer answers alone (`RingClient.call`)."""
         try:
-            return await self.pipeline.call(build)
+            return await self.ring_client.call(build)
         except (OverflowError, UnicodeError) as exc:  # a gap in the schemas, as in `generate`
             raise unencodable(exc) from exc
 
@@ -80,7 +80,7 @@ class Endpoint:
         names the field whose answer follows a grammar (None: free text)."""
         self.check_model(body.model)
         check_request(body, self.settings)
-        refusal = self.pipeline.grammar_refusal if grammar_param is not None else ""
+        refusal = self.ring_client.grammar_refusal if grammar_param is not None else ""
         if refusal:
             raise invalid(grammar_param, refusal, "unsupported_parameter")
         self.admitted = True
@@ -90,11 +90,11 @@ class Endpoint:
         answer, streamed if ``body`` asks."""
         if not self.admitted:
             raise RuntimeError("generate() before admit(): the request's limits went unchecked")
-        pipeline = self.pipeline
+        ring_client = self.ring_client
         for message in messages:
             message.lora = self.lora
         try:
-            ex = pipeline.open(messages)
+            ex = ring_client.open(messages)
         except (OverflowError, UnicodeError) as exc:
             # The schemas bound every field, so this is a gap in them; open() has already let
             # go of the request's uids.
@@ -105,7 +105,7 @@ class Endpoint:
 
         def close() -> None:
             watcher.cancel()
-            pipeline.close(ex)
+            ring_client.close(ex)
 
         try:
             # Wait for the first reply before answering, so an early error (prompt too long,
@@ -123,7 +123,7 @@ class Endpoint:
                 return EventStream(answer.stream(ex, first, meta), close)
             ex.keep(first)
             await ex.collect()
-            pipeline.close(ex)
+            ring_client.close(ex)
             if ex.error is not None:
                 return ex.error.response()
             failed = [c for c in ex.choices if c.finish_reason not in NORMAL_ENDS]
@@ -140,7 +140,7 @@ class Endpoint:
         while True:
             message = await self.request.receive()
             if message["type"] == "http.disconnect":
-                self.pipeline.abort(ex, "client_disconnect")
+                self.ring_client.abort(ex, "client_disconnect")
                 return
 
 

@@ -11,14 +11,14 @@ from fastapi.responses import Response
 
 from tokenline import protocol
 from tokenline.api.endpoints.base import Endpoint
+from tokenline.api.function_calling import chat_calls
+from tokenline.api.function_calling.formats import ToolCallFormat, format_for
+from tokenline.api.function_calling.grammars import ToolPlan, plan_tools, refuse_deprecated
 from tokenline.api.http.sse import DONE, RunningUsage, event
 from tokenline.api.openai.chat import ChatCompletionRequest
 from tokenline.api.openai.logprobs import chat_logprobs
 from tokenline.api.openai.usage import Usage
 from tokenline.api.ring.exchange import NORMAL_ENDS, Exchange
-from tokenline.api.tools import chat_calls
-from tokenline.api.tools.formats import ToolCallFormat, format_for
-from tokenline.api.tools.grammars import ToolPlan, plan_tools, refuse_deprecated
 from tokenline.model_source import chat_template_text
 
 

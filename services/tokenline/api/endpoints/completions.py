@@ -10,12 +10,12 @@ from fastapi.responses import Response
 
 from tokenline import protocol
 from tokenline.api.endpoints.base import Endpoint
+from tokenline.api.function_calling.grammars import completion_grammar
 from tokenline.api.http.sse import DONE, RunningUsage, event
 from tokenline.api.openai.completions import CompletionRequest
 from tokenline.api.openai.logprobs import completion_logprobs, echoed
 from tokenline.api.openai.usage import Usage
 from tokenline.api.ring.exchange import NORMAL_ENDS, Exchange
-from tokenline.api.tools.grammars import completion_grammar
 
 
 class Completions(Endpoint):

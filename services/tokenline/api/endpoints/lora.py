@@ -3,7 +3,7 @@ scheduler over the ring.
 
 The api checks what it can answer alone (the names, whether the adapter is already there or
 not there at all) against the adapters the scheduler last reported, with vLLM's messages and
-status codes; the rest travels the ring as a `protocol.LoraCall` (`Pipeline.lora_call`), and the
+status codes; the rest travels the ring as a `protocol.LoraCall` (`RingClient.lora_call`), and the
 scheduler answers with the adapters it serves after it, or with a `Failed` (a path that holds
 no adapter, a rank past --max-lora-rank) that reaches the client with the scheduler's status.
 Success is vLLM's plain-text sentence with a 200.
@@ -21,7 +21,7 @@ from tokenline import protocol
 from tokenline.api.endpoints.base import Endpoint
 from tokenline.api.http.errors import ApiError, invalid
 from tokenline.api.openai.lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
-from tokenline.api.ring.adapters import ChangeInProgress, name_problem, shown_uri
+from tokenline.api.ring.lora_names import ChangeInProgress, name_problem, shown_uri
 from tokenline.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class LoraAdapters(Endpoint):
     async def _send(self, call: protocol.LoraCall) -> None:
         """Send ``call`` around the ring and wait for the scheduler's answer."""
         try:
-            await self.pipeline.lora_call(lambda uid: msgspec.structs.replace(call, uid=uid))
+            await self.ring_client.lora_call(lambda uid: msgspec.structs.replace(call, uid=uid))
         except ApiError as exc:
             if exc.code != "request_timeout":
                 raise
@@ -85,17 +85,17 @@ class LoraAdapters(Endpoint):
         problem = name_problem(name)
         if problem is not None:
             raise invalid("lora_name", f"{problem}: {name!r}")
-        if name == self.pipeline.model:
+        if name == self.ring_client.model:
             raise invalid("lora_name", f"'{name}' is the base model's name; choose another")
-        adapters = self.request.app.state.adapters
-        if name in adapters:
+        names = self.request.app.state.lora_names
+        if name in names:
             raise invalid("lora_name", f"The lora adapter '{name}' has already been loaded.")
         try:
-            with adapters.changing(name):
+            with names.changing(name):
                 await self._send(protocol.LoraCall(uid="", action="load", name=name, uri=path))
         except ChangeInProgress:
             raise _in_progress(name) from None
-        adapters.loaded(name, path)
+        names.loaded(name, path)
         log.info("loaded LoRA adapter %r from %s", name, shown_uri(path))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -104,12 +104,12 @@ class LoraAdapters(Endpoint):
         name = body.lora_name
         if not name and body.lora_int_id is None:
             raise invalid(None, "either 'lora_name' and 'lora_int_id' needs to be provided.")
-        adapters = self.request.app.state.adapters
-        if name not in adapters:
+        names = self.request.app.state.lora_names
+        if name not in names:
             raise _not_found(name)
         # The scheduler lets the adapter's requests in flight finish; its answer comes at once.
         try:
-            with adapters.changing(name):
+            with names.changing(name):
                 await self._send(protocol.LoraCall(uid="", action="unload", name=name))
         except ChangeInProgress:
             raise _in_progress(name) from None

@@ -7,8 +7,8 @@ from tokenline.api.endpoints.base import Endpoint
 
 class Models(Endpoint):
     def cards(self) -> list[dict]:
-        cards = self.request.app.state.adapters.cards(self.request.app.state.started)
-        scheduler = self.pipeline.stage_statuses.get("scheduler")
+        cards = self.request.app.state.lora_names.cards(self.request.app.state.started)
+        scheduler = self.ring_client.stage_statuses.get("scheduler")
         if scheduler is not None and scheduler.model_impl:  # which code runs the base model
             cards[0]["architecture"] = scheduler.architecture
             cards[0]["model_impl"] = scheduler.model_impl

@@ -22,14 +22,14 @@ from typing import Any
 from fastapi.responses import Response
 
 from tokenline.api.endpoints.chat import Chat, grammar_param
+from tokenline.api.function_calling.chat_calls import call_id
+from tokenline.api.function_calling.formats import ToolCallFormat
+from tokenline.api.function_calling.parsers import ArgumentsPiece, Call, CallEnd, CallStart, Content
 from tokenline.api.http.errors import ApiError
 from tokenline.api.http.sse import event
 from tokenline.api.openai.responses import ResponsesRequest, renamed, to_chat
 from tokenline.api.openai.usage import Usage
 from tokenline.api.ring.exchange import NORMAL_ENDS, Exchange
-from tokenline.api.tools.chat_calls import call_id
-from tokenline.api.tools.formats import ToolCallFormat
-from tokenline.api.tools.parsers import ArgumentsPiece, Call, CallEnd, CallStart, Content
 
 
 class Responses(Chat):

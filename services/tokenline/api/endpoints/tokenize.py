@@ -1,6 +1,6 @@
 """/tokenize and /detokenize, as vLLM serves them; answered by the tokenizer stage over the ring.
 
-The api holds no tokenizer, so each call travels the ring like a request (`Pipeline.call`),
+The api holds no tokenizer, so each call travels the ring like a request (`RingClient.call`),
 and a chat goes through the very chat template a chat completion's prompt goes through:
 ``count`` is what that completion reports as ``usage.prompt_tokens``.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from tokenline import protocol
 from tokenline.api.endpoints.base import Endpoint
+from tokenline.api.function_calling.grammars import shown_tools
 from tokenline.api.openai.tokenize import DetokenizeRequest, TokenizeRequest
-from tokenline.api.tools.grammars import shown_tools
 
 
 class Tokenize(Endpoint):

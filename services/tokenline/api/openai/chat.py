@@ -132,7 +132,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    # structured outputs and tools: api/tools/grammars.py checks them and builds the grammar
+    # structured outputs and tools: api/function_calling/grammars.py checks them and builds
+    # the grammar
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None

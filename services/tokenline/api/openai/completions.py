@@ -21,7 +21,9 @@ Prompt = str | list[int]  # text, or token ids
 class CompletionRequest(SamplingFields):
     # One prompt or a list; each as text or as token ids. Choices go prompt by prompt, n each.
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
-    response_format: ResponseFormat | None = None  # as vLLM accepts it; api/tools/grammars.py
+    response_format: ResponseFormat | None = (
+        None  # as vLLM accepts it; api/function_calling/grammars.py
+    )
     # OpenAI's default; 0 generates nothing: with echo and logprobs, it scores the prompt
     max_tokens: int | None = Field(default=16, ge=0, le=INT32_MAX)
     echo: bool = False

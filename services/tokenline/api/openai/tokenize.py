@@ -44,7 +44,7 @@ class TokenizeRequest(BaseModel):
     def special_tokens(self) -> bool:
         return self.add_special_tokens if self.add_special_tokens is not None else not self.is_chat
 
-    def check(self, limits: Settings) -> None:
+    def check(self, settings: Settings) -> None:
         """Raise a 400 naming the param for what the fields cannot mean together, or for a
         limit the server's flags set (the same ones a completion is held to)."""
         if (self.prompt is None) == (self.messages is None):
@@ -57,11 +57,11 @@ class TokenizeRequest(BaseModel):
             for param in ("tools", "continue_final_message"):
                 if getattr(self, param):
                     raise invalid(param, f"{param} applies to messages only, not to a prompt")
-            if len(self.prompt) > limits.max_prompt_chars:
+            if len(self.prompt) > settings.max_prompt_chars:
                 raise invalid(
                     "prompt",
                     f"the prompt is {len(self.prompt)} characters; this server allows at most "
-                    f"{limits.max_prompt_chars} (--max-prompt-chars)",
+                    f"{settings.max_prompt_chars} (--max-prompt-chars)",
                     "limit_exceeded",
                 )
             return
@@ -71,7 +71,7 @@ class TokenizeRequest(BaseModel):
                 "continue_final_message and add_generation_prompt cannot both be true: set "
                 "add_generation_prompt to false to continue the last message",
             )
-        check_messages(self.messages or [], limits)
+        check_messages(self.messages or [], settings)
 
     def wire_messages(self) -> list[ChatMessage] | None:
         return None if self.messages is None else [m.to_wire() for m in self.messages]

@@ -1,5 +1,6 @@
 """The request fields of structured outputs and tools: ``response_format``, ``tools``,
-``tool_choice``. What they mean together, and the grammar they make, is api/tools/grammars.py."""
+``tool_choice``. What they mean together, and the grammar they make, is
+api/function_calling/grammars.py."""
 
 from __future__ import annotations
 

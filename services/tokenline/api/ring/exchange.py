@@ -1,7 +1,7 @@
-"""One HTTP request's view of the pipeline: its uids (one per choice) and a bounded reply buffer.
+"""One HTTP request's view of the ring: its uids (one per choice) and a bounded reply buffer.
 
 The listener task pushes replies in; the HTTP handler drains them out. The buffer is bounded by
-backpressure rather than by dropping: above ``high_water`` items the pipeline asks the
+backpressure rather than by dropping: above ``high_water`` items the ring client asks the
 scheduler to pause the uids, below ``low_water`` to resume them.
 """
 

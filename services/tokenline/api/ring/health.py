@@ -1,6 +1,6 @@
 """Whether the ring can take a request right now: the one answer `/ready` and admission share.
 
-Two sources, no I/O but log lines (the pipeline feeds them):
+Two sources, no I/O but log lines (the ring client feeds them):
 
 - **links**: ZeroMQ monitor events on the ring's connections. The api sees its own two
   (the tokenizer behind its outbox, the detokenizer behind its inbox); every other stage

@@ -1,13 +1,13 @@
 """Tool-call formats: one model family's markup for calls, the Lark grammar of a call in it
 (so ``required`` and named tool choices can be constrained to it), how to recognise a chat
-template that uses it, and its stream parser (api/tools/parsers.py)."""
+template that uses it, and its stream parser (api/function_calling/parsers.py)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 
-from tokenline.api.tools.parsers import (
+from tokenline.api.function_calling.parsers import (
     HermesStream,
     Llama3JsonStream,
     Parsed,

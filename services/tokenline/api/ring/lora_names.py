@@ -52,7 +52,7 @@ class ChangeInProgress(Exception):
     """A load or unload of the same adapter is already on its way around the ring."""
 
 
-class Adapters:
+class LoraNames:
     """Adapter names the scheduler serves now, and the paths of those loaded through here."""
 
     def __init__(self, enabled: bool, base: str, base_root: str) -> None:
@@ -63,7 +63,7 @@ class Adapters:
         self._roots: dict[str, str] = {}  # name → the path or URI it was loaded from
         self._changing: set[str] = set()  # names with a load or unload on its way
 
-    # ── inputs (the pipeline's listener) ───────────────────────────────────────────────────────
+    # ── inputs (the ring client's listener) ───────────────────────────────────────────────────────
     def on_status(self, scheduler: protocol.StageStatus | None) -> None:
         """The scheduler's status from a returning heartbeat: its adapters at that moment."""
         if scheduler is not None:

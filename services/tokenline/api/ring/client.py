@@ -27,10 +27,10 @@ from tokenline.api.http.endpoint_metrics import EndpointMetrics
 from tokenline.api.http.errors import ApiError, abort_error
 from tokenline.api.http.lora_metrics import LoraInfo
 from tokenline.api.ring.abort_log import AbortLog
-from tokenline.api.ring.adapters import Adapters
 from tokenline.api.ring.calls import Calls
 from tokenline.api.ring.exchange import Exchange
 from tokenline.api.ring.health import RingHealth
+from tokenline.api.ring.lora_names import LoraNames
 from tokenline.api.ring.request_metrics import RequestMetrics
 from tokenline.api.ring.watchdog import overdue
 from tokenline.ledger import LEAK_GRACE_S, Ledger
@@ -44,19 +44,19 @@ RECOVERY_HEARTBEAT_INTERVAL_S = 0.05  # while the ring is down: trusted again so
 WATCHDOG_INTERVAL_S = 0.25
 
 
-class Pipeline:
+class RingClient:
     def __init__(
         self,
         settings: Settings,
         ring: AsyncRing,
         heartbeat_timeout: float = 5.0,
-        adapters: Adapters | None = None,
+        lora_names: LoraNames | None = None,
     ) -> None:
         self.settings = settings
         self.ring = ring
         self.model = settings.model_name
         # LoRA adapters a request may name, kept current from heartbeats and load answers
-        self.adapters = adapters or Adapters(settings.enable_lora, self.model, settings.model)
+        self.lora_names = lora_names or LoraNames(settings.enable_lora, self.model, settings.model)
         self.lora_info = LoraInfo()
         self.exchanges: dict[str, Exchange] = {}  # uid → exchange
         horizon = settings.request_timeout + LEAK_GRACE_S
@@ -265,7 +265,7 @@ class Pipeline:
         elif isinstance(message, protocol.TokenizerAnswer | protocol.LoraAnswer):
             if isinstance(message, protocol.LoraAnswer):
                 # before the caller wakes, and even when it no longer waits: the newest set
-                self.adapters.on_answer(message)
+                self.lora_names.on_answer(message)
             if not self.calls.answer(message):
                 self._late.inc()
         elif isinstance(message, protocol.Heartbeat):
@@ -328,7 +328,7 @@ class Pipeline:
         # From this heartbeat's own status, not `health.statuses` (which keeps an older one
         # while the ring is distrusted): it passed the scheduler after every load answered so far.
         scheduler = next((s for s in heartbeat.statuses if s.stage == "scheduler"), None)
-        self.adapters.on_status(scheduler)
+        self.lora_names.on_status(scheduler)
         self.lora_info.update(scheduler)
         if restarted:
             log.error("api: stage(s) %s restarted", ", ".join(restarted))

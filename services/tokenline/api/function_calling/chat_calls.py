@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import secrets
 
-from tokenline.api.tools.formats import ToolCallFormat
-from tokenline.api.tools.parsers import (
+from tokenline.api.function_calling.formats import ToolCallFormat
+from tokenline.api.function_calling.parsers import (
     ArgumentsPiece,
     Call,
     CallEnd,

@@ -35,9 +35,9 @@ from typing import Any
 import jsonschema
 import llguidance
 
+from tokenline.api.function_calling.formats import ToolCallFormat
 from tokenline.api.http.errors import invalid
 from tokenline.api.openai.tools import NamedToolChoice, ResponseFormat, Tool, ToolChoice
-from tokenline.api.tools.formats import ToolCallFormat
 from tokenline.bounded import cached_by_text
 from tokenline.metrics import track_cache
 

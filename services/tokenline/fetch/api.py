@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from tokenline.fetch import lock
+import tokenline.fetch.lock as lock
 from tokenline.fetch.errors import FetchError
 from tokenline.fetch.manifest import (
     WORK_DIR,

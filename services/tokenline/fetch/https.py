@@ -8,7 +8,7 @@ import re
 
 import httpx
 
-from tokenline.fetch import httpio
+import tokenline.fetch.httpio as httpio
 from tokenline.fetch.errors import FetchError
 from tokenline.fetch.manifest import RemoteFile
 from tokenline.fetch.uri import HttpsURI

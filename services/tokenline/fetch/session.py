@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from tokenline.fetch import archive, httpio, https
+import tokenline.fetch.archive as archive
+import tokenline.fetch.httpio as httpio
+import tokenline.fetch.https as https
 from tokenline.fetch.download import Downloader
 from tokenline.fetch.errors import FetchError, Transient
 from tokenline.fetch.manifest import (
@@ -86,14 +88,14 @@ class Session:
         http = None
         try:
             if isinstance(self.uri, HfURI):
-                from tokenline.fetch import hf
+                import tokenline.fetch.hf as hf
 
                 hf_plan = hf.plan(self.uri, hf_endpoint, hf_token, self.backoff, self.sleep)
                 revision, listed = hf_plan.revision, hf_plan.files
                 http = httpio.client(self.read_timeout)
                 opener = httpio.opener(http, hf_plan.headers, self.label, hf.AUTH_HINT)
             else:
-                from tokenline.fetch import s3
+                import tokenline.fetch.s3 as s3
 
                 s3_plan = s3.plan(self.uri, s3.make_client(self.uri, self.read_timeout))
                 listed, opener = s3_plan.files, s3_plan.opener

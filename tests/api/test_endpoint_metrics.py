@@ -19,7 +19,9 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenline.settings import Settings
-from tokenline_operator import inference_pool, manifests, spec
+from tokenline_operator.controller import manifests
+from tokenline_operator.crd import spec
+from tokenline_operator.routing import inference_pool
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -26,7 +26,9 @@ import pytest
 import yaml
 from image_testkit import Containers, client_in, podman
 
-from tokenline_operator import manifests, names, spec
+from tokenline_operator import names
+from tokenline_operator.controller import manifests
+from tokenline_operator.crd import spec
 
 pytestmark = pytest.mark.timeout(1800)  # the first test also builds the image
 

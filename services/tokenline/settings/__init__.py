@@ -28,12 +28,12 @@ from tokenline.settings.declaration import (
     settings_dataclass,
     stage_settings,
 )
-from tokenline.settings.scheduler import ENGINE, TENSOR_PARALLEL
 from tokenline.settings.every_stage import EVERY_STAGE
 from tokenline.settings.kv_events import KV_EVENTS
 from tokenline.settings.lora import LORA
 from tokenline.settings.metrics_port import DEFAULT_METRICS_PORTS, METRICS_PORT
 from tokenline.settings.ring import RING
+from tokenline.settings.scheduler import ENGINE, TENSOR_PARALLEL
 
 __all__ = [
     "ALL_STAGES",

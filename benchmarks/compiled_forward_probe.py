@@ -88,10 +88,9 @@ def main() -> None:
         runner_module.packs_weights = lambda place: False
     runner = runner_module.ModelRunner(
         ModelSource(spec=args.model_dir, path=args.model_dir),
-        device="cpu",
-        dtype="bfloat16",
-        kv_cache_memory=2**30,
-        torch_threads=args.torch_threads,
+        runner_module.RunnerOptions(
+            device="cpu", dtype="bfloat16", kv_cache_memory=2**30, torch_threads=args.torch_threads
+        ),
     )
     if args.mode == "compiled":
         compile_whole(runner.model)

@@ -21,7 +21,7 @@ from tokenline.model_source import resolve
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.attention.decode_contexts import DecodeContexts
 from tokenline.scheduler.engine import Engine, EngineLimits
-from tokenline.scheduler.runner import ModelRunner
+from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 
 
 def main() -> None:
@@ -43,7 +43,8 @@ def main() -> None:
 
     DecodeContexts._reserve = timed_reserve
     runner = ModelRunner(
-        resolve(args.model), kv_cache_memory=args.kv_cache_mib * 2**20, torch_threads=1
+        resolve(args.model),
+        RunnerOptions(kv_cache_memory=args.kv_cache_mib * 2**20, torch_threads=1),
     )
     engine = Engine(runner, EngineLimits(2048, max(256, args.streams), 2048), [], True)
     sampling = SamplingParams(max_tokens=args.steps + 100, ignore_eos=True, temperature=1.0)

@@ -32,7 +32,7 @@ from tokenline.loadgen.workload import LengthDist, build_workload
 from tokenline.model_source import resolve
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.engine import Engine, EngineLimits, default_token_budget
-from tokenline.scheduler.runner import ModelRunner
+from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 
 
 def run_round(
@@ -110,7 +110,7 @@ def main() -> None:
     args = parser.parse_args()
 
     source = resolve(args.model)
-    runner = ModelRunner(source, torch_threads=args.torch_threads)
+    runner = ModelRunner(source, RunnerOptions(torch_threads=args.torch_threads))
     budget = args.max_num_batched_tokens or default_token_budget(runner.device.type)
     limits = EngineLimits(source.max_model_len(), max_num_batched_tokens=budget)
     engine = Engine(runner, limits, source.eos_token_ids())

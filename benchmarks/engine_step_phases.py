@@ -18,7 +18,7 @@ import torch
 from tokenline.model_source import resolve
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.engine import Engine, EngineLimits
-from tokenline.scheduler.runner import ModelRunner
+from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 from tokenline.scheduler.step_times import STEP_PHASES
 
 
@@ -32,7 +32,8 @@ def main() -> None:
     args = parser.parse_args()
 
     runner = ModelRunner(
-        resolve(args.model), kv_cache_memory=256 * 2**20, torch_threads=args.torch_threads
+        resolve(args.model),
+        RunnerOptions(kv_cache_memory=256 * 2**20, torch_threads=args.torch_threads),
     )
     for batch in (int(b) for b in args.batches.split(",")):
         engine = Engine(runner, EngineLimits(2048, max(256, batch), 2048), [], True)

@@ -67,16 +67,18 @@ def main() -> None:
     args = parser.parse_args()
 
     from tokenline.model_source import ModelSource
-    from tokenline.scheduler.runner import ModelRunner
+    from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 
     runner = ModelRunner(
         ModelSource(spec=args.model_dir, path=args.model_dir),
-        device="cpu",
-        dtype=args.dtype,
-        kv_cache_memory=2**30,
-        torch_threads=args.torch_threads,
-        compile_layers=args.compile,
-        attention_backend=args.attention_backend,
+        RunnerOptions(
+            device="cpu",
+            dtype=args.dtype,
+            kv_cache_memory=2**30,
+            torch_threads=args.torch_threads,
+            compile_layers=args.compile,
+            attention_backend=args.attention_backend,
+        ),
     )
     lm_head_width = runner.vocab_size
     for batch in args.batch:

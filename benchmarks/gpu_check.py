@@ -290,7 +290,7 @@ def main() -> None:
 
 def run_shape(report, name, shape, layers, device, dtype, contexts, batches, args, compare):
     from tokenline.model_source import ModelSource
-    from tokenline.scheduler.runner import ModelRunner
+    from tokenline.scheduler.runner import ModelRunner, RunnerOptions
     from tokenline.scheduler.warm_up import warm_up
 
     vocab = shape["vocab_size"]
@@ -301,11 +301,13 @@ def run_shape(report, name, shape, layers, device, dtype, contexts, batches, arg
         started = time.perf_counter()
         runner = ModelRunner(
             ModelSource(spec=name, path=path),
-            device=str(device),
-            dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
-            max_model_len=max(contexts) + args.decode_steps + 8,
-            max_num_seqs=max(batches),
-            kv_cache_memory=None if device.type == "cuda" else 2**28,
+            RunnerOptions(
+                device=str(device),
+                dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+                max_model_len=max(contexts) + args.decode_steps + 8,
+                max_num_seqs=max(batches),
+                kv_cache_memory=None if device.type == "cuda" else 2**28,
+            ),
         )
         warmed = warm_up(runner, 2048)
         report.record(

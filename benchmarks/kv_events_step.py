@@ -29,7 +29,7 @@ from tokenline.model_source import resolve
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.engine import Engine, EngineLimits
 from tokenline.scheduler.kv_events import KVEventPublisher
-from tokenline.scheduler.runner import ModelRunner
+from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 
 
 def read_all(endpoint: str, counts: multiprocessing.Queue) -> None:
@@ -67,7 +67,10 @@ def main() -> None:
     ctx = zmq.Context()
 
     def engine() -> Engine:
-        runner = ModelRunner(source, "cpu", "float32", kv_cache_memory=args.kv_cache_memory)
+        runner = ModelRunner(
+            source,
+            RunnerOptions(device="cpu", dtype="float32", kv_cache_memory=args.kv_cache_memory),
+        )
         limits = EngineLimits(tiny_model.MAX_POSITIONS, 64, args.budget)
         return Engine(runner, limits, source.eos_token_ids())
 

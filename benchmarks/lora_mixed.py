@@ -30,7 +30,7 @@ from tokenline.model_source import resolve
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.engine import Engine, EngineLimits, default_token_budget
 from tokenline.scheduler.lora.options import LoraOptions
-from tokenline.scheduler.runner import ModelRunner
+from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -119,7 +119,7 @@ def main() -> None:
     source = resolve(args.model)
     if args.hidden_size:
         source = resolve(wider_model(source.path, args.hidden_size, Path(scratch.name) / "m"))
-    runner = ModelRunner(source, torch_threads=args.torch_threads)
+    runner = ModelRunner(source, RunnerOptions(torch_threads=args.torch_threads))
     limits = EngineLimits(
         source.max_model_len(), max_num_batched_tokens=default_token_budget(runner.device.type)
     )

@@ -93,17 +93,16 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from tokenline.model_source import ModelSource
-    from tokenline.scheduler.runner import ModelRunner
+    from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 
     dtype = getattr(torch, args.dtype)
     path = Path(args.model_dir)
     write_model(path, args.layers, dtype)
     runner = ModelRunner(
         ModelSource(spec=str(path), path=str(path)),
-        device="cpu",
-        dtype=args.dtype,
-        kv_cache_memory=2**30,
-        torch_threads=args.torch_threads,
+        RunnerOptions(
+            device="cpu", dtype=args.dtype, kv_cache_memory=2**30, torch_threads=args.torch_threads
+        ),
     )
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     torch.set_num_threads(args.torch_threads)

@@ -44,7 +44,7 @@ from tokenline import protocol, tiny_model
 from tokenline.model_source import resolve
 from tokenline.scheduler.engine import Engine, EngineLimits, default_token_budget
 from tokenline.scheduler.grammar import GrammarCompiler
-from tokenline.scheduler.runner import ModelRunner
+from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 from tokenline.scheduler.stage import SchedulerStage
 
 
@@ -153,7 +153,9 @@ def main() -> None:
     tiny_model.ensure_cached(cache)
     source = resolve("tiny", cache_dir=cache)
     tokenizer = source.load_tokenizer()
-    runner = ModelRunner(source, "cpu", "float32", kv_cache_memory=args.kv_cache_memory)
+    runner = ModelRunner(
+        source, RunnerOptions(device="cpu", dtype="float32", kv_cache_memory=args.kv_cache_memory)
+    )
     limits = EngineLimits(source.max_model_len(None), 256, default_token_budget("cpu"))
     engine = Engine(runner, limits, source.eos_token_ids(), grammars=GrammarCompiler(tokenizer))
     stage = SchedulerStage(engine, "tiny")

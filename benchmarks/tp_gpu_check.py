@@ -90,8 +90,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from tokenline.model_source import resolve
-    from tokenline.scheduler.parallel.worker import RunnerArgs, start
-    from tokenline.scheduler.runner import ModelRunner
+    from tokenline.scheduler.parallel.worker import start
+    from tokenline.scheduler.runner import ModelRunner, RunnerOptions
     from tokenline.settings import parse_bytes
 
     shape = SMALL if args.small else QWEN3_8B if args.shape == "8b" else QWEN3_0_6B
@@ -103,11 +103,11 @@ def main() -> None:
         generator = torch.Generator().manual_seed(0)
         prompts = torch.randint(5, shape["vocab_size"], (args.batch, args.prompt_len),
                                 generator=generator).tolist()  # fmt: skip
-        common = {"device": args.device, "dtype": args.dtype, "kv_cache_memory": kv}
-        driver = start(RunnerArgs(source, **common), args.tp, timeout_s=600)
+        common = RunnerOptions(device=args.device, dtype=args.dtype, kv_cache_memory=kv)
+        driver = start(source, common, args.tp, timeout_s=600)
         parallel = run(driver.runner, prompts, args.output_len)
         parallel = run(driver.runner, prompts, args.output_len)  # the first warmed up
-        single_runner = ModelRunner(source, **common)
+        single_runner = ModelRunner(source, common)
         single = run(single_runner, prompts, args.output_len)
         single = run(single_runner, prompts, args.output_len)
         same = sum(parallel["tokens"][u] == single["tokens"][u] for u in single["tokens"])

@@ -11,7 +11,7 @@ from tokenline import model_source, tiny_model
 from tokenline.model_source import ModelSource
 from tokenline.scheduler.engine import Engine, EngineLimits
 from tokenline.scheduler.grammar import GrammarCompiler
-from tokenline.scheduler.runner import ModelRunner
+from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 
 MiB = 2**20
 
@@ -57,7 +57,9 @@ def eos_ids(tiny_source: ModelSource) -> list[int]:
 
 @pytest.fixture(scope="session")
 def bytes_per_block(tiny_source: ModelSource) -> int:
-    runner = ModelRunner(tiny_source, device="cpu", dtype="float32", kv_cache_memory=MiB)
+    runner = ModelRunner(
+        tiny_source, RunnerOptions(device="cpu", dtype="float32", kv_cache_memory=MiB)
+    )
     return runner.bytes_per_token * runner.block_size
 
 
@@ -84,11 +86,13 @@ def make_engine(
         memory = kv_blocks * bytes_per_block if kv_blocks is not None else kv_cache_memory
         runner = ModelRunner(
             tiny_source,
-            device="cpu",
-            dtype="float32",
-            kv_cache_memory=memory,
-            dense_decode=dense_decode,
-            attention_backend=attention_backend,
+            RunnerOptions(
+                device="cpu",
+                dtype="float32",
+                kv_cache_memory=memory,
+                dense_decode=dense_decode,
+                attention_backend=attention_backend,
+            ),
         )
         if kv_blocks is not None:
             assert runner.num_blocks == kv_blocks

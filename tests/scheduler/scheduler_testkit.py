@@ -141,16 +141,18 @@ def family_runner(
 ):
     """A CPU runner over the model ``saved_family_model`` left in ``path``."""
     from tokenline.model_source import ModelSource
-    from tokenline.scheduler.runner import ModelRunner
+    from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 
     return ModelRunner(
         ModelSource(spec=family, path=str(path)),
-        device="cpu",
-        dtype=dtype,
-        kv_cache_memory=2**20,
-        torch_threads=1,
-        dense_decode=dense_decode,
-        model_impl=model_impl,
+        RunnerOptions(
+            device="cpu",
+            dtype=dtype,
+            kv_cache_memory=2**20,
+            torch_threads=1,
+            dense_decode=dense_decode,
+            model_impl=model_impl,
+        ),
     )
 
 

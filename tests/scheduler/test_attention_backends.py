@@ -15,7 +15,7 @@ from tokenline.model_source import ModelSource
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler import attention
 from tokenline.scheduler.engine import Engine, EngineLimits
-from tokenline.scheduler.runner import ModelRunner
+from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 
 BUILT = ["sdpa", "dense-cpu", "flex"]
 MODELS = {
@@ -86,12 +86,14 @@ def recorded_run(backend: str, path, scenario, compiled: bool = False):
     logits of every position it sampled at: {uid: {tokens known: logits}}."""
     runner = ModelRunner(
         ModelSource(spec="family", path=str(path)),
-        device="cpu",
-        dtype="float32",
-        kv_cache_memory=2**20,
-        torch_threads=1,
-        attention_backend=backend,
-        compile_layers=compiled,
+        RunnerOptions(
+            device="cpu",
+            dtype="float32",
+            kv_cache_memory=2**20,
+            torch_threads=1,
+            attention_backend=backend,
+            compile_layers=compiled,
+        ),
     )
     assert runner.attention.name == backend
     logits_at: dict[str, dict[int, torch.Tensor]] = {}
@@ -205,7 +207,7 @@ def test_flex_pages_fit_the_gpu_kernels_key_tile():
 
 def test_attention_backend_flag_reaches_the_runner(tiny_source):
     from tokenline.cli import build_parser, settings_from
-    from tokenline.scheduler.runner import ModelRunner
+    from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 
     cases = (("sdpa", "sdpa"), ("dense-cpu", "dense-cpu"), ("flex", "flex"), ("auto", "dense-cpu"))
     for flag, expected in cases:
@@ -213,9 +215,11 @@ def test_attention_backend_flag_reaches_the_runner(tiny_source):
         settings = settings_from(args)
         runner = ModelRunner(
             tiny_source,
-            device="cpu",
-            dtype="float32",
-            kv_cache_memory=2**20,
-            attention_backend=settings.attention_backend,
+            RunnerOptions(
+                device="cpu",
+                dtype="float32",
+                kv_cache_memory=2**20,
+                attention_backend=settings.attention_backend,
+            ),
         )
         assert runner.attention.name == expected, flag

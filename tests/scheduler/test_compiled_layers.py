@@ -11,7 +11,7 @@ from scheduler_testkit import PROMPTS, drain, greedy
 from tokenline import tiny_model
 from tokenline.scheduler import runner as runner_module
 from tokenline.scheduler.engine import Engine, EngineLimits
-from tokenline.scheduler.runner import ModelRunner
+from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 
 MAX_TOKENS = 12
 
@@ -22,7 +22,9 @@ def prompt_ids(encode) -> dict[str, list[int]]:
 
 
 def _engine(tiny_source, eos_ids, compile_layers: bool) -> Engine:
-    runner = ModelRunner(tiny_source, device="cpu", dtype="float32", compile_layers=compile_layers)
+    runner = ModelRunner(
+        tiny_source, RunnerOptions(device="cpu", dtype="float32", compile_layers=compile_layers)
+    )
     limits = EngineLimits(tiny_model.MAX_POSITIONS, max_num_batched_tokens=7)
     return Engine(runner, limits, eos_ids)
 

@@ -17,12 +17,14 @@ from tokenline.model_source import ModelSource
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.decode_graphs import capture_sizes
 from tokenline.scheduler.engine import Engine, EngineLimits
-from tokenline.scheduler.runner import ModelRunner
+from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 
 
 def _runner(source, **kw) -> ModelRunner:
     kw.setdefault("attention_backend", "flex")
-    return ModelRunner(source, device="cpu", dtype="float32", kv_cache_memory=2**21, **kw)
+    return ModelRunner(
+        source, RunnerOptions(device="cpu", dtype="float32", kv_cache_memory=2**21, **kw)
+    )
 
 
 def _run(runner: ModelRunner, sampling: SamplingParams, count: int = 7) -> tuple[dict, dict]:

@@ -200,9 +200,11 @@ def test_without_a_grammar_compiler_a_grammar_request_is_refused_saying_why(tiny
     """A tokenizer the grammar library cannot read leaves the model serving plain text; what
     needs a grammar is refused with the reason the scheduler found at start."""
     from tokenline.scheduler.engine import Engine, EngineLimits, InvalidRequest
-    from tokenline.scheduler.runner import ModelRunner
+    from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 
-    runner = ModelRunner(tiny_source, device="cpu", dtype="float32", kv_cache_memory=2**20)
+    runner = ModelRunner(
+        tiny_source, RunnerOptions(device="cpu", dtype="float32", kv_cache_memory=2**20)
+    )
     engine = Engine(runner, EngineLimits(256), [], grammar_refusal="llguidance cannot read it")
     with pytest.raises(InvalidRequest, match="llguidance cannot read it") as refused:
         engine.add("g", [5, 6, 7], SamplingParams(max_tokens=2, grammar='start: "a"'))

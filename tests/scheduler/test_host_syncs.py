@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.engine import Engine, EngineLimits
-from tokenline.scheduler.runner import ModelRunner
+from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 
 WAITS = {
     torch.Tensor.tolist,
@@ -92,7 +92,10 @@ SAMPLED = {
 @pytest.mark.parametrize("kind", list(SAMPLED))
 def test_a_decode_step_waits_for_the_device_once(tiny_source, backend, kind):
     runner = ModelRunner(
-        tiny_source, device="cpu", dtype="float32", kv_cache_memory=2**21, attention_backend=backend
+        tiny_source,
+        RunnerOptions(
+            device="cpu", dtype="float32", kv_cache_memory=2**21, attention_backend=backend
+        ),
     )
     engine = Engine(runner, EngineLimits(256), tiny_source.eos_token_ids())
     for i in range(6):

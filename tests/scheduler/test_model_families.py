@@ -25,7 +25,7 @@ from scheduler_testkit import (
 from tokenline.model_source import ModelSource
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.engine import Engine, EngineLimits
-from tokenline.scheduler.runner import ModelRunner
+from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 
 ALL = {**NATIVE, **GENERIC}
 MAX_TOKENS = 12
@@ -113,7 +113,8 @@ def test_the_window_is_read_per_layer_from_the_model(tmp_path):
     )
     transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path)
     runner = ModelRunner(
-        ModelSource(spec="qwen2", path=str(tmp_path)), device="cpu", kv_cache_memory=2**20
+        ModelSource(spec="qwen2", path=str(tmp_path)),
+        RunnerOptions(device="cpu", kv_cache_memory=2**20),
     )
     assert runner.window == 8
     assert runner._slides == [False, True]

@@ -19,16 +19,13 @@ from safetensors.torch import load_file, save_file
 from scheduler_testkit import COMMON, FAMILIES, saved_family_model
 
 from tokenline.model_source import ModelSource
-from tokenline.scheduler.runner import ModelRunner
+from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 
 
 def _runner(path: Path, model_impl: str = "auto") -> ModelRunner:
     return ModelRunner(
         ModelSource(spec=path.name, path=str(path)),
-        device="cpu",
-        dtype="float32",
-        kv_cache_memory=2**20,
-        model_impl=model_impl,
+        RunnerOptions(device="cpu", dtype="float32", kv_cache_memory=2**20, model_impl=model_impl),
     )
 
 

@@ -29,8 +29,8 @@ from scheduler_testkit import (
 
 from tokenline import model_source, tiny_model
 from tokenline.scheduler.engine import Engine, EngineLimits
-from tokenline.scheduler.parallel.worker import RunnerArgs, start
-from tokenline.scheduler.runner import ModelRunner
+from tokenline.scheduler.parallel.worker import start
+from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 
 MiB = 2**20
 MAX_TOKENS = 12
@@ -73,9 +73,9 @@ def source(request, tiny_source, tmp_path_factory):
     return model_source.resolve(str(path))
 
 
-def _args(source) -> RunnerArgs:
-    return RunnerArgs(source, device="cpu", dtype="float32", kv_cache_memory=4 * MiB,
-                      torch_threads=1)  # fmt: skip
+# every rank's runner, and the one-device runner they are compared with
+RANKS = RunnerOptions(device="cpu", dtype="float32", kv_cache_memory=4 * MiB, torch_threads=1)
+SINGLE = RunnerOptions(device="cpu", dtype="float32", kv_cache_memory=2 * MiB)
 
 
 def _recording(engine: Engine) -> list[torch.Tensor]:
@@ -103,14 +103,14 @@ def _run(engine: Engine, prompts: dict[str, list[int]]):
 @pytest.fixture(scope="module")
 def driver(source):
     deaths: list[str] = []
-    d = start(_args(source), 2, timeout_s=60, on_death=deaths.append)
+    d = start(source, RANKS, 2, timeout_s=60, on_death=deaths.append)
     yield d
     assert not deaths
     d.close()
 
 
 def test_tp2_matches_tp1_tokens_and_logits(source, driver, encode, eos_ids):
-    single = Engine(ModelRunner(source, **_kw(source)), LIMITS, eos_ids, True)
+    single = Engine(ModelRunner(source, SINGLE), LIMITS, eos_ids, True)
     vocab = single.runner.vocab_size
     prompts = {f"p{i}": [t % vocab for t in encode(text)] for i, text in enumerate(PROMPTS)}
     expected, expected_logits = _run(single, prompts)
@@ -137,12 +137,13 @@ def test_tp2_matches_tp1_tokens_and_logits(source, driver, encode, eos_ids):
 _FLEX = textwrap.dedent(
     """
     import sys
+    from dataclasses import replace
     import torch
     from tokenline import model_source
     from tokenline.protocol import SamplingParams
     from tokenline.scheduler.engine import Engine, EngineLimits
-    from tokenline.scheduler.parallel.worker import RunnerArgs, start
-    from tokenline.scheduler.runner import ModelRunner
+    from tokenline.scheduler.parallel.worker import start
+    from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 
     def run(runner):
         engine = Engine(runner, EngineLimits(256, 256, 7), [])
@@ -163,12 +164,11 @@ _FLEX = textwrap.dedent(
 
     if __name__ == "__main__":
         source = model_source.resolve(sys.argv[1])
-        single = ModelRunner(source, device="cpu", dtype="float32", kv_cache_memory=2**21,
-                             attention_backend="sdpa")
+        options = RunnerOptions(device="cpu", dtype="float32", kv_cache_memory=2**21)
+        single = ModelRunner(source, replace(options, attention_backend="sdpa"))
         expected, expected_logits = run(single)
-        args = RunnerArgs(source, device="cpu", dtype="float32", kv_cache_memory=2**21,
-                          torch_threads=1, attention_backend="flex")
-        driver = start(args, 2, timeout_s=60)
+        ranks = replace(options, torch_threads=1, attention_backend="flex")
+        driver = start(source, ranks, 2, timeout_s=60)
         assert driver.runner.attention.name == "flex"
         got, logits = run(driver.runner)
         driver.close()
@@ -194,11 +194,6 @@ def test_tp2_with_flex_attention_matches_tp1(tiny_source, tmp_path):
         timeout=180,
     )
     assert done.returncode == 0 and "MATCH" in done.stdout, done.stderr[-3000:]
-
-
-def _kw(source) -> dict:
-    args = _args(source)
-    return {"device": args.device, "dtype": args.dtype, "kv_cache_memory": 2 * MiB}
 
 
 def test_concurrent_requests_with_aborts_leak_nothing(driver, encode, eos_ids):
@@ -233,13 +228,14 @@ _STAGE = textwrap.dedent(
     """
     import os, sys, time
     from tokenline import model_source
-    from tokenline.scheduler.parallel.worker import RunnerArgs, start
+    from tokenline.scheduler.parallel.worker import start
+    from tokenline.scheduler.runner import RunnerOptions
 
     if __name__ == "__main__":
         source = model_source.resolve(sys.argv[1])
-        args = RunnerArgs(source, device="cpu", dtype="float32", kv_cache_memory=2**21,
-                          torch_threads=1)
-        driver = start(args, 2, timeout_s=30)
+        options = RunnerOptions(device="cpu", dtype="float32", kv_cache_memory=2**21,
+                                torch_threads=1)
+        driver = start(source, options, 2, timeout_s=30)
         print("READY", driver.processes[0].pid, flush=True)
         time.sleep(120)
     """

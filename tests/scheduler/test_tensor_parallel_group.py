@@ -10,7 +10,7 @@ import sys
 import time
 
 from scheduler_testkit import PROMPTS, drain, greedy
-from test_tensor_parallel import LIMITS, SERVICES, _args, _kw, _run
+from test_tensor_parallel import LIMITS, RANKS, SERVICES, SINGLE, _run
 
 from tokenline.scheduler.engine import Engine
 from tokenline.scheduler.parallel.worker import start
@@ -32,9 +32,9 @@ def test_a_worker_node_joins_the_leader_from_the_command_line(tiny_source, eos_i
     node = subprocess.Popen([sys.executable, "-m", "tokenline.cli", "scheduler", *flags], env=env)
     try:
         deaths: list[str] = []
-        driver = start(_args(tiny_source), 2, 60, deaths.append, master_port=port, local_ranks=1)
+        driver = start(tiny_source, RANKS, 2, 60, deaths.append, master_port=port, local_ranks=1)
         prompts = {"a": encode(PROMPTS[0]), "b": encode(PROMPTS[1])}
-        single = Engine(ModelRunner(tiny_source, **_kw(tiny_source)), LIMITS, eos_ids, True)
+        single = Engine(ModelRunner(tiny_source, SINGLE), LIMITS, eos_ids, True)
         expected, _ = _run(single, prompts)
         got, _ = _run(Engine(driver.runner, LIMITS, eos_ids, True), prompts)
         assert got.tokens == expected.tokens
@@ -50,7 +50,7 @@ def test_idle_workers_outlive_the_collective_timeout(tiny_source, eos_ids, encod
     """An idle engine sends nothing; rank 0's heartbeat keeps the waiting worker inside its
     collective timeout, so a long idle spell is not mistaken for a dead rank."""
     deaths: list[str] = []
-    driver = start(_args(tiny_source), 2, timeout_s=2, on_death=deaths.append)
+    driver = start(tiny_source, RANKS, 2, timeout_s=2, on_death=deaths.append)
     try:
         time.sleep(5)  # idle for 2.5 timeouts
         engine = Engine(driver.runner, LIMITS, eos_ids, True)

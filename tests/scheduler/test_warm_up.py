@@ -9,7 +9,7 @@ import pytest
 
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.engine import Engine, EngineLimits
-from tokenline.scheduler.runner import ModelRunner
+from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 from tokenline.scheduler.warm_up import kv_pool_bytes, prefill_tokens, warm_up
 
 GiB = 2**30
@@ -36,7 +36,8 @@ def _tokens(runner: ModelRunner) -> dict[str, list[int]]:
 def test_warming_up_changes_nothing_a_request_sees(tiny_source, options):
     def runner() -> ModelRunner:
         return ModelRunner(
-            tiny_source, device="cpu", dtype="float32", kv_cache_memory=2**21, **options
+            tiny_source,
+            RunnerOptions(device="cpu", dtype="float32", kv_cache_memory=2**21, **options),
         )
 
     cold = _tokens(runner())
@@ -46,7 +47,9 @@ def test_warming_up_changes_nothing_a_request_sees(tiny_source, options):
 
 
 def test_the_largest_prefill_chunk_fits_the_context_and_the_pool(tiny_source):
-    runner = ModelRunner(tiny_source, device="cpu", dtype="float32", kv_cache_memory=2**20)
+    runner = ModelRunner(
+        tiny_source, RunnerOptions(device="cpu", dtype="float32", kv_cache_memory=2**20)
+    )
     assert prefill_tokens(runner, 64) == 64
     assert prefill_tokens(runner, 10**6) == min(
         runner.max_model_len - 1, (runner.num_blocks - 2) * runner.block_size
@@ -61,4 +64,4 @@ def test_the_pool_gets_what_utilization_leaves_after_weights_and_activations():
 
 def test_a_pool_too_small_for_one_block_is_refused_at_start(tiny_source):
     with pytest.raises(SystemExit, match="no room for a KV cache"):
-        ModelRunner(tiny_source, device="cpu", dtype="float32", kv_cache_memory=1024)
+        ModelRunner(tiny_source, RunnerOptions(device="cpu", dtype="float32", kv_cache_memory=1024))

@@ -104,36 +104,42 @@ def checkpoint_dtype(source: ModelSource) -> torch.dtype | None:
     return named if isinstance(named, torch.dtype) else None
 
 
+@dataclass(frozen=True, kw_only=True)
+class RunnerOptions:
+    """How a `ModelRunner` is built. The scheduler reads them from its settings once
+    (``start.runner_options``); tensor-parallel ranks are spawned with them (picklable)."""
+
+    device: str = "auto"  # auto: CUDA when there is one
+    dtype: str = "auto"  # `pick_dtype`
+    block_size: int = 16  # tokens per KV block (flex rounds it to its tiles)
+    kv_cache_memory: int | None = None  # the KV pool's bytes; None: `_size_pool` decides
+    gpu_memory_utilization: float = 0.9
+    torch_threads: int | None = None  # None: `default_torch_threads`
+    dense_decode: bool = True  # auto attention on CPU keeps decode rows dense
+    compile_layers: bool = False  # --compile
+    attention_backend: str = "auto"
+    model_impl: str = "auto"
+    max_model_len: int | None = None  # None: the checkpoint's
+    cuda_graph_sizes: Sequence[int] | None = None  # decode buckets (`capture_sizes`)
+    enforce_eager: bool = False  # no decode buckets
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # the largest step: warm-up runs it, the pool leaves room
+
+
 class ModelRunner:
-    def __init__(
-        self,
-        source: ModelSource,
-        device: str = "auto",
-        dtype: str = "auto",
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        torch_threads: int | None = None,
-        dense_decode: bool = True,
-        compile_layers: bool = False,
-        attention_backend: str = "auto",
-        model_impl: str = "auto",
-        max_model_len: int | None = None,
-        cuda_graph_sizes: list[int] | None = None,
-        enforce_eager: bool = False,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-    ) -> None:
-        self.device = pick_device(device)
+    def __init__(self, source: ModelSource, options: RunnerOptions = RunnerOptions()) -> None:
+        self.device = pick_device(options.device)
+        torch_threads = options.torch_threads
         if self.device.type == "cpu":
             torch.set_num_threads(torch_threads or max(1, (os.cpu_count() or 2) - 1))
+        dtype = options.dtype
         self.dtype = pick_dtype(
             dtype, self.device, checkpoint_dtype(source) if dtype == "auto" else None
         )
         self.source = source
         try:
             with torch.no_grad():
-                self.model = self._load_model(source, model_impl)
+                self.model = self._load_model(source, options.model_impl)
             geometry = self.model.geometry
             self.window = geometry.window
         except ModelRefused as exc:
@@ -147,13 +153,16 @@ class ModelRunner:
         self.num_kv_heads = geometry.num_kv_heads
         self.head_dim = geometry.head_dim
         self.vocab_size = self.model.vocab_size
-        self.max_model_len = max_model_len or source.max_model_len()
-        backend = attention.backend_name(attention_backend, self.device, dense_decode)
+        self.max_model_len = options.max_model_len or source.max_model_len()
+        backend = attention.backend_name(
+            options.attention_backend, self.device, options.dense_decode
+        )
+        block_size = options.block_size
         if backend == "flex":  # its pages must fit the kernels' tiles
             block_size = flex_block_size(self.device, block_size)
         self.block_size = block_size
         self.num_blocks = self._size_pool(
-            kv_cache_memory, gpu_memory_utilization, max_num_batched_tokens
+            options.kv_cache_memory, options.gpu_memory_utilization, options.max_num_batched_tokens
         )
         slots = self.num_blocks * block_size
         # Keys and values of a slot sit side by side, so one gather fetches both.
@@ -173,29 +182,30 @@ class ModelRunner:
                 device=self.device,
                 block_size=block_size,
                 window=self.window,
-                compile=compile_layers,
+                compile=options.compile_layers,
                 max_blocks_per_seq=-(-self.max_model_len // block_size),
-                max_num_seqs=max_num_seqs,
+                max_num_seqs=options.max_num_seqs,
             ),
             self.kv_cache,
         )
         self.graphs: DecodeGraphs | None = None
-        if not enforce_eager and (self.device.type == "cuda" or cuda_graph_sizes):
+        graph_sizes = options.cuda_graph_sizes
+        if not options.enforce_eager and (self.device.type == "cuda" or graph_sizes):
             refusal = self._graph_refusal()
             if refusal:
                 log.info("decode steps run eagerly: %s", refusal)
             else:
-                sizes = capture_sizes(cuda_graph_sizes, max_num_seqs)
+                sizes = capture_sizes(graph_sizes, options.max_num_seqs)
                 self.graphs = DecodeGraphs(self, sizes, capture=self.device.type == "cuda")
         self.lora: LoraWeights | None = None  # enable_lora's device slots
         self.lora_shape = ModelShape(self.num_layers, self.model.lora_dims)
         self._compiled = False
         packs = packs_weights(Placement(self.device, self.dtype))
-        if compile_layers and packs:
+        if options.compile_layers and packs:
             # the compiled tail multiplies plain weights, slower on CPU than oneDNN's packed
             # ones (benchmarks/README.md, "The forward at real sizes")
             log.info("--compile: the layers run eagerly over weights packed for oneDNN")
-        elif compile_layers:
+        elif options.compile_layers:
             self._compiled = self.model.compile_layers()
             if not self._compiled:
                 log.warning(

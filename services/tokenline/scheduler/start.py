@@ -8,7 +8,7 @@ import logging
 
 from tokenline.lifecycle import Drain
 from tokenline.metrics import serve_metrics
-from tokenline.model_source import resolve
+from tokenline.model_source import ModelSource, resolve
 from tokenline.scheduler.engine import Engine, EngineLimits, default_token_budget
 from tokenline.scheduler.grammar import GrammarCompiler
 from tokenline.scheduler.kv_events import attach
@@ -16,7 +16,7 @@ from tokenline.scheduler.lora.adapters import LoraError
 from tokenline.scheduler.lora.options import LoraOptions
 from tokenline.scheduler.lora_config import LoraConfigWatcher
 from tokenline.scheduler.parallel import stage as parallel_stage
-from tokenline.scheduler.runner import ModelRunner, pick_device
+from tokenline.scheduler.runner import ModelRunner, RunnerOptions, pick_device
 from tokenline.scheduler.stage import LoraChanges, SchedulerStage
 from tokenline.scheduler.warm_up import warm_up
 from tokenline.settings import Settings
@@ -32,33 +32,18 @@ def run(settings: Settings) -> int:
     source = resolve(settings.model, settings.model_cache_dir, settings.revision)
     if settings.metrics_port:  # a worker node's too: its pod's probes read it
         serve_metrics(settings.metrics_port)
+    options = runner_options(settings, source)
     if settings.tensor_parallel_size > 1 and settings.node_rank > 0:
-        return parallel_stage.run_worker_node(settings, source)
-    max_model_len = source.max_model_len(settings.max_model_len)
-    device = pick_device(settings.device)
-    budget = settings.max_num_batched_tokens or default_token_budget(device.type)
-    # With --tensor-parallel-size > 1: rank 0's sharded runner, its workers started.
-    runner = parallel_stage.runner_type(settings, source, ModelRunner)(
-        source,
-        settings.device,
-        settings.dtype,
-        settings.block_size,
-        settings.kv_cache_memory,
-        settings.gpu_memory_utilization,
-        settings.torch_threads,
-        compile_layers=settings.compile,
-        attention_backend=settings.attention_backend,
-        model_impl=settings.model_impl,
-        max_model_len=max_model_len,
-        cuda_graph_sizes=sizes_of(settings.cuda_graph_sizes),
-        enforce_eager=settings.enforce_eager,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=budget,
-    )
+        return parallel_stage.run_worker_node(settings, source, options)
+    if settings.tensor_parallel_size > 1:  # rank 0's sharded runner, its workers started
+        runner = parallel_stage.driver_runner(settings, source, options)
+    else:
+        runner = ModelRunner(source, options)
+    budget = options.max_num_batched_tokens
     # before the stage joins the ring (and /ready turns true): the first requests must not
     # wait for kernels to compile or graphs to be captured
     warm_up(runner, budget)
-    limits = EngineLimits(max_model_len, settings.max_num_seqs, budget)
+    limits = EngineLimits(options.max_model_len, options.max_num_seqs, budget)
     lora = None
     if settings.enable_lora:
         lora = LoraOptions(
@@ -89,6 +74,28 @@ def run(settings: Settings) -> int:
     stage = SchedulerStage(engine, settings.model_name, kv_events, lora_changes)
     serve_stage(stage, ring, drain)
     return 0
+
+
+def runner_options(settings: Settings, source: ModelSource) -> RunnerOptions:
+    """The runner's options, read from the settings once (every tensor-parallel rank builds
+    its runner from these)."""
+    return RunnerOptions(
+        device=settings.device,
+        dtype=settings.dtype,
+        block_size=settings.block_size,
+        kv_cache_memory=settings.kv_cache_memory,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        torch_threads=settings.torch_threads,
+        compile_layers=settings.compile,
+        attention_backend=settings.attention_backend,
+        model_impl=settings.model_impl,
+        max_model_len=source.max_model_len(settings.max_model_len),
+        cuda_graph_sizes=sizes_of(settings.cuda_graph_sizes),
+        enforce_eager=settings.enforce_eager,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens
+        or default_token_budget(pick_device(settings.device).type),
+    )
 
 
 def grammar_compiler(source) -> tuple[GrammarCompiler | None, str]:

@@ -25,7 +25,7 @@ from tokenline.model_source import ModelSource
 from tokenline.scheduler import models
 from tokenline.scheduler.layers.placement import Placement
 from tokenline.scheduler.parallel.group import COLLECTIVE_TIME, RANK_STEP_TIME, TensorParallel
-from tokenline.scheduler.runner import ModelRunner, StepInputs
+from tokenline.scheduler.runner import ModelRunner, RunnerOptions, StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +46,16 @@ def fatal(message: str, *args: object) -> None:
 
 
 class ShardedModelRunner(ModelRunner):
-    def __init__(self, source: ModelSource, tp: TensorParallel, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, source: ModelSource, tp: TensorParallel, options: RunnerOptions = RunnerOptions()
+    ) -> None:
         self.tp = tp
-        if kwargs.pop("compile_layers", False):
-            log.warning("--compile is not supported with tensor parallelism yet; running eagerly")
+        if options.compile_layers and tp.is_driver:  # said once, by rank 0
+            log.warning("--compile is ignored with --tensor-parallel-size > 1")
         # every rank would replay its own graph in lockstep: not built yet, so steps run eagerly
-        kwargs["enforce_eager"] = True
-        super().__init__(source, *args, **kwargs)
+        super().__init__(
+            source, dataclasses.replace(options, compile_layers=False, enforce_eager=True)
+        )
         self._lock = threading.RLock()  # one command (and its collectives) at a time
         self._last_command = time.monotonic()
         self._rank_labels = [str(r) for r in range(tp.world_size)]

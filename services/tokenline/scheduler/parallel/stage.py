@@ -1,42 +1,28 @@
-"""The scheduler stage's side of tensor parallelism: which runner a process builds, and what
-a worker node of a multi-node group runs instead of the stage."""
+"""The scheduler stage's side of tensor parallelism: rank 0's runner with its workers, each
+rank's share of the runner's options, and what a worker node of a multi-node group runs
+instead of the stage."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable
-from typing import Any
+import os
 
 from tokenline.model_source import ModelSource
-from tokenline.scheduler.engine import default_token_budget
-from tokenline.scheduler.parallel.worker import RunnerArgs, backend_for, serve_node, start
+from tokenline.scheduler.parallel.runner import ShardedModelRunner
+from tokenline.scheduler.parallel.worker import serve_node, start
+from tokenline.scheduler.runner import RunnerOptions
 
 log = logging.getLogger(__name__)
 
 
-def runner_args(settings, source: ModelSource) -> RunnerArgs:
-    threads = settings.torch_threads
-    if threads is None and settings.device != "cuda":
-        # On CPU the ranks share the cores: each takes its part, not all but one.
-        import os
-
-        ranks = ranks_per_node(settings)
-        threads = max(1, ((os.cpu_count() or 2) - 1) // ranks)
-    return RunnerArgs(
-        source,
-        device=settings.device,
-        dtype=settings.dtype,
-        block_size=settings.block_size,
-        kv_cache_memory=settings.kv_cache_memory,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        torch_threads=threads,
-        attention_backend=settings.attention_backend,
-        model_impl=settings.model_impl,
-        max_model_len=source.max_model_len(settings.max_model_len),
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens
-        or default_token_budget("cuda" if backend_for(settings.device) == "nccl" else "cpu"),
-    )
+def rank_options(settings, options: RunnerOptions) -> RunnerOptions:
+    """The options every rank builds its runner with: the stage's, except that on CPU the
+    ranks of a node share its cores, each taking its part (not all but one)."""
+    if options.torch_threads is not None or settings.device == "cuda":
+        return options
+    threads = max(1, ((os.cpu_count() or 2) - 1) // ranks_per_node(settings))
+    return dataclasses.replace(options, torch_threads=threads)
 
 
 def ranks_per_node(settings) -> int:
@@ -46,15 +32,14 @@ def ranks_per_node(settings) -> int:
     return size // nodes
 
 
-def driver_runner(settings, source: ModelSource):
+def driver_runner(settings, source: ModelSource, options: RunnerOptions) -> ShardedModelRunner:
     """Rank 0's runner, with this node's other ranks spawned and watched."""
     if getattr(settings, "enable_lora", False):
         # the adapters' weights and calls are not sharded nor mirrored to the workers yet
         raise SystemExit("--enable-lora is not supported with --tensor-parallel-size > 1 yet")
-    if settings.compile:
-        log.warning("--compile is ignored with --tensor-parallel-size > 1")
     driver = start(
-        runner_args(settings, source),
+        source,
+        rank_options(settings, options),
         settings.tensor_parallel_size,
         timeout_s=settings.distributed_timeout,
         master_addr=settings.master_addr if settings.nnodes > 1 else "127.0.0.1",
@@ -64,21 +49,13 @@ def driver_runner(settings, source: ModelSource):
     return driver.runner
 
 
-def runner_type(settings, source: ModelSource, single: Callable[..., Any]) -> Callable[..., Any]:
-    """What the stage calls to build its runner: ``single`` (ModelRunner) for one device;
-    with tensor parallelism, a builder of rank 0's runner from ``settings`` (the runner's
-    arguments are the same settings, read once here for every rank)."""
-    if settings.tensor_parallel_size == 1:
-        return single
-    return lambda *_args, **_kwargs: driver_runner(settings, source)
-
-
-def run_worker_node(settings, source: ModelSource) -> int:
+def run_worker_node(settings, source: ModelSource, options: RunnerOptions) -> int:
     """A node other than the leader: its ranks follow the leader's rank 0; no ring."""
     if settings.master_port is None:
         raise SystemExit("a worker node needs --master-port (the leader's rendezvous port)")
     return serve_node(
-        runner_args(settings, source),
+        source,
+        rank_options(settings, options),
         settings.tensor_parallel_size,
         settings.node_rank,
         ranks_per_node(settings),

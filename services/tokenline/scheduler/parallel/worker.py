@@ -25,28 +25,10 @@ import torch
 from tokenline.model_source import ModelSource
 from tokenline.scheduler.parallel.group import GroupSpec, free_port, join, leave
 from tokenline.scheduler.parallel.runner import ShardedModelRunner, fatal
+from tokenline.scheduler.runner import RunnerOptions
 
 log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.2
-
-
-@dataclass(frozen=True)
-class RunnerArgs:
-    """What every rank builds its runner from (picklable, sent to spawned workers)."""
-
-    source: ModelSource
-    device: str = "auto"
-    dtype: str = "auto"
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    torch_threads: int | None = None
-    dense_decode: bool = True
-    attention_backend: str = "auto"
-    model_impl: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048  # every rank profiles the same forward (warm_up.py)
 
 
 def backend_for(device: str) -> str:
@@ -54,36 +36,26 @@ def backend_for(device: str) -> str:
     return "nccl" if cuda else "gloo"
 
 
-def build_runner(args: RunnerArgs, spec: GroupSpec, rank: int, local_rank: int):
+def build_runner(
+    source: ModelSource, options: RunnerOptions, spec: GroupSpec, rank: int, local_rank: int
+) -> ShardedModelRunner:
+    """A rank's runner. Every rank builds it from the same source and options (picklable:
+    spawned workers receive them), so every rank profiles the same forward (warm_up.py)."""
     if spec.backend == "nccl":
         torch.cuda.set_device(local_rank)  # "cuda" below means this rank's device
-    tp = join(spec, rank)
-    return ShardedModelRunner(
-        args.source,
-        tp,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        torch_threads=args.torch_threads,
-        dense_decode=args.dense_decode,
-        attention_backend=args.attention_backend,
-        model_impl=args.model_impl,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    return ShardedModelRunner(source, join(spec, rank), options)
 
 
-def worker_main(args: RunnerArgs, spec: GroupSpec, rank: int, local_rank: int) -> None:
+def worker_main(
+    source: ModelSource, options: RunnerOptions, spec: GroupSpec, rank: int, local_rank: int
+) -> None:
     """A worker rank: build the shard, then follow rank 0 until told to stop."""
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s"
     )
     parent = os.getppid()
     try:
-        runner = build_runner(args, spec, rank, local_rank)
+        runner = build_runner(source, options, spec, rank, local_rank)
         while runner.follow(runner.receive()):
             if os.getppid() != parent:  # spawned by a stage that is gone
                 fatal("tensor parallel rank %d: its parent exited", rank)
@@ -99,14 +71,17 @@ def worker_main(args: RunnerArgs, spec: GroupSpec, rank: int, local_rank: int) -
     os._exit(0)
 
 
-def spawn(args: RunnerArgs, spec: GroupSpec, ranks: range, first_local: int = 0):
+def spawn(
+    source: ModelSource, options: RunnerOptions, spec: GroupSpec, ranks: range,
+    first_local: int = 0,
+) -> list:  # fmt: skip
     """Start ``ranks`` as processes of this host (local ranks from ``first_local``)."""
     context = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA
     processes = []
     for offset, rank in enumerate(ranks):
         process = context.Process(
             target=worker_main,
-            args=(args, spec, rank, first_local + offset),
+            args=(source, options, spec, rank, first_local + offset),
             name=f"tp-rank{rank}",
             daemon=True,  # they die with the stage, whatever ends it
         )
@@ -172,7 +147,8 @@ class Driver:
 
 
 def start(
-    args: RunnerArgs,
+    source: ModelSource,
+    options: RunnerOptions,
     size: int,
     timeout_s: float = 300.0,
     on_death: Callable[[str], None] = _exit_stage,
@@ -183,28 +159,28 @@ def start(
     """Rank 0 here and ranks 1..``local_ranks``-1 spawned on this host; the other ranks (on
     other nodes) join at ``master_addr``:``master_port``."""
     local = size if local_ranks is None else local_ranks
-    spec = GroupSpec(size, master_addr, master_port or free_port(), backend_for(args.device),
+    spec = GroupSpec(size, master_addr, master_port or free_port(), backend_for(options.device),
                      timeout_s)  # fmt: skip
-    processes = spawn(args, spec, range(1, local), first_local=1)
+    processes = spawn(source, options, spec, range(1, local), first_local=1)
     stopping = threading.Event()
     # A stage that exits on its own (drained) ends its daemonic workers at exit: that death
     # is expected. Registered after multiprocessing's own exit hook, so it runs before it.
     atexit.register(stopping.set)
     watch(processes, on_death, stopping)
-    runner = build_runner(args, spec, 0, 0)
+    runner = build_runner(source, options, spec, 0, 0)
     heartbeat(runner, timeout_s, stopping)
     return Driver(runner, processes, stopping)
 
 
 def serve_node(
-    args: RunnerArgs, size: int, node_rank: int, ranks_per_node: int, master_addr: str,
-    master_port: int, timeout_s: float = 300.0,
+    source: ModelSource, options: RunnerOptions, size: int, node_rank: int, ranks_per_node: int,
+    master_addr: str, master_port: int, timeout_s: float = 300.0,
 ) -> int:  # fmt: skip
     """A worker node of a multi-node group: spawn this node's ranks and wait for them; exit
     non-zero as soon as one fails (the pod restarts, and rank 0 sees its collective fail)."""
-    spec = GroupSpec(size, master_addr, master_port, backend_for(args.device), timeout_s)
+    spec = GroupSpec(size, master_addr, master_port, backend_for(options.device), timeout_s)
     first = node_rank * ranks_per_node
-    processes = spawn(args, spec, range(first, min(first + ranks_per_node, size)))
+    processes = spawn(source, options, spec, range(first, min(first + ranks_per_node, size)))
     while True:
         for process in processes:
             if not process.is_alive():

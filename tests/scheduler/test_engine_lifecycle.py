@@ -6,7 +6,7 @@ import pytest
 from scheduler_testkit import Drained, assert_idle, collect, drain, greedy
 
 from tokenline.protocol import SamplingParams
-from tokenline.scheduler.engine import KVCacheTooSmall
+from tokenline.scheduler.engine import InvalidRequest, KVCacheTooSmall
 
 N = 24
 EOS_PROMPTS = ["<|assistant|>", "hello please", "request queue world"]
@@ -107,10 +107,13 @@ def test_max_tokens_ends_with_length(make_engine, encode, max_tokens):
     assert (len(out), reason) == (max_tokens, "length")
 
 
-def test_max_model_len_ends_with_length(make_engine, encode):
+@pytest.mark.parametrize("max_tokens", [None, N], ids=["unset", "past-the-context"])
+def test_max_model_len_ends_with_length(make_engine, encode, max_tokens):
+    """The tokenizer stage fills max_tokens in and holds it to the context; a caller in
+    process skips it, and the sequence still ends where the context does."""
     ids = encode("hello please")
     sampling = greedy(N, ignore_eos=True)
-    sampling.max_tokens = None  # up to the context limit
+    sampling.max_tokens = max_tokens
     out, reason = run_one(make_engine, ids, sampling, max_model_len=len(ids) + 5)
     assert (len(out), reason) == (5, "length")
 
@@ -183,6 +186,16 @@ def test_idle_engine_holds_no_kv_blocks(make_engine, encode, eos_case):
     engine.abort("aborted")
     run = drain(engine)
     assert len(run.terminals) == 5 and set(run.terminals.values()) == {1}
+    assert_idle(engine)
+
+
+def test_an_empty_prompt_is_a_callers_bug_not_a_step_failure(make_engine):
+    """The tokenizer stage refuses empty prompts with the request's error; the engine only
+    keeps one that skipped it out of a step (where it would fail its neighbours too)."""
+    engine = make_engine()
+    with pytest.raises(ValueError, match="empty prompt") as refused:
+        engine.add("e", [], greedy(4))
+    assert not isinstance(refused.value, InvalidRequest)
     assert_idle(engine)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import msgspec
+
 from tokenline import protocol
 from tokenline.scheduler.stage import SchedulerStage
 from tokenline.stage_runtime import StageRuntime
@@ -42,6 +44,21 @@ def _request(uid: str) -> protocol.Tokenized:
         sampling=protocol.SamplingParams(max_tokens=4, ignore_eos=True),
         timeout_s=30,
     )
+
+
+def test_an_empty_prompt_that_skipped_the_tokenizer_ends_alone(make_engine):
+    """The tokenizer stage refuses empty prompts; one that reached the scheduler anyway (a
+    bug upstream) ends its own uid with internal_error, holds nothing, and its neighbour runs."""
+    stage = ring = RecordingRing(make_engine())
+    stage.handle(_request("ok"))
+    stage.handle(msgspec.structs.replace(_request("empty"), prompt_ids=[]))
+    failed = [m for m in ring.sent if isinstance(m, protocol.Failed)]
+    assert [(f.uid, f.code) for f in failed] == [("empty", "internal_error")]
+    assert not stage.engine.holds("empty")
+    while stage.engine.has_work():
+        stage.step()
+    assert ring.terminals() == {"ok": "length"}
+    assert len(stage.ledger) == 0
 
 
 def test_an_abort_that_overtakes_its_request_refuses_it_on_arrival(make_engine):

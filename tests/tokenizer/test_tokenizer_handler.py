@@ -90,6 +90,39 @@ def test_prompt_ids_are_held_to_the_context_length(stage):
     assert isinstance(no_room, protocol.Failed) and no_room.code == "context_length_exceeded"
 
 
+# ── the prompt's length: the tokenizer stage owns these rules (the engine trusts them) ─────────
+def test_a_text_prompt_that_tokenizes_to_nothing_fails(stage):
+    (failed,) = run(stage, generate("e", prompt=""))
+    assert isinstance(failed, protocol.Failed)
+    assert (failed.http_status, failed.code, failed.param) == (
+        400,
+        "invalid_request_error",
+        "prompt",
+    )
+    assert "empty after tokenization" in failed.message
+
+
+def test_a_text_prompt_is_held_to_the_context_and_given_the_rest_of_it(stage):
+    words = "the old river road"
+    unset = protocol.SamplingParams()  # max_tokens: up to the context
+    fill, over, long = run(
+        stage,
+        protocol.Generate(uid="fill", sampling=unset, timeout_s=30, prompt=words),
+        protocol.Generate(
+            uid="over",
+            sampling=protocol.SamplingParams(max_tokens=MAX_MODEL_LEN),
+            timeout_s=30,
+            prompt=words,
+        ),
+        generate("long", prompt=" ".join([words] * MAX_MODEL_LEN)),
+    )
+    assert isinstance(fill, protocol.Tokenized)
+    assert fill.sampling.max_tokens == MAX_MODEL_LEN - len(fill.prompt_ids)
+    for failed in (over, long):
+        assert isinstance(failed, protocol.Failed) and failed.code == "context_length_exceeded"
+        assert failed.param == "prompt" and f"{MAX_MODEL_LEN} tokens" in failed.message
+
+
 def test_prompt_ids_cross_the_wire(stage):
     codec = protocol.Codec(protocol.ToTokenizer)
     sent = generate("w", prompt_ids=[1, 2, 3])

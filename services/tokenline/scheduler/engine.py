@@ -84,6 +84,11 @@ class Engine:
     ``sampling.prompt_logprobs``: the prompt's own logprobs, gathered during its prefill and
     sent on the first output (prompt_logprobs.py). ``max_tokens`` 0 reads the prompt and ends
     with ``length`` and no token: how echo with logprobs scores a text.
+
+    Requests come checked by the tokenizer stage, which owns the rules on a prompt's length: at
+    least one token (`add` refuses an empty prompt as a caller's bug), and ``max_tokens``
+    filled in and held to the context length (`add` caps it at the KV pool alone; `BatchPolicy`
+    ends a sequence at the context, whatever an in-process caller asked).
     """
 
     def __init__(
@@ -136,8 +141,8 @@ class Engine:
     ) -> Sequence:
         if lora and (self.loras is None or not self.loras.known(lora)):
             raise UnknownModel(f"The model `{lora}` does not exist.")
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty; send at least one token", param="prompt")
+        if not prompt_ids:  # the tokenizer stage refuses these: a caller that skipped it
+            raise ValueError(f"{uid}: an empty prompt; the engine needs at least one token")
         if not self.policy.fits_at_all(len(prompt_ids)):
             raise KVCacheTooSmall(
                 f"the prompt needs {len(prompt_ids)} tokens of KV cache but the pool holds "
@@ -162,13 +167,12 @@ class Engine:
             reason = prompt_logprobs.refusal(len(prompt_ids), sampling.prompt_logprobs)
             if reason is not None:
                 raise InvalidRequest(reason, param="logprobs")
-        # A request never grows past the context or past the whole KV pool: one that outgrew
-        # the pool could only preempt itself forever.
-        capacity = (self.pool.num_blocks - 1) * self.pool.block_size
-        room = min(self.limits.max_model_len, capacity) - len(prompt_ids)
+        # A request never grows past the whole KV pool: one that outgrew it could only preempt
+        # itself forever. (The tokenizer stage fills max_tokens in and holds it to the context
+        # length; the policy ends a sequence at the context whatever a caller asked.)
+        room = (self.pool.num_blocks - 1) * self.pool.block_size - len(prompt_ids)
         # max_tokens 0: the prompt is only read (its logprobs, with echo), nothing generated
-        asked = room if sampling.max_tokens is None else sampling.max_tokens
-        max_tokens = min(asked, room)
+        max_tokens = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
         seq = Sequence(
             uid=uid,
             prompt_ids=prompt_ids,

@@ -245,6 +245,8 @@ class BatchPolicy:
                 return "stop"
         if len(seq.output_ids) >= seq.max_tokens:
             return "length"
+        # the runner's positions end at the context; on the ring max_tokens (held to the
+        # context by the tokenizer stage) has ended the sequence by then
         if self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
             return "length"
         return None

@@ -1,4 +1,8 @@
-"""The tokenizer stage: chat templates and tokenization, batched; rejects over-long prompts.
+"""The tokenizer stage: chat templates and tokenization, batched.
+
+It owns the rules on a prompt's length (`PromptEncoder._check`): an empty prompt and one past
+the context with its ``max_tokens`` are refused here, and an unset ``max_tokens`` becomes the
+rest of the context; the scheduler's engine relies on both.
 
 It holds no per-request state between batches: every message is forwarded, in order, in the
 same loop iteration that received it, so aborts can never overtake their request here. It also

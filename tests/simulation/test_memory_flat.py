@@ -23,8 +23,8 @@ import pytest
 from ring_sim import RingSim
 
 from tokenline import protocol
-from tokenline.api.ring.abort_log import AbortLog
 from tokenline.api.function_calling.grammars import json_grammar
+from tokenline.api.ring.abort_log import AbortLog
 from tokenline.bounded import ExpiringSet, LruCache
 from tokenline.scheduler.grammar import CACHE_SIZE, GrammarCompiler
 

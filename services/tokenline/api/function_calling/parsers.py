@@ -1,7 +1,8 @@
 """Tool calls in a model's own output format: finding them in text, whole or as a stream.
 
 Each format (api/function_calling/formats.py) has a stream parser here that splits generated
-text into content and calls, so `auto` replies can be parsed. No I/O: tests drive the parsers directly.
+text into content and calls, so `auto` replies can be parsed. No I/O: tests drive the parsers
+directly.
 
 A reply is parsed by feeding it to a stream parser in one piece, so a streamed reply and a
 whole one always split into the same content and the same calls.

@@ -6,18 +6,29 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import Protocol
+
+import msgspec
 
 from tokenline import protocol
 from tokenline.transport import SyncRing, UpstreamLink
-
-if TYPE_CHECKING:
-    from tokenline.stage_runtime import Outbound, StageRuntime
 
 log = logging.getLogger(__name__)
 LIVENESS_POLL_S = 0.05  # how long a step runs before the watcher answers heartbeats
 # what the watcher answers during a step; everything else waits for the loop
 CONTROL = (UpstreamLink, protocol.Heartbeat, protocol.Link)
+
+
+class SteppedRuntime(Protocol):
+    """What `Liveness` needs of the stage runtime whose steps it watches (`StageRuntime`)."""
+
+    stage: str
+    stepping: bool
+
+    def run_step(self) -> list[msgspec.Struct] | Exception: ...
+
+    def process(self, batch: Iterable[tuple[float, msgspec.Struct | UpstreamLink]]) -> None: ...
 
 
 class Liveness:
@@ -31,7 +42,7 @@ class Liveness:
     are held back for the loop, which handles them after the step, in the order they came.
     """
 
-    def __init__(self, runtime: StageRuntime, ring: SyncRing, limit: int) -> None:
+    def __init__(self, runtime: SteppedRuntime, ring: SyncRing, limit: int) -> None:
         self.runtime, self.ring, self.limit = runtime, ring, limit
         self.ring_lock = threading.Lock()
         self._held_back: list = []
@@ -42,7 +53,7 @@ class Liveness:
         )
         self._watcher.start()
 
-    def step(self) -> Outbound | Exception:
+    def step(self) -> list[msgspec.Struct] | Exception:
         self._step_started = time.monotonic()
         self.runtime.stepping = True
         try:

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from tokenline.scheduler.attention.flex_static import StaticDecode
 from tokenline.scheduler.layers.context import ForwardContext
 from tokenline.scheduler.policy import Chunk
 
@@ -44,9 +45,9 @@ class DecodeGraphs:
         largest = runner.attention.shape.max_num_seqs
         self.sizes = sizes = sorted({min(s, largest) for s in sizes})
         self.capture_graphs = capture
-        largest = runner.attention.static_decode(max(sizes))
+        largest = StaticDecode(runner.attention, max(sizes))
         self.buffers = {
-            bucket: runner.attention.static_decode(bucket, shared=largest) for bucket in sizes[:-1]
+            bucket: StaticDecode(runner.attention, bucket, shared=largest) for bucket in sizes[:-1]
         }
         self.buffers[max(sizes)] = largest
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

@@ -27,7 +27,7 @@ from tokenline.model_source import ModelSource
 from tokenline.scheduler import attention, models
 from tokenline.scheduler.attention import AttentionShape
 from tokenline.scheduler.attention.decode_contexts import DecodeContexts
-from tokenline.scheduler.attention.flex import flex_block_size
+from tokenline.scheduler.attention.flex import FlexAttentionBackend, flex_block_size
 from tokenline.scheduler.decode_graphs import DecodeGraphs, capture_sizes
 from tokenline.scheduler.layers.context import ForwardContext
 from tokenline.scheduler.layers.linear import CACHE_SIZED_WEIGHTS, packs_weights, weight_bytes
@@ -235,7 +235,7 @@ class ModelRunner:
 
     def _graph_refusal(self) -> str:
         """Why decode steps cannot run over fixed buffers here; "" when they can."""
-        if not hasattr(self.attention, "static_decode"):
+        if not isinstance(self.attention, FlexAttentionBackend):
             return f"the {self.attention.name} attention backend has no fixed-buffer decode"
         return self.model.graph_refusal()
 

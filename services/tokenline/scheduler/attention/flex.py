@@ -165,13 +165,6 @@ class FlexAttentionBackend(AttentionBackend):
             compute_q_blocks=False,
         )
 
-    def static_decode(self, bucket: int, shared=None):
-        """Fixed buffers for decode steps of up to ``bucket`` rows (captured CUDA graphs);
-        ``shared``: a larger bucket's, whose memory these use."""
-        from tokenline.scheduler.attention.flex_static import StaticDecode
-
-        return StaticDecode(self, bucket, shared)
-
     # ── once per layer ──────────────────────────────────────────────────────────────────────
     def forward(self, q, k, v, layer: AttentionLayer, metadata: FlexMetadata) -> torch.Tensor:
         tokens, shape = q.shape[0], self.shape

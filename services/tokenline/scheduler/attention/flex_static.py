@@ -14,21 +14,23 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from tokenline.scheduler.attention.flex import (
+    Q_BLOCK,
+    BlockMap,
+    FlexAttentionBackend,
+    FlexMetadata,
+    FlexRows,
+    _visible,
+)
 from tokenline.scheduler.step_inputs import copy_into, long_tensor
 
 
 class StaticDecode:
     """``shared``: the largest bucket's buffers, whose first rows this bucket uses."""
 
-    def __init__(self, backend, bucket: int, shared: StaticDecode | None = None) -> None:
-        from tokenline.scheduler.attention.flex import (
-            Q_BLOCK,
-            BlockMap,
-            FlexMetadata,
-            FlexRows,
-            _visible,
-        )
-
+    def __init__(
+        self, backend: FlexAttentionBackend, bucket: int, shared: StaticDecode | None = None
+    ) -> None:
         shape, device = backend.shape, backend.shape.device
         self.bucket, self.width, self.block_size = bucket, backend.width, shape.block_size
         self.window = shape.window

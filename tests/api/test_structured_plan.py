@@ -40,6 +40,7 @@ ANSWER = ResponseFormat.model_validate(
     }
 )
 CALL = '<tool_call>\n{"name": "pick", "arguments": {"n": 3}}\n</tool_call>'
+LLAMA3_CALL = '{"name": "pick", "parameters": {"n": 3}}'
 
 
 def _accepts(grammar: str, text: str, tiny_tokenizer) -> bool:
@@ -91,6 +92,14 @@ def test_required_allows_only_calls_whose_arguments_validate(tiny_tokenizer):
     assert not _accepts(plan.grammar, CALL + "\n" + CALL, tiny_tokenizer)  # not parallel
     parallel = structured.plan_tools([TOOL], "required", True, None, HERMES)
     assert _accepts(parallel.grammar, CALL + "\n" + CALL, tiny_tokenizer)
+
+
+@pytest.mark.parametrize("fmt, call", [(HERMES, CALL), (LLAMA3_JSON, LLAMA3_CALL)])
+def test_a_named_tool_choice_is_exactly_one_call_even_when_parallel(tiny_tokenizer, fmt, call):
+    named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "pick"}})
+    plan = structured.plan_tools([TOOL], named, True, None, fmt)
+    assert _accepts(plan.grammar, call, tiny_tokenizer)
+    assert not _accepts(plan.grammar, call + fmt.separator + call, tiny_tokenizer)
 
 
 def test_json_whitespace_is_fixed_so_output_cannot_run_on_in_spaces(tiny_tokenizer):

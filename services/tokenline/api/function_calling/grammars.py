@@ -247,7 +247,9 @@ def plan_tools(
         return ToolPlan(None, answer, None)
     shown = [_template_tool(t) for t in tools]
     if chosen:  # a call is forced: no text comes out this turn for a format to shape
-        return ToolPlan(shown, _checked_lark(_calls_lark(chosen, fmt, parallel)), fmt)
+        # A named function is called exactly once, as OpenAI and vLLM do, parallel or not.
+        several = parallel and not isinstance(choice, NamedToolChoice)
+        return ToolPlan(shown, _checked_lark(_calls_lark(chosen, fmt, several)), fmt)
     if schema is None:  # auto: free text, in which any call is one of the declared
         return ToolPlan(shown, _checked_lark(_text_or_calls_lark(tools, fmt, parallel)), fmt)
     lark = _calls_lark(tools, fmt, parallel, answer=schema)  # auto: calls or the JSON answer

@@ -220,6 +220,25 @@ def test_langchain_bind_tools_non_strict_gives_valid_calls(base_url, stack):
                 assert set(call["args"]) <= set(schemas[call["name"]]["properties"])
 
 
+def test_langchain_bind_tools_with_a_named_choice_gives_exactly_one_call(base_url, stack):
+    from langchain_core.tools import tool
+
+    @tool(args_schema=WeatherArgs)
+    def get_weather(city: str, unit: str = "c") -> str:
+        """The weather in a city, in celsius (c) or fahrenheit (f)."""
+        return "rain"
+
+    schema = get_weather.tool_call_schema.model_json_schema()
+    for seed in SEEDS:  # parallel_tool_calls is left at its default, which is on
+        bound = _chat_model(base_url, stack.model, seed).bind_tools(
+            [get_weather], tool_choice="get_weather"
+        )
+        message = bound.invoke("What is the weather in Oslo?")
+        assert [c["name"] for c in message.tool_calls] == ["get_weather"], (seed, message)
+        assert message.response_metadata["finish_reason"] == "tool_calls"
+        jsonschema.validate(message.tool_calls[0]["args"], schema)
+
+
 @pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
 def test_langchain_with_structured_output_gives_a_valid_model(base_url, stack, method):
     for seed in SEEDS:

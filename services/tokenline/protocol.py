@@ -53,6 +53,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     grammar: str | None = None  # an llguidance grammar the output must match (api builds it)
     prompt_logprobs: int | None = None  # echo: the prompt tokens' logprobs plus the top N
     echo: bool = False  # send the prompt's text back in the first reply
+    reasoning: bool = False  # chat: the detokenizer keeps thinking apart (--reasoning-parser)
 
 
 class ToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -69,6 +70,7 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     tool_calls: list[ToolCall] = []  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
     name: str | None = None  # a tool turn: the function that answered
+    reasoning: str | None = None  # an assistant turn's thinking, for templates that show it
 
 
 # ── requests, api → tokenizer → scheduler ─────────────────────────────────────────────────────
@@ -87,6 +89,8 @@ class Generate(_Message, tag="generate"):
     # A prompt already tokenized: taken as it is (no special tokens added), checked in vocab
     prompt_ids: list[int] | None = None
     lora: str = ""  # the LoRA adapter that serves it, by name; "" is the base model
+    # extra variables of the chat template (enable_thinking, reasoning_effort, ...)
+    template_kwargs: dict[str, Any] | None = None
     version: int = PROTOCOL_VERSION
 
 
@@ -243,6 +247,7 @@ class Begin(_Message, tag="begin"):
     timeout_s: float = 0.0
     tokenizer_s: float = 0.0
     prompt_tail: list[int] = []  # the prompt's last ids: the detokenizer primes its stream
+    reasoning: bool = False  # as `SamplingParams.reasoning`
     # sampling.echo: every prompt id, decoded into the first reply's prompt_text (non-empty
     # exactly when echo was asked; prompt logprobs name their own token ids)
     echo_ids: list[int] = []
@@ -311,6 +316,10 @@ class Reply(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
     scheduler_s: float = 0.0
     detokenizer_s: float = 0.0
     cached_tokens: int = 0  # on the terminal reply: prompt tokens served from the prefix cache
+    # with sampling.reasoning: the thinking of this piece (``text`` is the answer's), and the
+    # tokens behind it, its markers included
+    reasoning: str = ""
+    reasoning_tokens: int = 0
     logprobs: list[LogprobEntry] | None = None  # per token of this reply, when asked
     prompt_text: str | None = None  # with sampling.echo: the decoded prompt, first reply only
     prompt_logprobs: list[LogprobEntry | None] | None = None  # first reply only; [0] is None

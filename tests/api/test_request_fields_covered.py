@@ -55,8 +55,24 @@ _ROUND_TRIP = t(RESPONSES, "test_a_function_call_round_trip")
 _ITEMS = t(RESPONSES, "test_item_input_and_instructions_reach_the_prompt")
 _RESPONSE_JSON = t(RESPONSES, "test_json_schema_output_parses_and_validates")
 _CHAT_COUNT = t(TOKENIZE, "test_chat_count_is_a_chat_completions_prompt_tokens")
+_NOTHING_EFFORT = t(SURFACE, "test_fields_with_no_effect_refuse_values_that_ask_for_something")
+
+REASONING = "test_reasoning_replies.py"
+_THINKING = t(REASONING, "test_thinking_switched_off_in_the_template_answers_plainly")
+_HISTORY = t(REASONING, "test_an_assistant_turn_goes_back_with_its_reasoning_under_either_name")
 
 EXERCISED: dict[str, tuple[str, ...]] = {
+    "ChatCompletionRequest.reasoning_effort": t(
+        REASONING, "test_reasoning_effort_reaches_the_chat_template"
+    )
+    + _NOTHING_EFFORT,
+    "ChatCompletionRequest.include_reasoning": t(
+        REASONING, "test_include_reasoning_false_leaves_the_thinking_out_but_counts_it"
+    ),
+    "ChatCompletionRequest.chat_template_kwargs": _THINKING
+    + t(REASONING, "test_template_kwargs_that_would_override_the_server_are_refused"),
+    "ChatMessageIn.reasoning": _HISTORY,
+    "ChatMessageIn.reasoning_content": _HISTORY,
     # ── chat completions ──
     "ChatCompletionRequest.model": t(SURFACE, "test_an_unknown_model_is_404_on_chat")
     + t(CLIENT, "test_chat_non_streaming_reports_real_usage"),
@@ -348,7 +364,6 @@ REFUSED_OR_NO_OP: dict[str, tuple[str, ...]] = {
     **{
         f"ChatCompletionRequest.{field}": _NOTHING + _NO_EFFECT_REFUSALS
         for field in (
-            "reasoning_effort",
             "metadata",
             "modalities",
             "prediction",

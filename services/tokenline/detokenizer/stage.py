@@ -19,6 +19,12 @@ import msgspec
 from tokenline import protocol
 from tokenline.bounded import ExpiringSet
 from tokenline.detokenizer.incremental import IncrementalDecoder
+from tokenline.detokenizer.reasoning import (
+    ReasoningFormat,
+    ReasoningSplit,
+    detect,
+    reasoning_format,
+)
 from tokenline.detokenizer.token_text import TokenTexts
 from tokenline.ledger import LEAK_GRACE_S
 from tokenline.lifecycle import Drain
@@ -41,6 +47,8 @@ class _Live:
     cached_tokens: int = 0
     echo_ids: list[int] | None = None  # the prompt to echo, until the first reply takes it
     deadline: float = float("inf")  # monotonic; past it the scheduler ends the uid itself
+    split: ReasoningSplit | None = None  # chat with a reasoning parser
+    thinking: bool = False  # which channel the decoder's held-back text belongs to
 
 
 class DetokenizerStage(StepFreeHandler):
@@ -48,8 +56,9 @@ class DetokenizerStage(StepFreeHandler):
 
     stage = "detokenizer"
 
-    def __init__(self, tokenizer) -> None:  # tokenizer: tokenizers.Tokenizer
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, reasoning: ReasoningFormat | None = None) -> None:
+        self.tokenizer = tokenizer  # a tokenizers.Tokenizer
+        self.reasoning = reasoning  # --reasoning-parser, for chat requests
         self.token_texts = TokenTexts(tokenizer)
         self.live: dict[str, _Live] = {}
         # Ended here before the scheduler ended them; the scheduler's end is still to come.
@@ -85,6 +94,8 @@ class DetokenizerStage(StepFreeHandler):
                 echo_ids=message.echo_ids or None,
                 deadline=arrived + message.timeout_s,
             )
+            if message.reasoning and self.reasoning is not None:
+                self.live[message.uid].split = ReasoningSplit(self.reasoning, message.prompt_tail)
             return []
         if isinstance(message, protocol.TokenizerAnswer | protocol.LoraAnswer):
             # the tokenizer's or the scheduler's answer to an api call: no uid held here
@@ -114,20 +125,22 @@ class DetokenizerStage(StepFreeHandler):
             live.queue_s = out.queue_s
         if out.cached_tokens:
             live.cached_tokens = out.cached_tokens
-        text = live.decoder.feed(out.token_ids)
+        texts, reasoning_tokens = self._texts(live, out.token_ids)
         finish = out.finish_reason
         stop_string = live.decoder.stopped
         if stop_string:
             finish = "stop"
         elif finish is not None:
-            text += live.decoder.flush()
+            texts[live.thinking] += live.decoder.flush()
         # prompt_tokens on every reply: a stream with continuous usage reports it from the start
         reply = protocol.Reply(
             uid=out.uid,
-            text=text,
+            text=texts[False],
             num_tokens=len(out.token_ids),
             finish_reason=finish,
             prompt_tokens=live.prompt_tokens,
+            reasoning=texts[True],
+            reasoning_tokens=reasoning_tokens,
         )
         if out.logprobs is not None:
             # After a stop string, the tokens up to the one that completed the match keep theirs.
@@ -148,6 +161,24 @@ class DetokenizerStage(StepFreeHandler):
             if reply.stop_string:
                 self._ended_early(out.uid, live)
         return reply
+
+    def _texts(self, live: _Live, token_ids: list[int]) -> tuple[dict[bool, str], int]:
+        """The answer's text (False) and the thinking's (True) these ids decode to, and how
+        many of them were thinking. Text the decoder holds back (a possible stop string) is
+        let out into its own channel when the channel changes."""
+        texts = {False: "", True: ""}
+        if live.split is None:
+            texts[False] = live.decoder.feed(token_ids)
+            return texts, 0
+        reasoning_tokens = 0
+        for segment in live.split.segments(token_ids):
+            if segment.reasoning != live.thinking:
+                texts[live.thinking] += live.decoder.feed([]) + live.decoder.flush()
+                live.thinking = segment.reasoning
+            texts[segment.reasoning] += live.decoder.feed(segment.token_ids)
+            if segment.reasoning:
+                reasoning_tokens += segment.tokens
+        return texts, reasoning_tokens
 
     def _prompt_fields(self, reply: protocol.Reply, live: _Live, out: protocol.TokenOutput) -> None:
         """The prompt as echo and prompt logprobs report it; both come with the first reply
@@ -186,10 +217,18 @@ class DetokenizerStage(StepFreeHandler):
 def run(settings: Settings) -> int:
     drain = Drain(settings.drain_timeout)
     source = resolve(settings.model, settings.model_cache_dir, settings.revision)
-    tokenizer = source.load_tokenizer().backend_tokenizer
+    hf_tokenizer = source.load_tokenizer()
+    tokenizer = hf_tokenizer.backend_tokenizer
+    parser = settings.reasoning_parser
+    if parser == "auto":
+        parser = detect(getattr(hf_tokenizer, "chat_template", None), tokenizer)
+    try:
+        reasoning = reasoning_format(parser, tokenizer)
+    except ValueError as exc:
+        raise SystemExit(f"detokenizer: {exc}") from None
     if settings.metrics_port:
         serve_metrics(settings.metrics_port)
     ring = SyncRing("detokenizer", settings.endpoints, settings.ring_security)
-    log.info("detokenizer ready: %s", source.spec)
-    serve_stage(DetokenizerStage(tokenizer), ring, drain)
+    log.info("detokenizer ready: %s (reasoning parser: %s)", source.spec, parser)
+    serve_stage(DetokenizerStage(tokenizer, reasoning), ring, drain)
     return 0

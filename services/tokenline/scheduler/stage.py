@@ -150,6 +150,7 @@ class SchedulerStage:
                 timeout_s=request.timeout_s,
                 tokenizer_s=request.tokenizer_s,
                 prompt_tail=request.prompt_ids[-PROMPT_TAIL:],
+                reasoning=request.sampling.reasoning,
                 echo_ids=request.prompt_ids if request.sampling.echo else [],
             )
         ]

@@ -139,6 +139,19 @@ API_SERVER: tuple[Setting, ...] = (
         stages=API,
         choices=("auto", "hermes", "llama3_json"),
     ),
+    Setting(
+        "reasoning-parser",
+        default="auto",
+        help="how a chat reply's thinking is kept apart from its answer (message.reasoning): "
+        "qwen3 (<think> opened by the model or the prompt), deepseek_r1 (everything before "
+        "</think>), none, or auto: read from the chat template (none when it shows no <think>)",
+        stages=frozenset({"detokenizer"}),
+        crd=CrdField(
+            "server.reasoningParser",
+            "How a chat reply's thinking is kept apart from its answer (vLLM's parser names).",
+        ),
+        choices=("auto", "none", "qwen3", "deepseek_r1"),
+    ),
     # api only: serve's supervisor probes /ready over plain HTTP
     Setting(
         "ssl-certfile",

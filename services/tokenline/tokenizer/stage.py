@@ -56,6 +56,8 @@ def _template_message(message: protocol.ChatMessage) -> dict:
         out["tool_call_id"] = message.tool_call_id
     if message.name is not None:
         out["name"] = message.name
+    if message.reasoning is not None:
+        out["reasoning_content"] = message.reasoning  # the name Qwen3's and R1's templates read
     return out
 
 
@@ -78,16 +80,19 @@ class PromptEncoder:
         if request.messages is None:
             return request.prompt or ""
         messages = [_template_message(m) for m in request.messages]
-        generation_prompt, continue_final = True, False
+        generation_prompt, continue_final, extra = True, False, {}
         if isinstance(request, protocol.TokenizeCall):
             generation_prompt = request.add_generation_prompt
             continue_final = request.continue_final_message
+        else:
+            extra = request.template_kwargs or {}
         return self.hf_tokenizer.apply_chat_template(
             messages,
             tools=request.tools,
             tokenize=False,
             add_generation_prompt=generation_prompt,
             continue_final_message=continue_final,
+            **extra,
         )
 
     def _out_of_vocab(self, uid: str, ids: list[int], param: str) -> protocol.Failed | None:

@@ -53,14 +53,20 @@ class Chat(Endpoint):
 
     def messages(self, chat: ChatCompletionRequest, plan: ToolPlan) -> list[protocol.Generate]:
         """What each choice sends into the ring (its uid is given at admission)."""
-        wire = chat.wire_messages()
+        wire, template_kwargs = chat.wire_messages(), chat.template_kwargs()
+        # A grammar holds from the first token, so no thinking comes before the answer: the
+        # split is asked for free text only (a block the prompt opened would swallow it all).
+        reasoning = plan.grammar is None
         return [
             protocol.Generate(
                 uid="",
-                sampling=msgspec.structs.replace(chat.sampling(index), grammar=plan.grammar),
+                sampling=msgspec.structs.replace(
+                    chat.sampling(index), grammar=plan.grammar, reasoning=reasoning
+                ),
                 messages=wire,
                 tools=plan.tools,
                 timeout_s=self.settings.request_timeout,
+                template_kwargs=template_kwargs,
             )
             for index in range(chat.n)
         ]
@@ -80,12 +86,16 @@ class ChatAnswer:
     def __init__(self, body: ChatCompletionRequest, parser: ToolCallFormat | None) -> None:
         self.body, self.parser = body, parser
         self.wanted = body.wanted_logprobs() is not None
+        self.show_reasoning = body.include_reasoning
 
     def whole(self, ex: Exchange, meta: dict) -> dict:
         choices = []
         for choice in ex.choices:
             text = "".join(ex.texts[choice.index])
             message, has_calls = chat_calls.message(text, self.parser)
+            reasoning = "".join(ex.reasoning[choice.index])
+            if reasoning and self.show_reasoning:  # both names: clients read one or the other
+                message["reasoning"] = message["reasoning_content"] = reasoning
             logprobs = ex.logprobs[choice.index]
             choices.append(
                 {
@@ -114,6 +124,9 @@ class ChatAnswer:
             yield chunk(choice.index, {"role": "assistant", "content": ""})
         async for index, reply in ex.replies(first):
             running.sent(index, reply)
+            if reply.reasoning and self.show_reasoning:
+                thought = reply.reasoning
+                yield chunk(index, {"reasoning": thought, "reasoning_content": thought})
             if index in calls:  # tool calls are parsed out of the text before it is sent
                 deltas = calls[index].feed(reply.text)
                 if reply.finish_reason is not None:

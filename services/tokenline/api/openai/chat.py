@@ -51,6 +51,12 @@ class ContentPart(BaseModel):
         return self
 
 
+# set by the server for every chat template; a request's chat_template_kwargs may not
+TEMPLATE_RESERVED = frozenset(
+    {"messages", "tools", "tokenize", "add_generation_prompt", "continue_final_message"}
+    | {"documents", "chat_template", "return_dict", "return_assistant_tokens_mask"}
+)
+
 # vLLM joins a message's text parts with a newline, and so does the chat template there
 PART_SEPARATOR = "\n"
 
@@ -92,6 +98,10 @@ class ChatMessageIn(BaseModel):
     audio: _Empty = None
     function_call: _Empty = None
     annotations: list[Any] | None = None
+    # An assistant turn's thinking, as replies carry it (both names): shown to templates that
+    # show it (reasoning_content), left out by the others.
+    reasoning: Text | None = None
+    reasoning_content: Text | None = None
 
     @field_validator("refusal", "audio", "function_call")
     @classmethod
@@ -124,6 +134,7 @@ class ChatMessageIn(BaseModel):
             tool_calls=calls,
             tool_call_id=self.tool_call_id if self.role == "tool" else None,
             name=self.name if self.role == "tool" else None,
+            reasoning=self.reasoning if self.reasoning is not None else self.reasoning_content,
         )
 
 
@@ -140,10 +151,16 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     functions: list[Any] | None = None  # deprecated by OpenAI: refused, naming tools instead
     function_call: Any = None
-    # Sent by current SDKs and agent frameworks, and accepted with no effect on this model, as
-    # vLLM accepts them: it does not reason, stores nothing, answers in text only and has no
-    # web search. A value that asks for something it cannot do is refused.
+    # Reasoning models: the thinking comes in message.reasoning (and reasoning_content) when
+    # --reasoning-parser splits it; include_reasoning false leaves it out. reasoning_effort
+    # and chat_template_kwargs reach the chat template (enable_thinking, reasoning_effort),
+    # which uses what it knows and ignores the rest, as vLLM passes them.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    include_reasoning: bool = True
+    chat_template_kwargs: dict[Text, Any] | None = None
+    # Sent by current SDKs and agent frameworks, and accepted with no effect, as vLLM accepts
+    # them: nothing is stored, answers are text only, and there is no web search. A value that
+    # asks for something it cannot do is refused.
     metadata: Annotated[dict[Text, Text] | None, Field(max_length=MAX_METADATA_KEYS)] = None
     prompt_cache_key: Text | None = None  # prefixes are cached by content, key or not
     safety_identifier: Text | None = None
@@ -163,6 +180,24 @@ class ChatCompletionRequest(SamplingFields):
             }[info.field_name]
             raise ValueError(f"{info.field_name} is not supported: {what}; send null")
         return None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        for name in value or {}:
+            if not name.isidentifier() or name in TEMPLATE_RESERVED:
+                raise ValueError(
+                    f"{name!r} cannot be a chat template variable: names are identifiers other "
+                    f"than {', '.join(sorted(TEMPLATE_RESERVED))}, which the server sets"
+                )
+        return value
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """What the chat template gets beside the messages and tools."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs or None
 
     @field_validator("top_logprobs")
     @classmethod

@@ -12,6 +12,7 @@ class Counted(Protocol):
 
     prompt_tokens: int
     completion_tokens: int
+    reasoning_tokens: int
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class Usage:
     prompt: int
     completion: int
     cached: int  # prompt tokens served from the prefix cache
+    reasoning: int = 0  # completion tokens that were thinking
 
     @classmethod
     def of(
@@ -34,16 +36,20 @@ class Usage:
         prompt = sum(c.prompt_tokens for c in choices[::per_prompt])
         if completion is None:
             completion = sum(c.completion_tokens for c in choices)
-        return cls(prompt, completion, cached)
+        return cls(prompt, completion, cached, sum(c.reasoning_tokens for c in choices))
 
     def completions_shape(self) -> dict:
-        """Chat completions' and completions' ``usage``."""
-        return {
+        """Chat completions' and completions' ``usage``; the thinking's share when there was
+        any (a model without a reasoning parser answers as before)."""
+        usage = {
             "prompt_tokens": self.prompt,
             "completion_tokens": self.completion,
             "total_tokens": self.prompt + self.completion,
             "prompt_tokens_details": {"cached_tokens": self.cached},
         }
+        if self.reasoning:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning}
+        return usage
 
     def responses_shape(self) -> dict:
         """The Responses API's ``usage``."""
@@ -51,6 +57,6 @@ class Usage:
             "input_tokens": self.prompt,
             "input_tokens_details": {"cached_tokens": self.cached, "cache_write_tokens": 0},
             "output_tokens": self.completion,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": self.reasoning},
             "total_tokens": self.prompt + self.completion,
         }

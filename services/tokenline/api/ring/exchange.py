@@ -37,6 +37,7 @@ class Choice:
     prompt_tokens: int = 0
     prompt_text: str | None = None  # echo: the prompt as the detokenizer decoded it
     prompt_logprobs: list[LogprobEntry | None] | None = None  # echo with logprobs
+    reasoning_tokens: int = 0  # of completion_tokens, those that were thinking
 
 
 @dataclass(eq=False)
@@ -61,6 +62,7 @@ class Exchange:
     timings: dict[str, float] = field(default_factory=dict)
     texts: list[list[str]] = field(default_factory=list)  # filled by collect()
     logprobs: list[list[LogprobEntry]] = field(default_factory=list)  # filled by collect()
+    reasoning: list[list[str]] = field(default_factory=list)  # filled by collect()
     _buffer: deque[tuple[int, Reply]] = field(default_factory=deque)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -69,6 +71,7 @@ class Exchange:
         self.choices = [Choice(i) for i in range(len(self.uids))]
         self.texts = [[] for _ in self.uids]
         self.logprobs = [[] for _ in self.uids]
+        self.reasoning = [[] for _ in self.uids]
 
     # ── listener side ──────────────────────────────────────────────────────────────────────────
     @property
@@ -87,6 +90,7 @@ class Exchange:
         if choice.finish_reason or self.error is not None:
             return
         choice.completion_tokens += reply.num_tokens
+        choice.reasoning_tokens += reply.reasoning_tokens
         choice.prompt_tokens = max(choice.prompt_tokens, reply.prompt_tokens)
         if reply.prompt_text is not None:
             choice.prompt_text = reply.prompt_text
@@ -147,6 +151,8 @@ class Exchange:
         """Accumulate replies' text and logprobs per choice (non-streaming)."""
         for index, reply in batch:
             self.texts[index].append(reply.text)
+            if reply.reasoning:
+                self.reasoning[index].append(reply.reasoning)
             if reply.logprobs:
                 self.logprobs[index].extend(reply.logprobs)
 
@@ -172,6 +178,8 @@ def coalesce(batch: list[tuple[int, Reply]]) -> list[tuple[int, Reply]]:
                     last,
                     text=last.text + reply.text,
                     num_tokens=last.num_tokens + reply.num_tokens,
+                    reasoning=last.reasoning + reply.reasoning,
+                    reasoning_tokens=last.reasoning_tokens + reply.reasoning_tokens,
                     finish_reason=reply.finish_reason,
                     logprobs=_merge_logprobs(last.logprobs, reply.logprobs),
                 ),

@@ -1,0 +1,224 @@
+"""Reasoning models through the official client: thinking in ``message.reasoning`` (and
+``reasoning_content``), the answer alone in ``content``, streamed and whole, against a stack
+serving the thinking variant of the tiny model (``<think>``/``</think>`` tokens, a template with
+Qwen3's switches; tests/reasoning_testkit.py), whose parser is read from the template.
+
+Random weights decide nothing here: the template opens or closes the block (chat_template_kwargs)
+and logit_bias keeps the markers out of the output, so where the thinking ends is known.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import openai
+import pytest
+from reasoning_testkit import END, START, write_thinking_model
+
+from tokenline import tiny_model
+from tokenline.api.endpoints.chat import ChatAnswer
+from tokenline.api.openai.chat import ChatCompletionRequest
+from tokenline.api.ring.exchange import Exchange
+from tokenline.protocol import Reply
+
+MODEL = "thinking"
+USER = [{"role": "user", "content": "Why is the river long?"}]
+
+
+@pytest.fixture(scope="module")
+def thinking_stack(model_cache, launch_stack, tmp_path_factory):
+    model = write_thinking_model(
+        tiny_model.ensure_cached(model_cache), tmp_path_factory.mktemp("thinking") / "model"
+    )
+    stack = launch_stack("--model", str(model), "--served-model-name", MODEL)
+    yield stack, model
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def thinking(thinking_stack) -> openai.OpenAI:
+    stack, _ = thinking_stack
+    return openai.OpenAI(base_url=f"{stack.api_url}/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def markers(thinking_stack) -> dict[str, float]:
+    """logit_bias that keeps both markers out of the output."""
+    _, model = thinking_stack
+    vocab = json.loads((model / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in vocab["added_tokens"]}
+    return {str(ids[START]): -100, str(ids[END]): -100}
+
+
+def _chat(client, markers, max_tokens=6, **kw):
+    extra = {"ignore_eos": True, **kw.pop("extra_body", {})}
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=kw.pop("messages", USER),
+        max_tokens=max_tokens,
+        temperature=0,
+        logit_bias=markers,
+        extra_body=extra,
+        **kw,
+    )
+
+
+THINKING_ONLY = {"chat_template_kwargs": {"thinking_only": True}}
+
+
+def test_a_reply_cut_inside_its_thinking_has_it_all_as_reasoning(thinking, markers):
+    reply = _chat(thinking, markers, extra_body=THINKING_ONLY)
+    message = reply.choices[0].message
+    assert message.content == ""
+    extra = message.model_extra
+    assert extra["reasoning"] and extra["reasoning_content"] == extra["reasoning"]
+    assert START not in extra["reasoning"] and END not in extra["reasoning"]
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens_details.reasoning_tokens == 6
+
+
+def test_streamed_thinking_comes_in_reasoning_deltas_and_matches_the_whole(thinking, markers):
+    whole = _chat(thinking, markers, extra_body=THINKING_ONLY).choices[0].message.model_extra
+    stream = _chat(
+        thinking,
+        markers,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=THINKING_ONLY,
+    )
+    chunks = list(stream)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed = "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas)
+    assert streamed == whole["reasoning"]
+    assert all(not d.content for d in deltas)  # the role chunk's "" and nothing else
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 6
+
+
+def test_thinking_switched_off_in_the_template_answers_plainly(thinking, markers):
+    on = _chat(thinking, markers, extra_body=THINKING_ONLY)
+    off = _chat(thinking, markers, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    message = off.choices[0].message
+    assert message.content and "reasoning" not in (message.model_extra or {})
+    assert off.usage.completion_tokens_details is None
+    # the template closed an empty block in the prompt: the kwargs reached it
+    assert off.usage.prompt_tokens > on.usage.prompt_tokens
+
+
+def test_include_reasoning_false_leaves_the_thinking_out_but_counts_it(thinking, markers):
+    extra = {**THINKING_ONLY, "include_reasoning": False}
+    reply = _chat(thinking, markers, extra_body=extra)
+    message = reply.choices[0].message
+    assert message.content == "" and "reasoning" not in (message.model_extra or {})
+    assert reply.usage.completion_tokens_details.reasoning_tokens == 6
+
+
+def test_reasoning_effort_reaches_the_chat_template(thinking, markers):
+    plain = _chat(thinking, markers, max_tokens=1)
+    effort = _chat(thinking, markers, max_tokens=1, reasoning_effort="high")
+    # this template shows it in a system turn; one that does not read it is unchanged by it
+    assert effort.usage.prompt_tokens > plain.usage.prompt_tokens
+
+
+def test_an_assistant_turn_goes_back_with_its_reasoning_under_either_name(thinking, markers):
+    first = _chat(thinking, markers, extra_body=THINKING_ONLY)
+    returned = first.choices[0].message.model_dump()  # reasoning and reasoning_content
+    follow = [*USER, returned, {"role": "user", "content": "And the mountain?"}]
+    again = _chat(thinking, markers, messages=follow, max_tokens=1)
+    bare = {"role": "assistant", "content": returned["content"]}
+    without = _chat(thinking, markers, messages=[*USER, bare, follow[2]], max_tokens=1)
+    # the template shows an earlier turn's thinking in its block
+    assert again.usage.prompt_tokens > without.usage.prompt_tokens
+    old_name = {"role": "assistant", "content": "", "reasoning_content": returned["reasoning"]}
+    renamed = _chat(thinking, markers, messages=[*USER, old_name, follow[2]], max_tokens=1)
+    assert renamed.usage.prompt_tokens == again.usage.prompt_tokens
+
+
+def test_a_json_answer_after_an_opened_block_is_the_answer(thinking, markers):
+    # the grammar holds from the first token, so the output cannot think first: it is all
+    # answer, even where the prompt opened a block
+    reply = _chat(
+        thinking,
+        markers,
+        max_tokens=40,
+        response_format={"type": "json_object"},
+        extra_body={**THINKING_ONLY, "ignore_eos": False},
+    )
+    message = reply.choices[0].message
+    assert "reasoning" not in (message.model_extra or {})
+    if reply.choices[0].finish_reason == "stop":
+        json.loads(message.content)
+    assert message.content
+
+
+@pytest.mark.parametrize("name", ["messages", "add_generation_prompt", "not an identifier"])
+def test_template_kwargs_that_would_override_the_server_are_refused(thinking, markers, name):
+    with pytest.raises(openai.BadRequestError) as caught:
+        _chat(thinking, markers, extra_body={"chat_template_kwargs": {name: True}})
+    assert caught.value.body["param"] == "chat_template_kwargs"
+
+
+def test_a_model_without_a_parser_answers_as_before(client_tiny):
+    reply = client_tiny.chat.completions.create(
+        model="tiny", messages=USER, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert "reasoning" not in (reply.choices[0].message.model_extra or {})
+    assert reply.usage.completion_tokens_details is None
+
+
+@pytest.fixture
+def client_tiny(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.api_url}/v1", api_key="x", max_retries=0)
+
+
+# ── the answer's shapes, rendered from replies as the ring delivers them ──────────────────────
+class _NoFlow:
+    def pause(self, exchange) -> None: ...
+    def resume(self, exchange) -> None: ...
+
+
+def _exchange() -> Exchange:
+    ex = Exchange(uids=["u0"], deadline=time.monotonic() + 60, flow=_NoFlow())
+    pieces = [("the ", "", 2), ("river", "", 2), ("", " Hello", 2), ("", " world", 1)]
+    for i, (thought, text, thinking_tokens) in enumerate(pieces):
+        ex.deliver(
+            Reply(
+                uid="u0",
+                text=text,
+                num_tokens=2,
+                reasoning=thought,
+                reasoning_tokens=thinking_tokens if thought or i == 2 else 0,
+                finish_reason="stop" if i == len(pieces) - 1 else None,
+            )
+        )
+    return ex
+
+
+def _body(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": USER, **fields})
+
+
+META = {"id": "chatcmpl-x", "created": 0, "model": "m"}
+
+
+async def test_whole_and_streamed_answers_carry_the_same_thinking():
+    ex = _exchange()
+    ex.keep(await ex.next_batch())
+    body = ChatAnswer(_body(), None).whole(ex, META)
+    message = body["choices"][0]["message"]
+    assert message["content"] == " Hello world"
+    assert message["reasoning"] == message["reasoning_content"] == "the river"
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 6}
+    hidden = ChatAnswer(_body(include_reasoning=False), None).whole(ex, META)
+    assert "reasoning" not in hidden["choices"][0]["message"]
+
+    ex = _exchange()
+    first = await ex.next_batch()
+    chunks = [
+        json.loads(raw.decode().removeprefix("data: "))
+        async for raw in ChatAnswer(_body(stream=True), None).stream(ex, first, META)
+        if raw != b"data: [DONE]\n\n"
+    ]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning", "") for d in deltas) == "the river"
+    assert "".join(d.get("content") or "" for d in deltas) == " Hello world"

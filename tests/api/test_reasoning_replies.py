@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -42,12 +43,16 @@ def thinking(thinking_stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.api_url}/v1", api_key="x", max_retries=0)
 
 
+def _marker_ids(model: Path) -> dict[str, int]:
+    vocab = json.loads((model / "tokenizer.json").read_text())
+    return {t["content"]: t["id"] for t in vocab["added_tokens"]}
+
+
 @pytest.fixture(scope="module")
 def markers(thinking_stack) -> dict[str, float]:
     """logit_bias that keeps both markers out of the output."""
     _, model = thinking_stack
-    vocab = json.loads((model / "tokenizer.json").read_text())
-    ids = {t["content"]: t["id"] for t in vocab["added_tokens"]}
+    ids = _marker_ids(model)
     return {str(ids[START]): -100, str(ids[END]): -100}
 
 
@@ -134,21 +139,60 @@ def test_an_assistant_turn_goes_back_with_its_reasoning_under_either_name(thinki
     assert renamed.usage.prompt_tokens == again.usage.prompt_tokens
 
 
-def test_a_json_answer_after_an_opened_block_is_the_answer(thinking, markers):
-    # the grammar holds from the first token, so the output cannot think first: it is all
-    # answer, even where the prompt opened a block
-    reply = _chat(
-        thinking,
-        markers,
-        max_tokens=40,
-        response_format={"type": "json_object"},
-        extra_body={**THINKING_ONLY, "ignore_eos": False},
+COUNT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "count",
+        "schema": {
+            "type": "object",
+            "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+            "required": ["n", "ok"],
+        },
+    },
+}
+
+
+def _json_after_thinking(client, bias: dict, seed: int, **extra):
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        max_tokens=60,
+        seed=seed,
+        logit_bias=bias,
+        response_format=COUNT,
+        extra_body=extra,
     )
-    message = reply.choices[0].message
-    assert "reasoning" not in (message.model_extra or {})
-    if reply.choices[0].finish_reason == "stop":
-        json.loads(message.content)
-    assert message.content
+    choice = reply.choices[0]
+    content = choice.message.content or ""
+    assert START not in content and END not in content
+    if choice.finish_reason == "stop":  # a reply cut by max_tokens may be cut anywhere
+        answer = json.loads(content)
+        assert set(answer) == {"n", "ok"} and isinstance(answer["n"], int)
+    return reply
+
+
+def test_a_grammar_holds_the_answer_after_free_thinking_on_every_seed(thinking, thinking_stack):
+    _, model = thinking_stack
+    ids = _marker_ids(model)
+    # the prompt opened the block; </think> made likely, so the thinking ends somewhere
+    bias = {str(ids[START]): -100, str(ids[END]): 4}
+    replies = [_json_after_thinking(thinking, bias, seed, **THINKING_ONLY) for seed in range(8)]
+    finished = [r for r in replies if r.choices[0].finish_reason == "stop"]
+    assert finished, "no seed ended its thinking within max_tokens"
+    assert any((r.choices[0].message.model_extra or {}).get("reasoning") for r in finished)
+    assert all(r.usage.completion_tokens_details.reasoning_tokens for r in replies)
+
+
+def test_the_model_may_open_its_block_before_a_grammar_answer(thinking, thinking_stack):
+    _, model = thinking_stack
+    ids = _marker_ids(model)
+    # nothing opened in the prompt: <think> is allowed first beside the grammar's tokens,
+    # then the thinking runs free until </think>
+    bias = {str(ids[START]): 100, str(ids[END]): 100}
+    for seed in range(4):
+        reply = _json_after_thinking(thinking, bias, seed)
+        assert reply.choices[0].finish_reason == "stop"
+        assert reply.usage.completion_tokens_details.reasoning_tokens >= 2
 
 
 @pytest.mark.parametrize("name", ["messages", "add_generation_prompt", "not an identifier"])

@@ -11,8 +11,8 @@ from reasoning_testkit import END, START, TEMPLATE, write_thinking_model
 from tokenizers import Tokenizer
 
 from tokenline import protocol, tiny_model
-from tokenline.detokenizer.reasoning import ReasoningSplit, detect, reasoning_format
 from tokenline.detokenizer.stage import DetokenizerStage
+from tokenline.reasoning import ReasoningSplit, detect, reasoning_format
 from tokenline.stage_runtime import StageRuntime
 
 
@@ -61,6 +61,17 @@ def test_deepseek_r1_thinks_until_the_block_ends_whoever_opened_it(thinking):
     assert _split(thinking, "deepseek_r1", [], [a, end, b]) == [(True, [a], 2), (False, [b], 1)]
     assert _split(thinking, "deepseek_r1", [], [start, a, end]) == [(True, [a], 3)]
     assert _split(thinking, "deepseek_r1", [], [a, b]) == [(True, [a, b], 2)]  # cut short
+
+
+def test_only_the_output_s_first_token_may_open_a_block(thinking):
+    start, end = thinking.token_to_id(START), thinking.token_to_id(END)
+    (a,) = _ids(thinking, "a")
+    split = ReasoningSplit(reasoning_format("qwen3", thinking), [])
+    assert split.may_open and not split.reasoning
+    assert [split.step(t) for t in (start, a, end, a)] == ["marker", "thought", "marker", "answer"]
+    assert not split.may_open
+    r1 = ReasoningSplit(reasoning_format("deepseek_r1", thinking), [])
+    assert r1.reasoning and not r1.may_open  # already thinking: nothing to open
 
 
 def test_a_format_the_vocabulary_cannot_hold_is_refused(thinking, tokenizer):

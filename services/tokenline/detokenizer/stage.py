@@ -19,17 +19,12 @@ import msgspec
 from tokenline import protocol
 from tokenline.bounded import ExpiringSet
 from tokenline.detokenizer.incremental import IncrementalDecoder
-from tokenline.detokenizer.reasoning import (
-    ReasoningFormat,
-    ReasoningSplit,
-    detect,
-    reasoning_format,
-)
 from tokenline.detokenizer.token_text import TokenTexts
 from tokenline.ledger import LEAK_GRACE_S
 from tokenline.lifecycle import Drain
 from tokenline.metrics import LATE_REPLIES, STAGE_LATENCY, serve_metrics, track_cache
 from tokenline.model_source import resolve
+from tokenline.reasoning import ReasoningFormat, ReasoningSplit, parser_for
 from tokenline.settings import Settings
 from tokenline.stage_runtime import StepFreeHandler, internal_error, serve_stage
 from tokenline.transport import SyncRing
@@ -219,11 +214,8 @@ def run(settings: Settings) -> int:
     source = resolve(settings.model, settings.model_cache_dir, settings.revision)
     hf_tokenizer = source.load_tokenizer()
     tokenizer = hf_tokenizer.backend_tokenizer
-    parser = settings.reasoning_parser
-    if parser == "auto":
-        parser = detect(getattr(hf_tokenizer, "chat_template", None), tokenizer)
     try:
-        reasoning = reasoning_format(parser, tokenizer)
+        parser, reasoning = parser_for(settings.reasoning_parser, hf_tokenizer)
     except ValueError as exc:
         raise SystemExit(f"detokenizer: {exc}") from None
     if settings.metrics_port:

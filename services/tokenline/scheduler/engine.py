@@ -11,6 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from tokenline.protocol import SamplingParams, TokenOutput
+from tokenline.reasoning import ReasoningFormat, ReasoningSplit
 from tokenline.scheduler import prompt_logprobs
 from tokenline.scheduler.grammar import GrammarCompiler, GrammarError
 from tokenline.scheduler.kv_cache import BlockPool
@@ -79,7 +80,8 @@ class Engine:
     ``grammars``: builds the matchers of requests whose output follows a grammar
     (``sampling.grammar``); without one such requests are refused, saying ``grammar_refusal``.
     A request whose grammar is new waits in ``compiling``, outside the decode batch, while a
-    worker thread builds it.
+    worker thread builds it. With ``reasoning`` (the model's `ReasoningFormat`), a chat
+    request's grammar holds from the first token of its answer: its thinking is free.
 
     ``sampling.prompt_logprobs``: the prompt's own logprobs, gathered during its prefill and
     sent on the first output (prompt_logprobs.py). ``max_tokens`` 0 reads the prompt and ends
@@ -100,8 +102,10 @@ class Engine:
         grammars: GrammarCompiler | None = None,
         lora: LoraOptions | None = None,
         grammar_refusal: str = "this scheduler runs without grammar support",
+        reasoning: ReasoningFormat | None = None,
     ) -> None:
         self.runner = runner
+        self.reasoning = reasoning
         self.limits = limits
         self.eos_ids = eos_ids
         self.grammars = grammars
@@ -188,6 +192,8 @@ class Engine:
         if sampling.seed is not None:
             seq.generator = self.runner.make_generator(sampling.seed)
         if sampling.grammar is not None:
+            if sampling.reasoning and self.reasoning is not None:
+                seq.reasoning = ReasoningSplit(self.reasoning, prompt_ids)
             seq.matcher = self.grammars.cached(sampling.grammar)
             if seq.matcher is None:
                 self.compiling[uid] = (seq, self.grammars.submit(sampling.grammar))
@@ -331,11 +337,9 @@ class Engine:
         logprobs: list = []
         if sampling_seqs:
             allowed = None
-            constrained = [i for i, seq in enumerate(sampling_seqs) if seq.matcher is not None]
-            if constrained:
-                matchers = [sampling_seqs[i].matcher for i in constrained]
-                masks = self.grammars.masks(matchers, logits.shape[1], logits.device)
-                allowed = (constrained, masks)
+            if self.grammars is not None:
+                start_id = self.reasoning.start_id if self.reasoning is not None else None
+                allowed = self.grammars.step_masks(sampling_seqs, logits, start_id)
             tokens, logprobs = sample_with_logprobs(logits, sampling_seqs, self.eos_ids, allowed)
         times.sample, mark = lap(mark)
         step = StepOutput(

@@ -104,5 +104,24 @@ class GrammarCompiler:
             allowed = torch.cat([allowed, pad.to(device)], dim=1)
         return allowed
 
+    def step_masks(self, seqs: list, logits: torch.Tensor, start_id: int | None):
+        """The rows of a step (`Sequence`s) whose next token a grammar constrains, and their
+        allowed tokens; None when no row's is. A row still thinking is free (its grammar
+        holds from the answer's first token); a row whose output may open a thinking block
+        may also take ``start_id`` (``<think>``)."""
+        constrained = [
+            i
+            for i, seq in enumerate(seqs)
+            if seq.matcher is not None and not (seq.reasoning and seq.reasoning.reasoning)
+        ]
+        if not constrained:
+            return None
+        matchers = [seqs[i].matcher for i in constrained]
+        masks = self.masks(matchers, logits.shape[1], logits.device)
+        for row, i in enumerate(constrained):
+            if seqs[i].reasoning is not None and seqs[i].reasoning.may_open:
+                masks[row, start_id] = True
+        return constrained, masks
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from tokenline.reasoning import ANSWER
 from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.lora.slots import LoraSlots
 from tokenline.scheduler.sequence import Sequence, Status
@@ -233,7 +234,8 @@ class BatchPolicy:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         s = seq.sampling
-        if seq.matcher is not None:
+        thought = seq.reasoning is not None and seq.reasoning.step(token) != ANSWER
+        if seq.matcher is not None and not thought:  # a grammar starts after the thinking
             if not seq.matcher.consume_token(token) or seq.matcher.is_error():
                 return "error"  # the mask allowed it, so the matcher's state is broken
             if seq.matcher.is_stopped():

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from tokenline.protocol import SamplingParams
+from tokenline.reasoning import ReasoningSplit
 
 
 class Status(enum.Enum):
@@ -37,6 +38,8 @@ class Sequence:
     first_scheduled: float | None = None
     generator: object | None = None  # torch.Generator for seeded sampling, made by the runner
     matcher: object | None = None  # llguidance.LLMatcher when the output follows a grammar
+    # with a matcher and a reasoning parser: where the thinking ends, and the grammar starts
+    reasoning: ReasoningSplit | None = None
     # sampling.prompt_logprobs: the prompt tokens' entries gathered so far ([0] is None), up
     # to the first output, which carries them; None once sent, or when not asked
     prompt_logprobs: list | None = None

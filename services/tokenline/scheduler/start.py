@@ -9,6 +9,7 @@ import logging
 from tokenline.lifecycle import Drain
 from tokenline.metrics import serve_metrics
 from tokenline.model_source import ModelSource, resolve
+from tokenline.reasoning import parser_for
 from tokenline.scheduler.engine import Engine, EngineLimits, default_token_budget
 from tokenline.scheduler.grammar import GrammarCompiler
 from tokenline.scheduler.kv_events import attach
@@ -53,6 +54,11 @@ def run(settings: Settings) -> int:
             settings.model_cache_dir,
         )
     grammars, refusal = grammar_compiler(source)
+    # where a grammar starts: after the thinking, as the detokenizer splits it
+    try:
+        _, reasoning = parser_for(settings.reasoning_parser, source.load_tokenizer())
+    except ValueError as exc:
+        raise SystemExit(f"scheduler: {exc}") from None
     engine = Engine(
         runner,
         limits,
@@ -61,6 +67,7 @@ def run(settings: Settings) -> int:
         grammars=grammars,
         lora=lora,
         grammar_refusal=refusal,
+        reasoning=reasoning,
     )
     lora_changes = start_loras(settings, engine)
     kv_events = attach(settings, engine.pool, runner.device.type)

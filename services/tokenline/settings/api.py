@@ -145,7 +145,7 @@ API_SERVER: tuple[Setting, ...] = (
         help="how a chat reply's thinking is kept apart from its answer (message.reasoning): "
         "qwen3 (<think> opened by the model or the prompt), deepseek_r1 (everything before "
         "</think>), none, or auto: read from the chat template (none when it shows no <think>)",
-        stages=frozenset({"detokenizer"}),
+        stages=frozenset({"scheduler", "detokenizer"}),  # the split, and grammars after it
         crd=CrdField(
             "server.reasoningParser",
             "How a chat reply's thinking is kept apart from its answer (vLLM's parser names).",

@@ -54,14 +54,11 @@ class Chat(Endpoint):
     def messages(self, chat: ChatCompletionRequest, plan: ToolPlan) -> list[protocol.Generate]:
         """What each choice sends into the ring (its uid is given at admission)."""
         wire, template_kwargs = chat.wire_messages(), chat.template_kwargs()
-        # A grammar holds from the first token, so no thinking comes before the answer: the
-        # split is asked for free text only (a block the prompt opened would swallow it all).
-        reasoning = plan.grammar is None
         return [
             protocol.Generate(
                 uid="",
                 sampling=msgspec.structs.replace(
-                    chat.sampling(index), grammar=plan.grammar, reasoning=reasoning
+                    chat.sampling(index), grammar=plan.grammar, reasoning=True
                 ),
                 messages=wire,
                 tools=plan.tools,

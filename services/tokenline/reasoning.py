@@ -12,7 +12,10 @@ never reach either channel. vLLM's parser names:
 - ``deepseek_r1``: everything before ``</think>`` is reasoning, whether the template or the
   model opened the block, unless the prompt already closed it.
 
-No I/O: the detokenizer stage makes one `ReasoningSplit` a request; tests drive it directly.
+Two stages follow the same split, each with a `ReasoningSplit` a request: the detokenizer, to
+send the thinking and the answer apart, and the scheduler, for a request whose answer follows a
+grammar, which must hold from the first token of the answer and not before. No I/O: tests drive
+it directly.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from dataclasses import dataclass
 
 PARSERS = ("qwen3", "deepseek_r1")
 START, END = "<think>", "</think>"
+PROMPT_WINDOW = 8  # the prompt's last ids, where a template opens or closes a block
+THOUGHT, MARKER, ANSWER = "thought", "marker", "answer"
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,17 @@ def reasoning_format(name: str, tokenizer) -> ReasoningFormat | None:
     return ReasoningFormat(name, ids[START], ids[END], opens_at_start=name == "deepseek_r1")
 
 
+def parser_for(setting: str, hf_tokenizer) -> tuple[str, ReasoningFormat | None]:
+    """``--reasoning-parser`` for this model: its name (``auto`` read from the chat template)
+    and format; both stages that split call this, so they agree. Raises ValueError."""
+    tokenizer = hf_tokenizer.backend_tokenizer
+    name = setting
+    if name == "auto":
+        template = getattr(hf_tokenizer, "chat_template", None)
+        name = detect(template if isinstance(template, str) else None, tokenizer)
+    return name, reasoning_format(name, tokenizer)
+
+
 def detect(template: str | None, tokenizer) -> str:
     """``auto``: the parser the chat template and vocabulary show, or ``none``."""
     if not template or START not in template or END not in template:
@@ -76,28 +92,38 @@ class Segment:
 class ReasoningSplit:
     """One request's reasoning state, fed its generated ids in order."""
 
-    def __init__(self, fmt: ReasoningFormat, prompt_tail: list[int]) -> None:
+    def __init__(self, fmt: ReasoningFormat, prompt: list[int]) -> None:
         self.fmt = fmt
-        opened = _open_in_prompt(fmt, prompt_tail)
+        tail = prompt[-PROMPT_WINDOW:]
+        opened = _open_in_prompt(fmt, tail)
         if opened is None:  # the prompt says nothing: the format's own default
             opened = fmt.opens_at_start
-        self.reasoning = opened
-        self.ended = opened is False and _closed_in_prompt(fmt, prompt_tail)
+        self.reasoning = opened  # the next token is thinking
+        self.ended = opened is False and fmt.end_id in tail
         self._first = True
+
+    @property
+    def may_open(self) -> bool:
+        """The next token may open a block: the output's first, where the format lets the
+        model open one itself (a grammar must then allow ``<think>`` beside its own)."""
+        return self._first and not self.reasoning and not self.ended
+
+    def step(self, token_id: int) -> str:
+        """What ``token_id``, the next generated token, is: THOUGHT, ANSWER or a MARKER."""
+        first, self._first = self._first, False
+        if not self.ended and token_id == self.fmt.start_id and (first or self.reasoning):
+            self.reasoning = True  # the block opens (again: a repeated <think> is dropped)
+            return MARKER
+        if self.reasoning and token_id == self.fmt.end_id:
+            self.reasoning, self.ended = False, True
+            return MARKER
+        return THOUGHT if self.reasoning else ANSWER
 
     def segments(self, token_ids: list[int]) -> list[Segment]:
         out: list[Segment] = []
         for token_id in token_ids:
-            first, self._first = self._first, False
-            if not self.ended and token_id == self.fmt.start_id and (first or self.reasoning):
-                self.reasoning = True  # the block opens (again: a repeated <think> is dropped)
-                _add(out, True, None)
-                continue
-            if self.reasoning and token_id == self.fmt.end_id:
-                self.reasoning, self.ended = False, True
-                _add(out, True, None)
-                continue
-            _add(out, self.reasoning, token_id)
+            kind = self.step(token_id)
+            _add(out, kind != ANSWER, None if kind == MARKER else token_id)
         return out
 
 
@@ -117,7 +143,3 @@ def _open_in_prompt(fmt: ReasoningFormat, tail: list[int]) -> bool | None:
         if token_id == fmt.start_id:
             return True
     return None
-
-
-def _closed_in_prompt(fmt: ReasoningFormat, tail: list[int]) -> bool:
-    return fmt.end_id in tail

@@ -5,7 +5,8 @@ Qwen3's switches, so the reasoning split can be driven end to end with random we
 The template knows ``enable_thinking`` (false: the prompt closes an empty block, so the answer
 is plain), ``thinking_only`` (true: the prompt opens the block, as the templates of
 thinking-only models do) and ``reasoning_effort`` (shown in a system turn, as gpt-oss's
-template shows it); an assistant turn's ``reasoning_content`` is shown in its block.
+template shows it, and, unless ``none``, opening the block as ``thinking_only`` does); an
+assistant turn's ``reasoning_content`` is shown in its block.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% elif thinking_only is defined and thinking_only %}<think>\n{% endif %}"
+    "{% elif (thinking_only is defined and thinking_only) or (reasoning_effort is defined "
+    "and reasoning_effort != 'none') %}<think>\n{% endif %}"
     "{% endif %}"
 )
 

@@ -195,6 +195,38 @@ def test_the_model_may_open_its_block_before_a_grammar_answer(thinking, thinking
         assert reply.usage.completion_tokens_details.reasoning_tokens >= 2
 
 
+def test_responses_stream_the_thinking_as_a_reasoning_item_before_the_answer(thinking):
+    # reasoning.effort reaches the template, which then opens the block
+    request = {
+        "model": MODEL,
+        "input": "Why is the river long?",
+        "max_output_tokens": 6,
+        "temperature": 0,
+        "reasoning": {"effort": "low"},
+    }
+    with thinking.responses.stream(**request) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.incomplete"  # cut by max_output_tokens while thinking
+    final = events[-1].response
+    whole = thinking.responses.create(**request)
+    streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    item = final.output[0]
+    assert item.type == "reasoning" and streamed and item.content[0].text == streamed
+    assert whole.output[0].content[0].text == streamed
+    assert final.usage.output_tokens_details.reasoning_tokens > 0
+    assert all(START not in (i.content[0].text or "") for i in final.output if i.content)
+    # sent back as input, the thinking reaches the template with the turn it belongs to
+    follow = [
+        {"role": "user", "content": "Why is the river long?"},
+        *[i.model_dump(exclude_none=True) for i in final.output],
+        {"role": "user", "content": "And the mountain?"},
+    ]
+    again = thinking.responses.create(model=MODEL, input=follow, max_output_tokens=1)
+    without = [m for m in follow if m.get("type") != "reasoning"]
+    bare = thinking.responses.create(model=MODEL, input=without, max_output_tokens=1)
+    assert again.usage.input_tokens > bare.usage.input_tokens
+
+
 @pytest.mark.parametrize("name", ["messages", "add_generation_prompt", "not an identifier"])
 def test_template_kwargs_that_would_override_the_server_are_refused(thinking, markers, name):
     with pytest.raises(openai.BadRequestError) as caught:

@@ -401,7 +401,9 @@ REFUSED_OR_NO_OP: dict[str, tuple[str, ...]] = {
     "responses.ResponsesRequest.prompt_cache_key": _RESPONSES_NOTHING,
     "responses.ResponsesRequest.service_tier": _UNSERVED + _RESPONSES_NOTHING,
     "responses.ResponsesRequest.truncation": _UNSERVED + _RESPONSES_NOTHING,
-    "responses.ResponsesRequest.reasoning": _UNSERVED + _RESPONSES_NOTHING,
+    "responses.ResponsesRequest.reasoning": _UNSERVED
+    + _RESPONSES_NOTHING
+    + t(REASONING, "test_responses_stream_the_thinking_as_a_reasoning_item_before_the_answer"),
     "responses.ResponsesRequest.include": _UNSERVED + _RESPONSES_NOTHING,
     "responses.ResponsesRequest.background": _UNSERVED + _RESPONSES_NOTHING,
     "responses.ResponsesRequest.previous_response_id": _UNSERVED

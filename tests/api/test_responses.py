@@ -313,7 +313,6 @@ REFUSED = [
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [{**WEATHER, "defer_loading": True}]}, "tools[0].defer_loading"),
     ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
     (
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
         "input[0].content[0].type",

@@ -132,3 +132,43 @@ def test_the_echo_repeats_the_request_in_responses_shape():
     assert response.text.format.type == "json_schema" and response.text.format.name == "a"
     assert (response.instructions, response.temperature) == ("Be brief.", 0.2)
     assert response.model_extra["store"] is False
+
+
+def _think_then(thoughts: list[str], pieces: list[str], finish: str = "stop"):
+    builder = OutputBuilder(META, _body(), None, emit=True)
+    frames = builder.start()
+    for thought in thoughts:
+        frames += builder.think(thought)
+    for piece in pieces:
+        frames += builder.feed(piece)
+    frames += builder.finish(finish, USAGE)
+    return _decode(frames), Response.model_validate(builder.response)
+
+
+def test_thinking_streams_into_a_reasoning_item_before_the_message():
+    events, response = _think_then(["the ", "river"], ["Hel", "lo"])
+    kinds = [e["type"] for e in events]
+    assert kinds[2:9] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert kinds[9] == "response.output_item.added" and kinds[-1] == "response.completed"
+    thought, message = response.output
+    assert thought.type == "reasoning" and thought.status == "completed"
+    assert thought.content[0].text == "the river" and thought.summary == []
+    assert message.type == "message" and message.content[0].text == "Hello"
+    assert {e["output_index"] for e in events if "reasoning_text" in e["type"]} == {0}
+
+
+def test_a_reply_cut_while_thinking_ends_with_its_thinking_alone():
+    events, response = _think_then(["the ", "river"], [], finish="length")
+    assert [item.type for item in response.output] == ["reasoning"]
+    assert response.output[0].status == "incomplete" and response.status == "incomplete"
+    assert events[-1]["type"] == "response.incomplete"
+    _, done = _think_then(["the river"], [])
+    assert [item.type for item in done.output] == ["reasoning", "message"]  # answer: empty

@@ -122,6 +122,8 @@ class OutputBuilder:
         self._emit = emit
         self._sequence = 0
         self._message: dict | None = None  # the message item text is streaming into
+        self._reasoning: dict | None = None  # the reasoning item thinking is streaming into
+        self._thoughts: list[str] = []
         self._open_call: dict | None = None  # the function_call item arguments stream into
         self._pieces: list[str] = []
 
@@ -147,7 +149,45 @@ class OutputBuilder:
         self._event(out, "response.output_item.added", output_index=index, item=item)
         return index
 
+    def _thought(self, out: list[bytes], text: str) -> None:
+        if self._reasoning is None:
+            item = {
+                "type": "reasoning",
+                "id": "rs_" + secrets.token_hex(12),
+                "summary": [],
+                "content": [],
+                "status": "in_progress",
+            }
+            index = self._add(out, item)
+            part = {"type": "reasoning_text", "text": ""}
+            item["content"].append(part)
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            self._event(out, "response.content_part.added", **where, part=part)
+            self._reasoning, self._thoughts = item, []
+        self._thoughts.append(text)
+        where = {
+            "item_id": self._reasoning["id"],
+            "output_index": len(self.response["output"]) - 1,
+            "content_index": 0,
+        }
+        self._event(out, "response.reasoning_text.delta", **where, delta=text)
+
+    def _close_reasoning(self, out: list[bytes], status: str = "completed") -> None:
+        item, self._reasoning = self._reasoning, None
+        if item is None:
+            return
+        index = self.response["output"].index(item)
+        text = "".join(self._thoughts)
+        part = {"type": "reasoning_text", "text": text}
+        item["content"][0] = part
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        self._event(out, "response.reasoning_text.done", **where, text=text)
+        self._event(out, "response.content_part.done", **where, part=part)
+        item["status"] = status
+        self._event(out, "response.output_item.done", output_index=index, item=item)
+
     def _text(self, out: list[bytes], text: str) -> None:
+        self._close_reasoning(out)
         if self._message is None:
             item = {
                 "type": "message",
@@ -195,6 +235,7 @@ class OutputBuilder:
         self._event(out, "response.output_item.done", output_index=index, item=item)
 
     def _call_start(self, out: list[bytes], name: str) -> None:
+        self._close_reasoning(out)
         self._close_message(out)
         item = {
             "type": "function_call",
@@ -243,6 +284,13 @@ class OutputBuilder:
                 self._call_end(out)
 
     # ── the reply ──────────────────────────────────────────────────────────────────────────────
+    def think(self, thought: str) -> list[bytes]:
+        """The model's thinking, before its answer: one reasoning item."""
+        out: list[bytes] = []
+        if thought:
+            self._thought(out, thought)
+        return out
+
     def feed(self, text: str) -> list[bytes]:
         out: list[bytes] = []
         if self._calls is None:
@@ -258,8 +306,12 @@ class OutputBuilder:
         if self._calls is not None:
             self._deltas(out, self._calls.finish())
         cut = finish_reason == "length"
-        if not self.response["output"]:
-            self._text(out, "")  # a reply with nothing in it is still an (empty) message
+        thought_only = all(i["type"] == "reasoning" for i in self.response["output"])
+        if thought_only and not (cut and self._reasoning is not None):
+            # a reply with nothing in it is still an (empty) message; one cut while thinking
+            # ends with its thinking
+            self._text(out, "")
+        self._close_reasoning(out, "incomplete" if cut else "completed")
         self._close_message(out, "incomplete" if cut else "completed")
         self.response["usage"] = used
         if cut:
@@ -296,6 +348,7 @@ class ResponsesAnswer:
     def whole(self, ex: Exchange, meta: dict) -> dict:
         builder = OutputBuilder(meta, self.body, self.parser, emit=False)
         builder.start()
+        builder.think("".join(ex.reasoning[0]))
         builder.feed("".join(ex.texts[0]))
         builder.finish(ex.choices[0].finish_reason or "stop", _usage(ex))
         return builder.response
@@ -305,6 +358,8 @@ class ResponsesAnswer:
         for chunk in builder.start():
             yield chunk
         async for _, reply in ex.replies(first):
+            for chunk in builder.think(reply.reasoning):
+                yield chunk
             for chunk in builder.feed(reply.text):
                 yield chunk
             if reply.finish_reason in NORMAL_ENDS:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -50,6 +50,9 @@ class ContentPart(BaseModel):
             )
         return self
 
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+EFFORTS = get_args(ReasoningEffort)
 
 # set by the server for every chat template; a request's chat_template_kwargs may not
 TEMPLATE_RESERVED = frozenset(
@@ -155,7 +158,7 @@ class ChatCompletionRequest(SamplingFields):
     # --reasoning-parser splits it; include_reasoning false leaves it out. reasoning_effort
     # and chat_template_kwargs reach the chat template (enable_thinking, reasoning_effort),
     # which uses what it knows and ignores the rest, as vLLM passes them.
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     include_reasoning: bool = True
     chat_template_kwargs: dict[Text, Any] | None = None
     # Sent by current SDKs and agent frameworks, and accepted with no effect, as vLLM accepts

@@ -19,7 +19,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenline.api.http.errors import ApiError, invalid
-from tokenline.api.openai.chat import ChatCompletionRequest
+from tokenline.api.openai.chat import EFFORTS, ChatCompletionRequest
 from tokenline.api.openai.sampling import INT32_MAX, MAX_METADATA_KEYS, Text
 
 _ITEM = ConfigDict(extra="ignore", allow_inf_nan=False)  # ids, status, phase: no bearing
@@ -136,12 +136,13 @@ _NOTHING_ASKED = (
         "never cut; shorten the input",
     ),
     (
-        # effort is accepted with no effect, as chat's reasoning_effort; a summary is output
-        # this model cannot give
+        # effort goes to the chat template, as chat's reasoning_effort; a summary is output
+        # no served model gives (its thinking comes whole, as reasoning items)
         "reasoning",
         lambda v: not v or all(x is None for k, x in v.items() if k != "effort"),
-        "is not supported except effort (which has no effect): the served model does not "
-        "reason, so it has no summary to give; leave the rest out",
+        "is not supported except effort (passed to the chat template): no summary of the "
+        "thinking is made (reasoning models' thinking comes whole, as reasoning items); "
+        "leave the rest out",
     ),
     (
         "include",
@@ -215,6 +216,25 @@ def _text_of(content: str | list[ContentPart] | None, param: str) -> str:
     return "".join(texts)
 
 
+def _reasoning_of(content: str | list[ContentPart] | None, param: str) -> str:
+    """A reasoning item's text (its summary, if any, is not the thinking and is left out)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    for j, part in enumerate(content):
+        if part.type != "reasoning_text" or part.text is None:
+            raise invalid(f"{param}[{j}]", f"{param}[{j}] is not a reasoning_text part with text")
+    return "".join(part.text or "" for part in content)
+
+
+def _thinking_only(message: dict[str, Any]) -> bool:
+    return (
+        message["role"] == "assistant"
+        and "reasoning" in message
+        and not message["content"]
+        and not message.get("tool_calls")
+    )
+
+
 def messages_of(body: ResponsesRequest) -> list[dict[str, Any]]:
     """The chat messages the input means, instructions first."""
     messages: list[dict[str, Any]] = []
@@ -233,7 +253,14 @@ def messages_of(body: ResponsesRequest) -> list[dict[str, Any]]:
                     f"{param}.role is {item.role!r}; use user, system, developer or assistant",
                 )
             text = _text_of(item.content, f"{param}.content")
-            messages.append({"role": item.role, "content": text})
+            last = messages[-1] if messages else None
+            if item.role == "assistant" and last is not None and _thinking_only(last):
+                last["content"] = text  # the answer of the turn whose thinking came first
+            else:
+                messages.append({"role": item.role, "content": text})
+        elif item.type == "reasoning":  # an earlier turn's thinking, sent back as it came
+            thought = _reasoning_of(item.content, f"{param}.content")
+            messages.append({"role": "assistant", "content": "", "reasoning": thought})
         elif item.type == "function_call":
             if not item.call_id or not item.name:
                 raise invalid(param, f"{param} is a function_call without call_id or name")
@@ -258,7 +285,7 @@ def messages_of(body: ResponsesRequest) -> list[dict[str, Any]]:
             raise _unsupported(
                 f"{param}.type",
                 f"{param} is of type {item.type!r}, which this server does not take: send "
-                "message, function_call and function_call_output items",
+                "message, reasoning, function_call and function_call_output items",
             )
     return messages
 
@@ -353,6 +380,13 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
     for field in ("temperature", "top_p"):
         if getattr(body, field) is not None:
             chat[field] = getattr(body, field)
+    effort = (body.reasoning or {}).get("effort")
+    if effort is not None:
+        if effort not in EFFORTS:
+            raise invalid(
+                "reasoning.effort", f"reasoning.effort is {effort!r}; use one of {EFFORTS}"
+            )
+        chat["reasoning_effort"] = effort
     try:
         return ChatCompletionRequest.model_validate(chat)
     except pydantic.ValidationError as exc:  # what the input items hold, checked by chat's rules

@@ -86,6 +86,12 @@ REQUESTS = Counter(
 )
 PROMPT_TOKENS = Counter("tokenline_prompt_tokens", "Prompt tokens of finished requests.", ["model"])
 GENERATION_TOKENS = Counter("tokenline_generation_tokens", "Generated tokens.", ["model"])
+REASONING_TOKENS = Histogram(
+    "tokenline_request_reasoning_tokens",
+    "Thinking tokens of each finished choice that thought (--reasoning-parser), markers included.",
+    ["model"],
+    buckets=(16, 64, 256, 1024, 4096, 16384, 65536),
+)
 REQUEST_ERRORS = Counter("tokenline_request_errors", "Requests that ended in an error.", ["code"])
 ABORTS = Counter("tokenline_aborts", "Aborts started by the api, by reason.", ["reason"])
 

@@ -110,12 +110,18 @@ def test_thinking_switched_off_in_the_template_answers_plainly(thinking, markers
     assert off.usage.prompt_tokens > on.usage.prompt_tokens
 
 
-def test_include_reasoning_false_leaves_the_thinking_out_but_counts_it(thinking, markers):
+def test_include_reasoning_false_leaves_the_thinking_out_but_counts_it(
+    thinking, markers, thinking_stack
+):
+    stack, _ = thinking_stack
+    metric = "tokenline_request_reasoning_tokens_sum"
+    before = stack.metric("api", metric, model=MODEL)
     extra = {**THINKING_ONLY, "include_reasoning": False}
     reply = _chat(thinking, markers, extra_body=extra)
     message = reply.choices[0].message
     assert message.content == "" and "reasoning" not in (message.model_extra or {})
     assert reply.usage.completion_tokens_details.reasoning_tokens == 6
+    assert stack.metric("api", metric, model=MODEL) == before + 6  # per request, on /metrics
 
 
 def test_reasoning_effort_reaches_the_chat_template(thinking, markers):

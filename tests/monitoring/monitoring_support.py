@@ -41,6 +41,7 @@ CONTRACT_METRICS = {
     "tokenline_requests_total",
     "tokenline_prompt_tokens_total",
     "tokenline_generation_tokens_total",
+    "tokenline_request_reasoning_tokens",
     "tokenline_request_errors_total",
     "tokenline_aborts_total",
     "tokenline_malformed_frames_total",

@@ -12,6 +12,7 @@ from tokenline.metrics import (
     GENERATION_TOKENS,
     INTER_TOKEN_LATENCY,
     PROMPT_TOKENS,
+    REASONING_TOKENS,
     REQUEST_ERRORS,
     REQUESTS,
     STAGE_LATENCY,
@@ -31,6 +32,7 @@ class RequestMetrics:
         self._itl = INTER_TOKEN_LATENCY.labels(model=model)
         self._e2e = E2E_LATENCY.labels(model=model)
         self._prompt = PROMPT_TOKENS.labels(model=model)
+        self._reasoning = REASONING_TOKENS.labels(model=model)
         self._latency = STAGE_LATENCY.labels(stage="api")
         for reason in COUNTED_ABORTS:
             ABORTS.labels(reason=reason)  # export zeros so rate() works from the start
@@ -63,6 +65,8 @@ class RequestMetrics:
         for choice in ex.choices:
             reason = choice.finish_reason or ("abort" if ex.abort_reason else "error")
             REQUESTS.labels(model=self.model, finish_reason=reason).inc()
+            if choice.reasoning_tokens:
+                self._reasoning.observe(choice.reasoning_tokens)
         if ex.error is not None and ex.abort_reason is not None:
             self.error(ex.error.code)
         # Every choice is its own sequence in the scheduler, which reads its prompt (or finds

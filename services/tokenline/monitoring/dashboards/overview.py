@@ -10,6 +10,7 @@ from tokenline.monitoring.dashboards.panels import (
     Query,
     dashboard,
     latency_panel,
+    percentiles,
     rate_by,
     sum_by,
     with_rows,
@@ -27,7 +28,7 @@ def overview() -> dash.Dashboard:
             "Finished requests per second, by model.",
             "reqps",
             (Query(requests_by_model, "{{model}}"),),
-            width=8,
+            width=6,
         ),
         PanelSpec(
             "Tokens/s",
@@ -39,7 +40,15 @@ def overview() -> dash.Dashboard:
                 ),
                 Query(summed_rate("tokenline_prompt_tokens_total", ("model",)), "{{model}} prompt"),
             ),
-            width=8,
+            width=6,
+        ),
+        PanelSpec(
+            "Reasoning tokens per request",
+            "Thinking tokens of each finished choice that thought (models served with a "
+            "reasoning parser), p50 / p90 / p99 by model.",
+            "short",
+            percentiles("tokenline_request_reasoning_tokens", "model"),
+            width=6,
         ),
         PanelSpec(
             "Finish reasons",
@@ -47,7 +56,7 @@ def overview() -> dash.Dashboard:
             "reqps",
             rate_by(requests, "finish_reason"),
             stacked=True,
-            width=8,
+            width=6,
         ),
     ]
     latency = [

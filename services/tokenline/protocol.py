@@ -198,6 +198,7 @@ class TokenizeCall(_Message, tag="tokenize"):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    template_kwargs: dict[str, Any] | None = None  # as `Generate.template_kwargs`
 
 
 class TokenizerAnswer(_Message, tag="tokenizer_answer"):

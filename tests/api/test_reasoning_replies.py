@@ -110,6 +110,27 @@ def test_thinking_switched_off_in_the_template_answers_plainly(thinking, markers
     assert off.usage.prompt_tokens > on.usage.prompt_tokens
 
 
+def test_tokenize_counts_a_chat_with_its_template_kwargs_as_the_completion_does(
+    thinking, markers, thinking_stack
+):
+    import httpx
+
+    stack, _ = thinking_stack
+    kwargs = {"enable_thinking": False}
+    reply = _chat(thinking, markers, max_tokens=1, extra_body={"chat_template_kwargs": kwargs})
+    body = {"model": MODEL, "messages": USER}
+    counted = httpx.post(
+        f"{stack.api_url}/tokenize", json={**body, "chat_template_kwargs": kwargs}
+    ).json()
+    plain = httpx.post(f"{stack.api_url}/tokenize", json=body).json()
+    assert counted["count"] == reply.usage.prompt_tokens > plain["count"]
+    refused = httpx.post(
+        f"{stack.api_url}/tokenize", json={"prompt": "x", "chat_template_kwargs": kwargs}
+    )
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "chat_template_kwargs"
+
+
 def test_include_reasoning_false_leaves_the_thinking_out_but_counts_it(
     thinking, markers, thinking_stack
 ):
@@ -231,6 +252,26 @@ def test_responses_stream_the_thinking_as_a_reasoning_item_before_the_answer(thi
     without = [m for m in follow if m.get("type") != "reasoning"]
     bare = thinking.responses.create(model=MODEL, input=without, max_output_tokens=1)
     assert again.usage.input_tokens > bare.usage.input_tokens
+
+
+def test_litellm_reads_the_thinking_as_reasoning_content(thinking_stack, markers):
+    import litellm
+
+    stack, _ = thinking_stack
+    reply = litellm.completion(
+        model=f"openai/{MODEL}",
+        api_base=f"{stack.api_url}/v1",
+        api_key="unused",
+        messages=USER,
+        max_tokens=6,
+        temperature=0,
+        logit_bias=markers,
+        num_retries=0,
+        extra_body={**THINKING_ONLY, "ignore_eos": True},
+    )
+    message = reply.choices[0].message
+    assert message.reasoning_content and not message.content
+    assert START not in message.reasoning_content
 
 
 @pytest.mark.parametrize("name", ["messages", "add_generation_prompt", "not an identifier"])

@@ -71,6 +71,10 @@ EXERCISED: dict[str, tuple[str, ...]] = {
     ),
     "ChatCompletionRequest.chat_template_kwargs": _THINKING
     + t(REASONING, "test_template_kwargs_that_would_override_the_server_are_refused"),
+    "TokenizeRequest.chat_template_kwargs": t(
+        REASONING,
+        "test_tokenize_counts_a_chat_with_its_template_kwargs_as_the_completion_does",
+    ),
     "ChatMessageIn.reasoning": _HISTORY,
     "ChatMessageIn.reasoning_content": _HISTORY,
     # ── chat completions ──

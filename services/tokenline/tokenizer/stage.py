@@ -80,12 +80,11 @@ class PromptEncoder:
         if request.messages is None:
             return request.prompt or ""
         messages = [_template_message(m) for m in request.messages]
-        generation_prompt, continue_final, extra = True, False, {}
+        generation_prompt, continue_final = True, False
         if isinstance(request, protocol.TokenizeCall):
             generation_prompt = request.add_generation_prompt
             continue_final = request.continue_final_message
-        else:
-            extra = request.template_kwargs or {}
+        extra = request.template_kwargs or {}
         return self.hf_tokenizer.apply_chat_template(
             messages,
             tools=request.tools,

@@ -32,6 +32,7 @@ class Tokenize(Endpoint):
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 return_token_strs=bool(body.return_token_strs),
+                template_kwargs=body.chat_template_kwargs or None,
             )
 
         answer = await self.call(build)

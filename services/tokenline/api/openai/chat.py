@@ -51,6 +51,17 @@ class ContentPart(BaseModel):
         return self
 
 
+def template_variables(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` as sent, once its names are ones a request may set."""
+    for name in value or {}:
+        if not name.isidentifier() or name in TEMPLATE_RESERVED:
+            raise ValueError(
+                f"{name!r} cannot be a chat template variable: names are identifiers other "
+                f"than {', '.join(sorted(TEMPLATE_RESERVED))}, which the server sets"
+            )
+    return value
+
+
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 EFFORTS = get_args(ReasoningEffort)
 
@@ -187,13 +198,7 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        for name in value or {}:
-            if not name.isidentifier() or name in TEMPLATE_RESERVED:
-                raise ValueError(
-                    f"{name!r} cannot be a chat template variable: names are identifiers other "
-                    f"than {', '.join(sorted(TEMPLATE_RESERVED))}, which the server sets"
-                )
-        return value
+        return template_variables(value)
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """What the chat template gets beside the messages and tools."""

@@ -7,10 +7,12 @@ both, or neither, is refused by name rather than matched to whichever branch par
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tokenline.api.http.errors import invalid
-from tokenline.api.openai.chat import ChatMessageIn
+from tokenline.api.openai.chat import ChatMessageIn, template_variables
 from tokenline.api.openai.limits import check_messages
 from tokenline.api.openai.sampling import Text, TokenId
 from tokenline.api.openai.tools import Tool
@@ -35,6 +37,12 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     tools: list[Tool] | None = None
     return_token_strs: bool | None = False
+    chat_template_kwargs: dict[Text, Any] | None = None  # as a chat completion's
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return template_variables(value)
 
     @property
     def is_chat(self) -> bool:
@@ -54,7 +62,7 @@ class TokenizeRequest(BaseModel):
                 "model's chat template), exactly one of them",
             )
         if self.prompt is not None:
-            for param in ("tools", "continue_final_message"):
+            for param in ("tools", "continue_final_message", "chat_template_kwargs"):
                 if getattr(self, param):
                     raise invalid(param, f"{param} applies to messages only, not to a prompt")
             if len(self.prompt) > settings.max_prompt_chars:

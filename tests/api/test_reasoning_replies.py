@@ -15,6 +15,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from pydantic import BaseModel, ConfigDict
 from reasoning_testkit import END, START, write_thinking_model
 
 from tokenline import tiny_model
@@ -208,6 +209,35 @@ def test_a_grammar_holds_the_answer_after_free_thinking_on_every_seed(thinking, 
     assert finished, "no seed ended its thinking within max_tokens"
     assert any((r.choices[0].message.model_extra or {}).get("reasoning") for r in finished)
     assert all(r.usage.completion_tokens_details.reasoning_tokens for r in replies)
+
+
+class Count(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # strict, as .parse() sends it
+
+    n: int
+    ok: bool
+
+
+def test_the_official_parse_gets_a_strict_model_after_free_thinking(thinking, thinking_stack):
+    _, model = thinking_stack
+    ids = _marker_ids(model)
+    parsed = 0
+    for seed in range(8):
+        try:
+            reply = thinking.chat.completions.parse(
+                model=MODEL,
+                messages=USER,
+                max_tokens=60,
+                seed=seed,
+                logit_bias={str(ids[START]): -100, str(ids[END]): 4},
+                response_format=Count,
+                extra_body=THINKING_ONLY,
+            )
+        except openai.LengthFinishReasonError:  # still thinking at max_tokens: nothing to parse
+            continue
+        assert isinstance(reply.choices[0].message.parsed, Count)
+        parsed += 1
+    assert parsed
 
 
 def test_the_model_may_open_its_block_before_a_grammar_answer(thinking, thinking_stack):

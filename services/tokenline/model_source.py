@@ -105,6 +105,26 @@ def _template_of(config: dict) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def _model_files(
+    model: str, names: tuple[str, ...], cache_dir: str | None, revision: str | None
+) -> list[Path]:
+    """Those of the model's files ``names`` it has, read without loading a tokenizer or
+    weights: from its directory, or from the Hub one by one. Raises OSError."""
+    if "://" in model:
+        model = str(fetched(model, cache_dir))
+    if Path(model).is_dir():
+        return [Path(model) / name for name in names if (Path(model) / name).exists()]
+    from huggingface_hub import hf_hub_download
+
+    paths = []
+    for name in names:
+        try:
+            paths.append(Path(hf_hub_download(model, name, revision=revision)))
+        except Exception:  # a file the repository does not have
+            continue
+    return paths
+
+
 def chat_template_text(
     model: str, cache_dir: str | None = None, revision: str | None = None
 ) -> str | None:
@@ -113,22 +133,10 @@ def chat_template_text(
     cannot be read (logged)."""
     if model == "tiny":
         return tiny_model.CHAT_TEMPLATE
-    if "://" in model:
-        model = str(fetched(model, cache_dir))
-    names = ("chat_template.jinja", "tokenizer_config.json")
     try:
-        if Path(model).is_dir():
-            paths = [Path(model) / name for name in names if (Path(model) / name).exists()]
-        else:
-            from huggingface_hub import hf_hub_download
-
-            paths = []
-            for name in names:
-                try:
-                    paths.append(Path(hf_hub_download(model, name, revision=revision)))
-                except Exception:  # a file the repository does not have
-                    continue
-        for path in paths:
+        for path in _model_files(
+            model, ("chat_template.jinja", "tokenizer_config.json"), cache_dir, revision
+        ):
             if path.suffix == ".jinja":
                 return path.read_text()
             template = _template_of(json.loads(path.read_text()))
@@ -137,3 +145,14 @@ def chat_template_text(
     except (OSError, ValueError) as exc:
         log.warning("could not read the chat template of %s: %s", model, exc)
     return None
+
+
+def generation_config(
+    model: str, cache_dir: str | None = None, revision: str | None = None
+) -> dict:
+    """The model's ``generation_config.json`` ({} when it has none; the tiny model's names no
+    sampling values). Raises OSError or ValueError when it is there but cannot be read."""
+    if model == "tiny":
+        return {}
+    paths = _model_files(model, ("generation_config.json",), cache_dir, revision)
+    return json.loads(paths[0].read_text()) if paths else {}

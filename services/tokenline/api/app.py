@@ -24,6 +24,7 @@ from tokenline.api.http.errors import (
     validation_error,
 )
 from tokenline.api.http.head import HeadAsGet
+from tokenline.api.openai.generation_defaults import request_defaults
 from tokenline.api.ring.client import RingClient
 from tokenline.api.ring.lora_names import LoraNames
 from tokenline.api.routes import lora_router, router
@@ -50,6 +51,8 @@ def create_app(settings: Settings, heartbeat_timeout: float = 5.0) -> FastAPI:
     app = FastAPI(title="tokenline", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.started = int(time.time())
     app.state.settings = settings
+    # what a request's left-out sampling fields become (the model's generation config)
+    app.state.request_defaults = request_defaults(settings)
     # The LoRA adapters requests may name: the endpoints read them, the ring client keeps them
     app.state.lora_names = LoraNames(settings.enable_lora, settings.model_name, settings.model)
     app.include_router(router)

@@ -140,6 +140,19 @@ API_SERVER: tuple[Setting, ...] = (
         choices=("auto", "hermes", "llama3_json"),
     ),
     Setting(
+        "generation-config",
+        default="auto",
+        help="where a request's left-out sampling fields (temperature, top_p, top_k, min_p, "
+        "repetition_penalty) get their values: auto (the model's generation_config.json, as "
+        "vLLM), vllm (the API's own defaults), or a directory holding a generation_config.json",
+        stages=API,
+    ),
+    Setting(
+        "override-generation-config",
+        help='JSON over the generation config\'s sampling values, e.g. {"temperature": 0.5}',
+        stages=API,
+    ),
+    Setting(
         "reasoning-parser",
         default="auto",
         help="how a chat reply's thinking is kept apart from its answer (message.reasoning): "

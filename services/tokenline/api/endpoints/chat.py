@@ -58,7 +58,9 @@ class Chat(Endpoint):
             protocol.Generate(
                 uid="",
                 sampling=msgspec.structs.replace(
-                    chat.sampling(index), grammar=plan.grammar, reasoning=True
+                    chat.sampling(index, self.request.app.state.request_defaults),
+                    grammar=plan.grammar,
+                    reasoning=True,
                 ),
                 messages=wire,
                 tools=plan.tools,

@@ -31,7 +31,10 @@ class Completions(Endpoint):
             messages.append(
                 protocol.Generate(
                     uid="",
-                    sampling=msgspec.structs.replace(body.sampling(index), grammar=grammar),
+                    sampling=msgspec.structs.replace(
+                        body.sampling(index, self.request.app.state.request_defaults),
+                        grammar=grammar,
+                    ),
                     prompt=prompt if isinstance(prompt, str) else None,
                     prompt_ids=None if isinstance(prompt, str) else prompt,
                     timeout_s=self.settings.request_timeout,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import msgspec
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -77,8 +80,8 @@ class CompletionRequest(SamplingFields):
     def choices(self) -> int:
         return len(self.prompts()) * self.n
 
-    def sampling(self, index: int) -> SamplingParams:
-        params = super().sampling(index)
+    def sampling(self, index: int, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        params = super().sampling(index, defaults)
         if not self.echo:
             return params
         # The prompt's logprobs are the same for its n choices: the first computes them, the

@@ -4,6 +4,7 @@ translation to `SamplingParams`, and the bounds of what the wire can carry."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -148,20 +149,28 @@ class SamplingFields(BaseModel):
         """None: no logprobs; N: the chosen token's plus the top N alternatives."""
         return None
 
-    def sampling(self, index: int) -> SamplingParams:
-        """Parameters for choice ``index``; a seeded request gives each choice its own seed."""
+    def sampling(self, index: int, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """Parameters for choice ``index``; a seeded request gives each choice its own seed.
+        ``defaults`` (the model's generation config) stand in for fields the request left out."""
+        sent = self.model_fields_set
+
+        def value(name: str) -> Any:
+            if defaults and name in defaults and name not in sent:
+                return defaults[name]
+            return getattr(self, name)
+
         return SamplingParams(
             max_tokens=self.wanted_tokens(),
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=max(self.top_k, 0),
-            min_p=self.min_p,
+            temperature=value("temperature"),
+            top_p=value("top_p"),
+            top_k=max(value("top_k"), 0),
+            min_p=value("min_p"),
             seed=None if self.seed is None else self.seed + index,
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             stop=list(self.stop or []),
             stop_token_ids=self.stop_token_ids,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=value("repetition_penalty"),
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
             logprobs=self.wanted_logprobs(),

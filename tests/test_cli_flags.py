@@ -45,3 +45,33 @@ def test_serve_passes_compile_to_the_scheduler_only():
     # and the scheduler's own parser reads what serve wrote
     argv = stage_argv("scheduler", settings)
     assert _settings(argv[argv.index("scheduler") :]).compile is True
+
+
+def test_lora_modules_take_several_values_after_one_flag_as_vllm_does():
+    argv = ["scheduler", "--lora-modules", "a=/p/a", "b=/p/b", "--lora-modules", "c=s3://x/c"]
+    assert _settings(argv).lora_modules == ["a=/p/a", "b=/p/b", "c=s3://x/c"]
+    json_form = '{"name": "d", "path": "/p/d", "base_model_name": "tiny"}'
+    assert _settings(["serve", "--lora-modules", json_form]).lora_modules == [json_form]
+    # serve hands each on to the scheduler, which parses them back the same
+    settings = _settings(["serve", "--lora-modules", "a=/p/a", "b=/p/b"])
+    argv = stage_argv("scheduler", settings)
+    assert _settings(argv[argv.index("scheduler") :]).lora_modules == ["a=/p/a", "b=/p/b"]
+
+
+def test_a_lora_module_reads_in_either_of_vllm_s_forms():
+    from tokenline.scheduler.start import lora_module
+
+    assert lora_module("a=/p/a", "tiny") == ("a", "/p/a")
+    assert lora_module('{"name": "b", "path": "hf://o/b", "base_model_name": "tiny"}', "tiny") == (
+        "b",
+        "hf://o/b",
+    )
+    for bad, says in [
+        ("nameonly", "expected NAME=PATH_OR_URI"),
+        ('{"name": "b"}', "expected NAME=PATH_OR_URI"),
+        ('{"name": "b", "path": "/p", "rank": 8}', "unknown keys"),
+        ('{"name": "b", "path": "/p", "base_model_name": "other"}', "not the served model"),
+        ("{broken", "not JSON"),
+    ]:
+        with pytest.raises(SystemExit, match=says):
+            lora_module(bad, "tiny")

@@ -43,6 +43,7 @@ def _flag(parser: argparse.ArgumentParser, setting: Setting, stage: str) -> None
             f"--{setting.flag}",
             dest=setting.dest,
             action=_AppendOverEnv,
+            nargs="+" if setting.several else None,
             default=[k.strip() for k in (raw or "").split(",") if k.strip()],
             metavar=setting.metavar,
             help=f"{setting.help} [env {env}, comma-separated]",
@@ -77,7 +78,8 @@ class _AppendOverEnv(argparse.Action):
         current = getattr(namespace, self.dest)
         if current is self.default:
             current = []
-        setattr(namespace, self.dest, [*current, values])
+        added = values if isinstance(values, list) else [values]  # nargs="+" gives a list
+        setattr(namespace, self.dest, [*current, *added])
 
 
 def add_setting_flags(parser: argparse.ArgumentParser, stage: str) -> None:

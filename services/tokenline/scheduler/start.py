@@ -4,6 +4,7 @@ serves it."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 from tokenline.lifecycle import Drain
@@ -120,6 +121,33 @@ def grammar_compiler(source) -> tuple[GrammarCompiler | None, str]:
         return None, reason
 
 
+def lora_module(text: str, served: str) -> tuple[str, str]:
+    """One --lora-modules value, in either of vLLM's forms: ``NAME=URI`` or a JSON object with
+    ``name`` and ``path`` (and ``base_model_name``, which must be ``served``, the model's)."""
+    expected = 'expected NAME=PATH_OR_URI or {"name": ..., "path": ...}'
+    if not text.lstrip().startswith("{"):
+        name, sep, uri = text.partition("=")
+        if not sep or not name or not uri:
+            raise SystemExit(f"--lora-modules {text!r}: {expected}")
+        return name, uri
+    try:
+        module = json.loads(text)
+    except ValueError as exc:
+        raise SystemExit(f"--lora-modules {text!r}: not JSON ({exc})") from None
+    name, uri = module.get("name"), module.get("path")
+    if not isinstance(name, str) or not isinstance(uri, str) or not name or not uri:
+        raise SystemExit(f"--lora-modules {text!r}: {expected}")
+    unknown = sorted(set(module) - {"name", "path", "base_model_name"})
+    if unknown:
+        raise SystemExit(f"--lora-modules {name}: unknown keys {unknown}")
+    base = module.get("base_model_name")
+    if base is not None and base != served:
+        raise SystemExit(
+            f"--lora-modules {name}: base_model_name {base!r} is not the served model {served!r}"
+        )
+    return name, uri
+
+
 def start_loras(settings: Settings, engine: Engine) -> LoraChanges | None:
     """Load --lora-modules (a bad one stops the stage: it was asked for at start) and return
     --lora-config's watcher, polled between steps."""
@@ -128,9 +156,7 @@ def start_loras(settings: Settings, engine: Engine) -> LoraChanges | None:
             log.warning("--lora-modules/--lora-config ignored: --enable-lora is off")
         return None
     for module in settings.lora_modules or []:
-        name, sep, uri = module.partition("=")
-        if not sep or not name or not uri:
-            raise SystemExit(f"--lora-modules {module!r}: expected NAME=PATH_OR_URI")
+        name, uri = lora_module(module, settings.model_name)
         try:
             engine.loras.add(name, uri)
         except LoraError as exc:

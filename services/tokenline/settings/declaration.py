@@ -123,6 +123,8 @@ class Setting:
     switch: bool = False
     #: repeatable (``--api-key A --api-key B``); its mirror is comma-separated
     repeatable: bool = False
+    #: a repeatable flag that also takes several values at once (``--lora-modules a=X b=Y``)
+    several: bool = False
     metavar: str | None = None
     #: a default of each stage's own, instead of `default`
     stage_defaults: Mapping[str, Any] | None = None

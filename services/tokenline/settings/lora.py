@@ -17,10 +17,12 @@ LORA: tuple[Setting, ...] = (
     ),
     Setting(
         "lora-modules",
-        help="an adapter to serve from the start, as name=uri (a PEFT directory or any URI "
-        "--model takes); repeat the flag for more",
+        help="adapters to serve from the start, as vLLM takes them: NAME=URI (a PEFT directory "
+        'or any URI --model takes) or {"name": ..., "path": ...}, several after one flag or '
+        "the flag repeated",
         stages=SCHEDULER,
         repeatable=True,
+        several=True,
         metavar="NAME=URI",
     ),
     Setting(

@@ -75,3 +75,12 @@ def test_a_lora_module_reads_in_either_of_vllm_s_forms():
     ]:
         with pytest.raises(SystemExit, match=says):
             lora_module(bad, "tiny")
+
+
+def test_serve_takes_the_model_as_vllm_serve_does():
+    assert _settings(["serve", "/models/qwen3"]).model == "/models/qwen3"
+    assert _settings(["serve", "/models/qwen3", "--port", "9000"]).port == 9000
+    assert _settings(["serve", "m", "--model", "m"]).model == "m"
+    with pytest.raises(SystemExit, match="name the model once"):
+        _settings(["serve", "a", "--model", "b"])
+    assert _settings(["serve"]).model == "tiny"

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from tokenline.settings import (
+    BY_FLAG,
     DEFAULT_METRICS_PORTS,
     SETTINGS,
     Setting,
@@ -100,6 +101,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
         else:
             values[setting.field_name] = value
     values["endpoints"] = RingEndpoints(**endpoints)
+    tag = getattr(args, "model_tag", None)  # `tokenline serve MODEL`, as `vllm serve MODEL`
+    if tag is not None:
+        flag = values.get("model")
+        if flag not in (None, BY_FLAG["model"].default, tag):
+            raise SystemExit(f"serve {tag} --model {flag}: name the model once")
+        values["model"] = tag
     return Settings(**values)
 
 
@@ -108,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run all four stages locally as child processes")
+    serve.add_argument(
+        "model_tag", nargs="?", metavar="MODEL", help="the model, as `vllm serve MODEL` names it"
+    )
     add_setting_flags(serve, "serve")
     serve.add_argument(
         "--ipc-dir",

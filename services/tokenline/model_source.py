@@ -19,11 +19,15 @@ class ModelSource:
     spec: str  # what the user passed to --model
     path: str  # a local directory or a Hugging Face id, for from_pretrained
     revision: str | None = None
+    chat_template: str | None = None  # --chat-template's text, over the model's own
 
     def load_tokenizer(self):  # -> transformers.PreTrainedTokenizerBase
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.path, revision=self.revision)
+        tokenizer = AutoTokenizer.from_pretrained(self.path, revision=self.revision)
+        if self.chat_template is not None:
+            tokenizer.chat_template = self.chat_template
+        return tokenizer
 
     def load_config(self):  # -> transformers.PretrainedConfig
         from transformers import AutoConfig
@@ -61,8 +65,14 @@ class ModelSource:
         return sorted(ids)
 
 
-def resolve(model: str, cache_dir: str | None = None, revision: str | None = None) -> ModelSource:
-    """Turn a --model value into something ``from_pretrained`` loads.
+def resolve(
+    model: str,
+    cache_dir: str | None = None,
+    revision: str | None = None,
+    chat_template: str | None = None,
+) -> ModelSource:
+    """Turn a --model value into something ``from_pretrained`` loads (with ``chat_template``,
+    --chat-template's file or text, as its template).
 
     ``tiny`` is built once into the cache directory; a URI (``hf://``, ``s3://``, ``https://``,
     ``pvc://``, ``oci://``) is fetched once into the cache directory, verified, and read from
@@ -70,19 +80,36 @@ def resolve(model: str, cache_dir: str | None = None, revision: str | None = Non
     one of them download while the rest wait); an existing directory is used as is; anything
     else is treated as a Hugging Face id (downloaded into HF_HOME on first use).
     """
+    template = template_text(chat_template)
     if model == "tiny":
         path = tiny_model.ensure_cached(cache_dir or DEFAULT_CACHE_DIR)
-        return ModelSource(spec=model, path=str(path))
+        return ModelSource(spec=model, path=str(path), chat_template=template)
     if "://" in model:
-        return ModelSource(spec=model, path=str(fetched(model, cache_dir)))
+        path = str(fetched(model, cache_dir))
+        return ModelSource(spec=model, path=path, chat_template=template)
     if Path(model).is_dir():
         if not (Path(model) / "config.json").exists():
             raise SystemExit(
                 f"--model {model}: the directory has no config.json; point it at a Hugging Face "
                 "model directory or use --model tiny"
             )
-        return ModelSource(spec=model, path=str(Path(model).resolve()))
-    return ModelSource(spec=model, path=model, revision=revision)
+        return ModelSource(spec=model, path=str(Path(model).resolve()), chat_template=template)
+    return ModelSource(spec=model, path=model, revision=revision, chat_template=template)
+
+
+def template_text(value: str | None) -> str | None:
+    """--chat-template as vLLM takes it: a file's path, or the template itself."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise SystemExit(
+        f"--chat-template {value}: no such file, and not a template (no {{{{ or {{% in it); "
+        "pass a Jinja file's path or the template's text"
+    )
 
 
 def fetched(uri: str, cache_dir: str | None = None) -> Path:
@@ -126,11 +153,16 @@ def _model_files(
 
 
 def chat_template_text(
-    model: str, cache_dir: str | None = None, revision: str | None = None
+    model: str,
+    cache_dir: str | None = None,
+    revision: str | None = None,
+    chat_template: str | None = None,
 ) -> str | None:
     """The chat template's text, read from the model's files without loading a tokenizer (the
     api reads which tool-call format the model writes from it). None when there is none, or it
     cannot be read (logged)."""
+    if chat_template is not None:
+        return template_text(chat_template)
     if model == "tiny":
         return tiny_model.CHAT_TEMPLATE
     try:

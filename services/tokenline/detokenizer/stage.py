@@ -211,7 +211,9 @@ class DetokenizerStage(StepFreeHandler):
 
 def run(settings: Settings) -> int:
     drain = Drain(settings.drain_timeout)
-    source = resolve(settings.model, settings.model_cache_dir, settings.revision)
+    source = resolve(
+        settings.model, settings.model_cache_dir, settings.revision, settings.chat_template
+    )
     hf_tokenizer = source.load_tokenizer()
     tokenizer = hf_tokenizer.backend_tokenizer
     try:

@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 
 def run(settings: Settings) -> int:
     drain = Drain(settings.drain_timeout)
-    source = resolve(settings.model, settings.model_cache_dir, settings.revision)
+    source = resolve(
+        settings.model, settings.model_cache_dir, settings.revision, settings.chat_template
+    )
     if settings.metrics_port:  # a worker node's too: its pod's probes read it
         serve_metrics(settings.metrics_port)
     options = runner_options(settings, source)

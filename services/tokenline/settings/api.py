@@ -140,6 +140,11 @@ API_SERVER: tuple[Setting, ...] = (
         choices=("auto", "hermes", "llama3_json"),
     ),
     Setting(
+        "chat-template",
+        help="the chat template to render chats with instead of the model's: a Jinja file's "
+        "path or the template itself (vLLM's flag); /tokenize renders with it too",
+    ),
+    Setting(
         "generation-config",
         default="auto",
         help="where a request's left-out sampling fields (temperature, top_p, top_k, min_p, "

@@ -259,7 +259,9 @@ class TokenizerStage(StepFreeHandler):
 
 def run(settings: Settings) -> int:
     drain = Drain(settings.drain_timeout)
-    source = resolve(settings.model, settings.model_cache_dir, settings.revision)
+    source = resolve(
+        settings.model, settings.model_cache_dir, settings.revision, settings.chat_template
+    )
     encoder = PromptEncoder(source.load_tokenizer(), source.max_model_len(settings.max_model_len))
     if settings.metrics_port:
         serve_metrics(settings.metrics_port)

@@ -46,7 +46,11 @@ class Chat(Endpoint):
             template = None
             if settings.tool_call_parser == "auto":
                 template = await asyncio.to_thread(
-                    chat_template_text, settings.model, settings.model_cache_dir, settings.revision
+                    chat_template_text,
+                    settings.model,
+                    settings.model_cache_dir,
+                    settings.revision,
+                    settings.chat_template,
                 )
             state.tool_format = format_for(template, settings.tool_call_parser)
         return state.tool_format

@@ -7,6 +7,7 @@ import pytest
 
 from tokenline.cli import build_parser, settings_from
 from tokenline.serve import stage_argv
+from tokenline.settings.vllm_flags import VLLM_FLAGS, translate
 
 
 def _settings(argv: list[str]):
@@ -84,3 +85,33 @@ def test_serve_takes_the_model_as_vllm_serve_does():
     with pytest.raises(SystemExit, match="name the model once"):
         _settings(["serve", "a", "--model", "b"])
     assert _settings(["serve"]).model == "tiny"
+
+
+@pytest.mark.parametrize("flag", sorted(VLLM_FLAGS))
+def test_every_vllm_flag_in_the_table_is_read_or_refused_with_what_to_use(flag):
+    entry = VLLM_FLAGS[flag]
+    argv = ["serve", "m", flag, *(["x"] if entry.takes_value else []), "--port", "9001"]
+    if entry.refused:
+        with pytest.raises(SystemExit, match="not served by tokenline"):
+            translate(argv)
+        return
+    translated, said = translate(argv)
+    settings = _settings(translated)
+    assert settings.port == 9001 and settings.model == "m"  # the rest of the line is intact
+    assert said == ([f"{flag}: accepted; {entry.note}"] if entry.note else [])
+
+
+def test_vllm_flags_mean_what_vllm_means():
+    no_cache, _ = translate(["serve", "--no-enable-prefix-caching"])
+    assert _settings(no_cache).no_prefix_caching
+    assert _settings(translate(["serve", "--enable-log-requests"])[0]).log_level == "debug"
+    assert not _settings(translate(["serve", "--enable-prefix-caching"])[0]).no_prefix_caching
+    with pytest.raises(SystemExit, match="--chat-template"):
+        translate(["serve", "--tokenizer=/p/tok"])  # the inline form, refused the same
+
+
+def test_the_readme_maps_every_vllm_flag_the_table_reads():
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert all(f"| `{flag}` |" in readme for flag in VLLM_FLAGS)

@@ -6,6 +6,7 @@ Every stage flag has an environment mirror: ``--max-model-len`` ↔ ``TOKENLINE_
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Any
@@ -20,6 +21,7 @@ from tokenline.settings import (
     parse_bytes,
     settings_of,
 )
+from tokenline.settings.vllm_flags import translate
 from tokenline.transport import RingEndpoints
 
 # re-exported: callers parse sizes and booleans as the flags do
@@ -154,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         from tokenline.fetch import main as fetch_main
 
         return fetch_main(argv[1:])
+    argv, said = translate(argv)  # vLLM's flags, as vLLM means them
     args = build_parser().parse_args(argv)
     if args.command == "tiny-model":
         from tokenline.tiny_model import build
@@ -168,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     from tokenline.lifecycle import setup_logging
 
     setup_logging(args.command, args.log_level)
+    for line in said:
+        logging.getLogger("tokenline.cli").info("%s", line)
     settings = settings_from(args)
     if args.command == "serve":
         from tokenline.serve import serve

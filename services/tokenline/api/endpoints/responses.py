@@ -100,6 +100,11 @@ def echo(body: ResponsesRequest) -> dict:
     }
 
 
+def _where(item: dict, index: int) -> dict:
+    """Where an event about an item's one content part points."""
+    return {"item_id": item["id"], "output_index": index, "content_index": 0}
+
+
 class OutputBuilder:
     """One response's output items and, when ``emit``, the events that build them."""
 
@@ -149,6 +154,23 @@ class OutputBuilder:
         self._event(out, "response.output_item.added", output_index=index, item=item)
         return index
 
+    def _open(self, out: list[bytes], item: dict, part: dict) -> None:
+        """Add an item of one content part, announced as the real API announces it."""
+        index = self._add(out, item)
+        item["content"].append(part)
+        self._event(out, "response.content_part.added", **_where(item, index), part=part)
+
+    def _close(
+        self, out: list[bytes], item: dict, part: dict, done: str, status: str, **fields: Any
+    ) -> None:
+        """End an item `_open` added: its part whole, its ``done`` event, then the item's."""
+        index = self.response["output"].index(item)
+        item["content"][0] = part
+        self._event(out, done, **_where(item, index), **fields)
+        self._event(out, "response.content_part.done", **_where(item, index), part=part)
+        item["status"] = status
+        self._event(out, "response.output_item.done", output_index=index, item=item)
+
     def _thought(self, out: list[bytes], text: str) -> None:
         if self._reasoning is None:
             item = {
@@ -158,33 +180,18 @@ class OutputBuilder:
                 "content": [],
                 "status": "in_progress",
             }
-            index = self._add(out, item)
-            part = {"type": "reasoning_text", "text": ""}
-            item["content"].append(part)
-            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            self._event(out, "response.content_part.added", **where, part=part)
+            self._open(out, item, {"type": "reasoning_text", "text": ""})
             self._reasoning, self._thoughts = item, []
         self._thoughts.append(text)
-        where = {
-            "item_id": self._reasoning["id"],
-            "output_index": len(self.response["output"]) - 1,
-            "content_index": 0,
-        }
+        where = _where(self._reasoning, len(self.response["output"]) - 1)
         self._event(out, "response.reasoning_text.delta", **where, delta=text)
 
     def _close_reasoning(self, out: list[bytes], status: str = "completed") -> None:
         item, self._reasoning = self._reasoning, None
-        if item is None:
-            return
-        index = self.response["output"].index(item)
-        text = "".join(self._thoughts)
-        part = {"type": "reasoning_text", "text": text}
-        item["content"][0] = part
-        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        self._event(out, "response.reasoning_text.done", **where, text=text)
-        self._event(out, "response.content_part.done", **where, part=part)
-        item["status"] = status
-        self._event(out, "response.output_item.done", output_index=index, item=item)
+        if item is not None:
+            text = "".join(self._thoughts)
+            part = {"type": "reasoning_text", "text": text}
+            self._close(out, item, part, "response.reasoning_text.done", status, text=text)
 
     def _text(self, out: list[bytes], text: str) -> None:
         self._close_reasoning(out)
@@ -196,43 +203,21 @@ class OutputBuilder:
                 "role": "assistant",
                 "content": [],
             }
-            index = self._add(out, item)
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            item["content"].append(part)
-            self._event(
-                out,
-                "response.content_part.added",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                part=part,
-            )
+            self._open(out, item, part)
             self._message, self._pieces = item, []
         if text:
             self._pieces.append(text)
-            self._event(
-                out,
-                "response.output_text.delta",
-                item_id=self._message["id"],
-                output_index=len(self.response["output"]) - 1,
-                content_index=0,
-                delta=text,
-                logprobs=[],
-            )
+            where = _where(self._message, len(self.response["output"]) - 1)
+            self._event(out, "response.output_text.delta", **where, delta=text, logprobs=[])
 
     def _close_message(self, out: list[bytes], status: str = "completed") -> None:
         item, self._message = self._message, None
-        if item is None:
-            return
-        index = self.response["output"].index(item)
-        text = "".join(self._pieces)
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        item["content"][0] = part
-        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        self._event(out, "response.output_text.done", **where, text=text, logprobs=[])
-        self._event(out, "response.content_part.done", **where, part=part)
-        item["status"] = status
-        self._event(out, "response.output_item.done", output_index=index, item=item)
+        if item is not None:
+            text = "".join(self._pieces)
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            done = "response.output_text.done"
+            self._close(out, item, part, done, status, text=text, logprobs=[])
 
     def _call_start(self, out: list[bytes], name: str) -> None:
         self._close_reasoning(out)

@@ -50,9 +50,11 @@ def test_idle_workers_outlive_the_collective_timeout(tiny_source, eos_ids, encod
     """An idle engine sends nothing; rank 0's heartbeat keeps the waiting worker inside its
     collective timeout, so a long idle spell is not mistaken for a dead rank."""
     deaths: list[str] = []
-    driver = start(tiny_source, RANKS, 2, timeout_s=2, on_death=deaths.append)
+    # The timeout bounds the rendezvous too, where the spawned worker must have imported torch
+    # and joined: 2 s was too short on a loaded 2-core machine.
+    driver = start(tiny_source, RANKS, 2, timeout_s=6, on_death=deaths.append)
     try:
-        time.sleep(5)  # idle for 2.5 timeouts
+        time.sleep(15)  # idle for 2.5 timeouts
         engine = Engine(driver.runner, LIMITS, eos_ids, True)
         engine.add("late", encode(PROMPTS[0]), greedy(4))
         assert drain(engine).reasons["late"] in ("stop", "length")

@@ -96,7 +96,7 @@ def test_an_adapter_unloaded_is_unknown_again_at_the_next_status():
 
 
 def test_models_lists_the_base_then_each_adapter_as_vllm_does():
-    app, _pipeline, client = stand_in(enable_lora=True, model="tiny", served_model_name="base")
+    app, _pipeline, client = stand_in(enable_lora=True, model="tiny", served_model_name=["base"])
     app.state.lora_names.on_status(scheduler_status("a", "b", "base"))  # the base is not an adapter
     cards = client.get("/v1/models").json()["data"]
     assert [(c["id"], c["root"], c["parent"]) for c in cards] == [

@@ -47,10 +47,15 @@ def _model(spec: Spec) -> str:
     return found.model_path if found else spec["model"]["name"]
 
 
+def _served_names(spec: Spec) -> list[str]:
+    """The one name the status reports (the flag takes aliases too; the CRD sets one)."""
+    return [served_model_name(spec)]
+
+
 #: Values the operator decides from more than the setting's own field.
 _DERIVED: dict[str, Callable[[Spec], Any]] = {
     "model": _model,
-    "served-model-name": served_model_name,  # always set: the name the status reports
+    "served-model-name": _served_names,  # always set: the name the status reports
     "device": _device,
     # unset: sha256_cbor with router.kvEvents (llm-d hashes prompts with vLLM's scheme)
     "prefix-caching-hash-algo": router.hash_algo,

@@ -54,7 +54,9 @@ def create_app(settings: Settings, heartbeat_timeout: float = 5.0) -> FastAPI:
     # what a request's left-out sampling fields become (the model's generation config)
     app.state.request_defaults = request_defaults(settings)
     # The LoRA adapters requests may name: the endpoints read them, the ring client keeps them
-    app.state.lora_names = LoraNames(settings.enable_lora, settings.model_name, settings.model)
+    app.state.lora_names = LoraNames(
+        settings.enable_lora, settings.model_name, settings.model, settings.model_names
+    )
     app.include_router(router)
     if runtime_updates_allowed(settings):
         # Not served otherwise, as in vLLM: a 404 like any unknown route, not a refusal

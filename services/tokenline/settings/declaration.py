@@ -184,9 +184,15 @@ def _ring_security(self: Any) -> RingSecurity:
     return RingSecurity(self.ring_curve_keys, self.allow_insecure_ring)
 
 
+def _model_names(self: Any) -> list[str]:
+    """Every name requests may give the model, the primary first (vLLM's
+    ``--served-model-name a b c``); /v1/models lists each."""
+    return list(dict.fromkeys(self.served_model_name)) or [self.model]
+
+
 def _model_name(self: Any) -> str:
-    """The name clients use and /v1/models lists."""
-    return self.served_model_name or self.model
+    """The primary name: what metrics, kv events and LoRA checks carry."""
+    return _model_names(self)[0]
 
 
 def _settings_fields(declared: Sequence[Setting]) -> list[tuple[str, Any, Any]]:
@@ -210,5 +216,6 @@ def settings_dataclass(declared: Sequence[Setting], module: str) -> type:
             "__doc__": "The settings of one process, one field per declaration in `SETTINGS`.",
             "ring_security": property(_ring_security),
             "model_name": property(_model_name),
+            "model_names": property(_model_names),
         },
     )

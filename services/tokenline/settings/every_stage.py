@@ -22,12 +22,17 @@ EVERY_STAGE: tuple[Setting, ...] = (
     ),
     Setting(
         "served-model-name",
-        help="the name clients use (default: the --model value)",
+        help="the names clients use, as vLLM takes them: several after one flag are aliases "
+        "of the first, which answers, metrics and events carry (default: the --model value)",
+        # the CRD sets one name (the one its status reports); aliases are a command line's
         crd=CrdField(
             "model.servedName",
             "The name /v1/models lists and requests use; defaults to `name`.",
-            {"minLength": 1},
+            {"type": "string", "minLength": 1},
         ),
+        repeatable=True,
+        several=True,
+        metavar="NAME",
     ),
     Setting(
         "revision",

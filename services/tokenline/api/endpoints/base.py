@@ -47,24 +47,30 @@ class Endpoint:
         self.ring_client: RingClient = request.app.state.ring_client
         self.settings = request.app.state.settings
         self.lora = ""  # the LoRA adapter the request names ("" the base model), once checked
+        self.alias = ""  # the base model's name the request gave, once checked
         self.admitted = False
 
     # ── what every endpoint checks ─────────────────────────────────────────────────────────────
     def check_model(self, model: str | None) -> str:
-        """The adapter serving ``model`` ("" for the base model, also when None is sent); a
-        request for a model that is neither the served one nor an adapter the scheduler
-        serves now is a 404 in OpenAI's shape."""
-        if model is not None and model != self.ring_client.model:
-            if model not in self.request.app.state.lora_names:
-                raise model_not_found(model, self.ring_client.model)
+        """The adapter serving ``model`` ("" for the base model under any of its names, also
+        when None is sent); a request for a model that is neither a served name nor an adapter
+        the scheduler serves now is a 404 in OpenAI's shape."""
+        names = self.request.app.state.lora_names
+        if model is None:
+            return self.lora
+        if model in names.bases:
+            self.alias = model
+        elif model in names:
             self.lora = model
+        else:
+            raise model_not_found(model, names.base)
         return self.lora
 
     @property
     def model_name(self) -> str:
-        """What answers give as ``model``: the adapter asked for, else the served model (as
-        vLLM does)."""
-        return self.lora or self.ring_client.model
+        """What answers give as ``model``: the adapter or the alias asked for, else the primary
+        served name (as vLLM does)."""
+        return self.lora or self.alias or self.request.app.state.lora_names.base
 
     async def call(self, build: Callable[[str], protocol.TokenizeCall]) -> protocol.TokenizerAnswer:
         """A call the tokenizer answers alone (`RingClient.call`)."""

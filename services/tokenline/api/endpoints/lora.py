@@ -85,9 +85,9 @@ class LoraAdapters(Endpoint):
         problem = name_problem(name)
         if problem is not None:
             raise invalid("lora_name", f"{problem}: {name!r}")
-        if name == self.ring_client.model:
-            raise invalid("lora_name", f"'{name}' is the base model's name; choose another")
         names = self.request.app.state.lora_names
+        if name in names.bases:
+            raise invalid("lora_name", f"'{name}' is the base model's name; choose another")
         if name in names:
             raise invalid("lora_name", f"The lora adapter '{name}' has already been loaded.")
         try:

@@ -10,8 +10,10 @@ class Models(Endpoint):
         cards = self.request.app.state.lora_names.cards(self.request.app.state.started)
         scheduler = self.ring_client.stage_statuses.get("scheduler")
         if scheduler is not None and scheduler.model_impl:  # which code runs the base model
-            cards[0]["architecture"] = scheduler.architecture
-            cards[0]["model_impl"] = scheduler.model_impl
+            for card in cards:
+                if card["parent"] is None:  # each of the base model's names
+                    card["architecture"] = scheduler.architecture
+                    card["model_impl"] = scheduler.model_impl
         return cards
 
     def list(self) -> dict:

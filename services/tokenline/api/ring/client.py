@@ -56,7 +56,9 @@ class RingClient:
         self.ring = ring
         self.model = settings.model_name
         # LoRA adapters a request may name, kept current from heartbeats and load answers
-        self.lora_names = lora_names or LoraNames(settings.enable_lora, self.model, settings.model)
+        self.lora_names = lora_names or LoraNames(
+            settings.enable_lora, self.model, settings.model, settings.model_names
+        )
         self.lora_info = LoraInfo()
         self.exchanges: dict[str, Exchange] = {}  # uid → exchange
         horizon = settings.request_timeout + LEAK_GRACE_S

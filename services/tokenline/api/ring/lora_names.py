@@ -55,9 +55,13 @@ class ChangeInProgress(Exception):
 class LoraNames:
     """Adapter names the scheduler serves now, and the paths of those loaded through here."""
 
-    def __init__(self, enabled: bool, base: str, base_root: str) -> None:
+    def __init__(
+        self, enabled: bool, base: str, base_root: str, aliases: Iterable[str] = ()
+    ) -> None:
         self.enabled = enabled  # --enable-lora: requests may name adapters at all
-        self.base = base  # the served model name
+        self.base = base  # the served model name (the primary one)
+        # every name of the base model, the primary first (--served-model-name a b c)
+        self.bases = list(dict.fromkeys([base, *aliases]))
         self.base_root = base_root  # what the base was loaded from (--model)
         self._names: list[str] = []
         self._roots: dict[str, str] = {}  # name → the path or URI it was loaded from
@@ -91,7 +95,7 @@ class LoraNames:
             self._changing.discard(name)
 
     def _set(self, names: Iterable[str]) -> None:
-        self._names = [n for n in dict.fromkeys(names) if n and n != self.base]
+        self._names = [n for n in dict.fromkeys(names) if n and n not in self.bases]
         # Forget the paths of adapters gone, so the map holds no more than the scheduler does.
         served = set(self._names)
         self._roots = {n: r for n, r in self._roots.items() if n in served}
@@ -107,21 +111,25 @@ class LoraNames:
     def resolve(self, model: str | None) -> str | None:
         """The adapter that serves a request for ``model``: "" for the base model (also when
         ``model`` is not sent), the adapter's name for an adapter, None for anything else."""
-        if model is None or model == self.base:
+        if model is None or model in self.bases:
             return ""
         return model if model in self else None
 
     def cards(self, created: int) -> list[dict]:
-        """/v1/models' entries, as vLLM lists them: the base, then each adapter with the base
-        as its ``parent`` and where it was loaded from as its ``root``."""
-        base = {
-            "id": self.base,
-            "object": "model",
-            "created": created,
-            "owned_by": "tokenline",
-            "root": self.base_root,
-            "parent": None,
-        }
+        """/v1/models' entries, as vLLM lists them: one for each name of the base model, then
+        each adapter with the primary name as its ``parent`` and where it was loaded from as
+        its ``root``."""
+        bases = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "tokenline",
+                "root": self.base_root,
+                "parent": None,
+            }
+            for name in self.bases
+        ]
         adapters = [
             {
                 "id": name,
@@ -133,4 +141,4 @@ class LoraNames:
             }
             for name in self.names
         ]
-        return [base, *adapters]
+        return [*bases, *adapters]

@@ -134,10 +134,21 @@ API_SERVER: tuple[Setting, ...] = (
         "tool-call-parser",
         default="auto",
         help="the tool-call format the model writes, which `tools` replies are parsed in and "
-        "`tool_choice` required or named constrains to: hermes (<tool_call> JSON, Qwen), "
-        "llama3_json, or auto: read from the chat template (hermes when it shows neither)",
+        "`tool_choice` required or named constrains to (vLLM's names): hermes (<tool_call> "
+        "JSON: Qwen, Hermes), llama3_json (Llama 3.1-3.3), mistral ([TOOL_CALLS]), pythonic "
+        "([f(x=1)]: Llama 3.2 and 4), qwen3_coder (<function=...> XML), deepseek_v3 "
+        "(<｜tool▁calls▁begin｜>), or auto: read from the chat template (hermes when it shows "
+        "none of them)",
         stages=API,
-        choices=("auto", "hermes", "llama3_json"),
+        choices=(
+            "auto",
+            "hermes",
+            "llama3_json",
+            "mistral",
+            "pythonic",
+            "qwen3_coder",
+            "deepseek_v3",
+        ),
     ),
     Setting(
         "chat-template",

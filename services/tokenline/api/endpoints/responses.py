@@ -124,6 +124,7 @@ class OutputBuilder:
             **echo(body),
         }
         self._calls = parser.stream() if parser is not None else None
+        self._new_call_id = parser.call_id if parser is not None else call_id
         self._emit = emit
         self._sequence = 0
         self._message: dict | None = None  # the message item text is streaming into
@@ -225,7 +226,7 @@ class OutputBuilder:
         item = {
             "type": "function_call",
             "id": "fc_" + secrets.token_hex(12),
-            "call_id": call_id(),
+            "call_id": self._new_call_id(),
             "name": name,
             "arguments": "",
             "status": "in_progress",

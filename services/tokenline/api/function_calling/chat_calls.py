@@ -26,9 +26,9 @@ def call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def _call(call: ParsedCall) -> dict:
+def _call(call: ParsedCall, parser: ToolCallFormat) -> dict:
     return {
-        "id": call_id(),
+        "id": parser.call_id(),
         "type": "function",
         "function": {"name": call.name, "arguments": call.arguments},
     }
@@ -50,7 +50,7 @@ def message(text: str, parser: ToolCallFormat | None) -> tuple[dict, bool]:
     parsed = parser.parse(text)
     body: dict = {"role": "assistant", "content": parsed.content}
     if parsed.calls:
-        body["tool_calls"] = [_call(c) for c in parsed.calls]
+        body["tool_calls"] = [_call(c, parser) for c in parsed.calls]
     return body, bool(parsed.calls)
 
 
@@ -58,6 +58,7 @@ class DeltaStream:
     """One choice's streamed text turned into chat deltas: content pieces and call chunks."""
 
     def __init__(self, parser: ToolCallFormat) -> None:
+        self._parser = parser
         self._stream = parser.stream()
         self.has_calls = False
 
@@ -74,14 +75,14 @@ class DeltaStream:
                 out.append({"content": delta.text})
             elif isinstance(delta, Call):
                 self.has_calls = True
-                head = _call(delta.call)
+                head = _call(delta.call, self._parser)
                 arguments = head["function"]["arguments"]
                 head["function"]["arguments"] = ""
                 out.append({"tool_calls": [{"index": delta.index, **head}]})
                 out.append(_arguments(delta.index, arguments))
             elif isinstance(delta, CallStart):
                 self.has_calls = True
-                head = _call(ParsedCall(delta.name, ""))
+                head = _call(ParsedCall(delta.name, ""), self._parser)
                 out.append({"tool_calls": [{"index": delta.index, **head}]})
             elif isinstance(delta, ArgumentsPiece):
                 out.append(_arguments(delta.index, delta.text))

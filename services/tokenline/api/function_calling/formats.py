@@ -5,8 +5,25 @@ template that uses it, and its stream parser (api/function_calling/parsers.py)."
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import secrets
+import string
+from dataclasses import dataclass, field, replace
+from typing import Any
 
+from tokenline.api.function_calling.list_streams import (
+    MISTRAL_TRIGGER,
+    MistralStream,
+    PythonicStream,
+)
+from tokenline.api.function_calling.marked_streams import (
+    DEEPSEEK_CALL_BEGIN,
+    DEEPSEEK_CALL_END,
+    DEEPSEEK_CALLS_BEGIN,
+    DEEPSEEK_CALLS_END,
+    DEEPSEEK_SEP,
+    DeepSeekV3Stream,
+    Qwen3CoderStream,
+)
 from tokenline.api.function_calling.parsers import (
     HermesStream,
     Llama3JsonStream,
@@ -34,9 +51,31 @@ class ToolCallFormat:
     # or all text, told apart by how it starts (free text must not start like a call).
     trigger: str | None = None
     text_start: str = ""  # a regex class of what free text may start with, when trigger is None
+    # Around the list of calls, for formats that write one ("[" ... "]"); with a trigger, the
+    # opening starts with it.
+    calls_open: str = ""
+    calls_close: str = ""
+    # How a call's arguments are written: "json" (an object), "python" (keyword arguments)
+    # or "xml" (a <parameter=...> element each); grammars.py builds their rules.
+    arguments: str = "json"
+    # xml: each function's parameters schema, for reading values back as their types
+    schemas: dict[str, Any] | None = None
+    id_size: int = 0  # a call id of this many letters and digits (Mistral's templates need 9)
 
     def stream(self) -> ToolCallStream:
+        if self.schemas is not None:
+            return self.stream_type(schemas=self.schemas)
         return self.stream_type()
+
+    def bound(self, schemas: dict[str, Any]) -> ToolCallFormat:
+        """This format for a request whose functions have these parameter schemas."""
+        return replace(self, schemas=schemas) if self.arguments == "xml" else self
+
+    def call_id(self) -> str:
+        if self.id_size:
+            alphabet = string.ascii_letters + string.digits
+            return "".join(secrets.choice(alphabet) for _ in range(self.id_size))
+        return "call_" + secrets.token_hex(12)
 
     def parse(self, text: str) -> Parsed:
         return self.stream().parse(text)
@@ -45,11 +84,13 @@ class ToolCallFormat:
         """Lark rules whose ``calls`` rule is one call (several if ``parallel``) of the given
         functions; each function's arguments are the Lark rule its name is paired with."""
         rules = self._call_alternatives(names_and_arguments, "", self.call_head)
-        if parallel:
-            rules.append(f"calls: call ({_lark_string(self.separator)} call)*")
-        else:
-            rules.append("calls: call")
+        opening, closing = _lark_string(self.calls_open), _lark_string(self.calls_close)
+        body = self._body(parallel)
+        rules.append(f"calls: {opening} {body} {closing}" if self.calls_open else f"calls: {body}")
         return "\n".join(rules)
+
+    def _body(self, parallel: bool) -> str:
+        return f"call ({_lark_string(self.separator)} call)*" if parallel else "call"
 
     def text_or_calls_rules(
         self, names_and_arguments: list[tuple[str, str]], parallel: bool
@@ -65,6 +106,16 @@ class ToolCallFormat:
             start = "start: FREE | calls | EMPTY"
             text = [f"FREE: /{self.text_start}(.|\\n)*/", 'EMPTY: ""']
             return ["%llguidance {}", start, *text, self.call_rules(names_and_arguments, parallel)]
+        if self.calls_open:  # one list of calls, after free text
+            rest = _lark_string(self.calls_open.removeprefix(self.trigger))
+            return [
+                "%llguidance {}",
+                "start: TEXT | block",
+                "TEXT: /(.|\\n)*/",
+                f"trigger[lazy]: TEXT {_lark_string(self.trigger)}",
+                f"block: trigger {rest} {self._body(parallel)} {_lark_string(self.calls_close)}",
+                *self._call_alternatives(names_and_arguments, "", self.call_head),
+            ]
         rest = self.call_head.removeprefix(self.trigger)
         rules = [
             "%llguidance {}",
@@ -107,7 +158,60 @@ LLAMA3_JSON = ToolCallFormat(
     template_markers=("<|python_tag|>", '"parameters"'),
     text_start="[^{\\s]",
 )
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON)}
+MISTRAL = ToolCallFormat(
+    name="mistral",
+    stream_type=MistralStream,
+    call_head='{"name": "',
+    call_middle='", "arguments": ',
+    call_tail="}",
+    separator=", ",
+    template_markers=(MISTRAL_TRIGGER,),
+    trigger=MISTRAL_TRIGGER,
+    calls_open=MISTRAL_TRIGGER + "[",
+    calls_close="]",
+    id_size=9,
+)
+PYTHONIC = ToolCallFormat(
+    name="pythonic",
+    stream_type=PythonicStream,
+    call_head="",
+    call_middle="(",
+    call_tail=")",
+    separator=", ",
+    # the instruction vLLM's pythonic templates (Llama 3.2, Llama 4) give the model
+    template_markers=("[func_name1(", "<|python_start|>"),
+    text_start="[^\\[\\s]",
+    calls_open="[",
+    calls_close="]",
+    arguments="python",
+)
+QWEN3_CODER = ToolCallFormat(
+    name="qwen3_coder",
+    stream_type=Qwen3CoderStream,
+    call_head="<tool_call>\n<function=",
+    call_middle=">\n",
+    call_tail="</function>\n</tool_call>",
+    separator="\n",
+    template_markers=("<function=", "<parameter="),
+    trigger="<tool_call>",
+    arguments="xml",
+)
+DEEPSEEK_V3 = ToolCallFormat(
+    name="deepseek_v3",
+    stream_type=DeepSeekV3Stream,
+    call_head=DEEPSEEK_CALL_BEGIN + "function" + DEEPSEEK_SEP,
+    call_middle="\n```json\n",
+    call_tail="\n```" + DEEPSEEK_CALL_END,
+    separator="\n",
+    template_markers=(DEEPSEEK_CALLS_BEGIN, DEEPSEEK_SEP),
+    trigger=DEEPSEEK_CALLS_BEGIN,
+    calls_open=DEEPSEEK_CALLS_BEGIN,
+    calls_close=DEEPSEEK_CALLS_END,
+)
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC, QWEN3_CODER, DEEPSEEK_V3)}
+# Most specific first: Qwen3-Coder's templates also show <tool_call>, pythonic ones may show
+# Llama 3's <|python_tag|>.
+_DETECTION_ORDER = (QWEN3_CODER, DEEPSEEK_V3, MISTRAL, HERMES, PYTHONIC, LLAMA3_JSON)
 PARSER_CHOICES = ("auto", *FORMATS)
 
 
@@ -120,7 +224,7 @@ def format_for(template: str | None, choice: str = "auto") -> ToolCallFormat:
     if choice != "auto":
         return FORMATS[choice]
     text = template or ""
-    for candidate in (HERMES, LLAMA3_JSON):
+    for candidate in _DETECTION_ORDER:
         if any(marker in text for marker in candidate.template_markers):
             return candidate
     return HERMES

@@ -36,6 +36,7 @@ import jsonschema
 import llguidance
 
 from tokenline.api.function_calling.formats import ToolCallFormat
+from tokenline.api.function_calling.parameter_rules import arguments_rules
 from tokenline.api.http.errors import invalid
 from tokenline.api.openai.tools import NamedToolChoice, ResponseFormat, Tool, ToolChoice
 from tokenline.bounded import cached_by_text
@@ -246,6 +247,7 @@ def plan_tools(
     if not tools or choice == "none":
         return ToolPlan(None, answer, None)
     shown = [_template_tool(t) for t in tools]
+    fmt = fmt.bound({t.function.name or "": _parameters(t) for t in tools})
     if chosen:  # a call is forced: no text comes out this turn for a format to shape
         # A named function is called exactly once, as OpenAI and vLLM do, parallel or not.
         several = parallel and not isinstance(choice, NamedToolChoice)
@@ -272,22 +274,28 @@ def completion_grammar(response_format: ResponseFormat | None) -> str | None:
     return json_grammar(schema) if schema is not None else None
 
 
-def _arguments_rules(tools: list[Tool]) -> tuple[list[str], list[tuple[str, str]]]:
-    """One Lark rule per tool's arguments, and (name, rule) pairs for the call rules."""
-    rules = [f"arguments_{i}: {_json_rule(_parameters(tool))}" for i, tool in enumerate(tools)]
+def _arguments_rules(
+    tools: list[Tool], fmt: ToolCallFormat
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """The Lark rules of each tool's arguments in the format's style (``arguments_i``), and
+    (name, rule) pairs for the call rules."""
+    rules: list[str] = []
+    for i, tool in enumerate(tools):
+        param = f"tools[{tool.function.name}].function.parameters"
+        rules += arguments_rules(fmt.arguments, i, _parameters(tool), _json_rule, param)
     pairs = [(tool.function.name or "", f"arguments_{i}") for i, tool in enumerate(tools)]
-    return rules, pairs
+    return list(dict.fromkeys(rules)), pairs  # shared helper rules once
 
 
 def _text_or_calls_lark(tools: list[Tool], fmt: ToolCallFormat, parallel: bool) -> str:
-    rules, pairs = _arguments_rules(tools)
+    rules, pairs = _arguments_rules(tools, fmt)
     return "\n".join([*fmt.text_or_calls_rules(pairs, parallel), *rules])
 
 
 def _calls_lark(
     tools: list[Tool], fmt: ToolCallFormat, parallel: bool, answer: dict | None = None
 ) -> str:
-    rules, pairs = _arguments_rules(tools)
+    rules, pairs = _arguments_rules(tools, fmt)
     rules.append(fmt.call_rules(pairs, parallel))
     if answer is None:
         start = "start: calls"

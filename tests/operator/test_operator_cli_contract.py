@@ -40,7 +40,21 @@ SPECS: dict[str, dict[str, Any]] = {
         "engine": {"gpus": 0, "prefixCaching": False},
         "server": {"apiKeySecret": {"name": "keys"}, "tlsSecret": {"name": "tls"}},
     },
-}
+    # a vllm serve command line carried over (spec.engine.extraArgs)
+    "vllm": {
+        "model": {"name": "tiny", "servedName": "chat"},
+        "engine": {
+            "gpus": 0,
+            "extraArgs": [
+                "--served-model-name", "chat", "gpt-4o",
+                "--enable-prefix-caching",
+                "--generation-config", "vllm",
+                "--block-size=32",
+                "--chat-template", "{{ messages[0]['content'] }}",
+            ],
+        },
+    },
+}  # fmt: skip
 
 
 def _resolved_env(container: dict[str, Any], config: dict[str, str]) -> dict[str, str]:
@@ -86,6 +100,13 @@ def test_every_stage_container_parses_with_the_real_cli(name):
             assert (settings.api_key_file == names.API_KEY_FILE) is secured
             assert (settings.ssl_certfile == names.TLS_CERT_FILE) is secured
             assert (settings.ssl_keyfile == names.TLS_KEY_FILE) is secured
+        if name == "vllm":  # each stage took the flags it has, and no other
+            assert settings.model_names == ["chat", "gpt-4o"]
+            assert settings.chat_template == "{{ messages[0]['content'] }}"
+            if stage == "scheduler":
+                assert settings.block_size == 32
+            if stage == "api":
+                assert settings.generation_config == "vllm"
         rings.add(settings.endpoints)
     assert seen == {"api", "tokenizer", "scheduler", "detokenizer"}
     # One ring: every stage binds and connects the same endpoints, none of them a port.

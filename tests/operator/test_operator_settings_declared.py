@@ -24,7 +24,8 @@ NOT_SETTINGS = {
     # uri: the operator's (a fetch init container); the stages get the directory as --model
     # lora: the operator's too (a ConfigMap of adapters, the LoRA flags on the pods)
     "model": {"hfTokenSecret", "s3Secret", "cache", "uri", "lora"},
-    "engine": {"gpus"},
+    # extraArgs: flags for the stages' command lines, checked by their parser (extra_args.py)
+    "engine": {"gpus", "extraArgs"},
     "server": {"startupTimeoutSeconds", "apiKeySecret", "tlsSecret"},
 }
 SECTIONS = {"model": crd.MODEL, "engine": crd.ENGINE, "server": crd.SERVER}

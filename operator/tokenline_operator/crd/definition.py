@@ -106,6 +106,15 @@ ENGINE = {
             maximum=8,
         ),
         **setting_fields("engine"),
+        "extraArgs": {
+            "type": "array",
+            "description": "Flags of `vllm serve` (or tokenline's own) for the stages' command "
+            'lines, one token per item: ["--lora-modules", "a=/p/a"]. Read by the stages\' '
+            "parser before any pod is made; a flag it refuses, or one a field of this spec sets, "
+            "is a Degraded condition. Each stage gets the flags it takes.",
+            "maxItems": 256,
+            "items": {"type": "string", "maxLength": 65536},
+        },
     },
     # Tensor parallelism (pods/parallel.py): ranks spread evenly over the nodes, and a node holds
     # at most as many as the gpus field allows (8).

@@ -16,7 +16,7 @@ import jsonschema
 
 from tokenline.fetch import parse_uri
 
-from . import definition, lora, model_uri
+from . import definition, extra_args, lora, model_uri
 
 Spec = dict[str, Any]
 
@@ -62,6 +62,9 @@ def _check_rules(spec: Spec) -> list[str]:
         problems.append("spec.autoscaling: minReplicas must not exceed maxReplicas")
     problems.extend(_model_problems(spec["model"]))
     problems.extend(_engine_problems(spec["engine"]))
+    served = _served_name_if_valid(spec["model"])
+    if served is not None:  # else the model's own problems say why
+        problems.extend(extra_args.problems(spec["engine"].get("extraArgs") or [], served))
     policy = spec["networkPolicy"]
     for field in ("apiFrom", "metricsFrom", "kvEventsFrom"):
         for index, peer in enumerate(policy.get(field) or []):

@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from .. import names
+from ..crd import extra_args
 from ..crd.spec import Spec, desired_replicas, tls_enabled
 from ..objects import Manifest, Owner, config_map_name, labels, metadata, selector_labels
 from . import lora, model, parallel, router
@@ -163,6 +164,9 @@ def _container(
         )
         readiness = None
         liveness = _http_probe("/metrics", port_name, period=10, failures=3)
+
+    # the flags spec.engine.extraArgs carries for this stage (checked when the spec was read)
+    args += extra_args.stage_args(spec["engine"].get("extraArgs") or [], stage)
 
     resources = json.loads(json.dumps(spec["resources"][stage]))  # a deep copy of plain data
     gpus = parallel.gpus_per_pod(spec)

@@ -62,6 +62,7 @@ class MistralStream(MarkedStream):
                 self._space = ""
                 self._pending = self._pending[start + len(self.OPEN) :]
                 self._in_block, self._form = True, ""
+                self._calls_before_block = self._calls
                 continue
             keep = _held_prefix(self._pending, self.OPEN)
             cut = len(self._pending) - keep
@@ -69,7 +70,8 @@ class MistralStream(MarkedStream):
             return out + self._content(ready)
 
     def _leave(self, rest: str) -> None:
-        self._pending, self._in_block, self._after_block = rest, False, True
+        self._pending = rest
+        self._close_block()
 
     def _step(self) -> tuple[list[Delta], bool]:
         """One move inside the block: the deltas it gives and whether it got anywhere."""
@@ -100,7 +102,7 @@ class MistralStream(MarkedStream):
             if not rest.startswith("{"):
                 if rest == "" or any(m.startswith(rest) for m in ("[ARGS]", "[CALL_ID]")):
                     return [], False  # the name, its id or [ARGS] is still being written
-                self._leave(rest)
+                self._leave(body)  # a word after the marker, not a call: the text goes on
                 return [], True
             self._name, self._pending = match.group(1), rest
             self._scanner, self._seen = _ObjectScanner(), 0

@@ -40,6 +40,7 @@ class MarkedStream(ToolCallStream):
     _space: str = ""  # trailing whitespace of content, sent only if more content follows
     _after_block: bool = False
     _calls: int = 0
+    _calls_before_block: int = 0
 
     def _take_calls(self, body: str) -> tuple[list[ParsedCall | None], int]:
         """The calls complete at the start of ``body`` (None for one that holds no call) and
@@ -56,6 +57,11 @@ class MarkedStream(ToolCallStream):
         ready = text.rstrip()
         self._space = text[len(ready) :]
         return [Content(ready)] if ready else []
+
+    def _close_block(self) -> None:
+        # whitespace after a call belongs to its markup; after a block of none, to the text
+        self._in_block = False
+        self._after_block = self._calls > self._calls_before_block
 
     def _emit(self, calls: list[ParsedCall | None]) -> list[Delta]:
         out: list[Delta] = []
@@ -79,15 +85,14 @@ class MarkedStream(ToolCallStream):
                 if end < 0 or self.CALL_START in self._pending[:end]:
                     return out  # the block or its next call is still being written
                 self._pending = self._pending[end + len(self.CLOSE) :]
-                self._in_block = False
-                self._after_block = True
+                self._close_block()
                 continue
             start = self._pending.find(self.OPEN)
             if start >= 0:
                 out += self._content(self._pending[:start])
                 self._space = ""  # whitespace before a block belongs to its markup
                 self._pending = self._pending[start + len(self.OPEN) :]
-                self._in_block = True
+                self._in_block, self._calls_before_block = True, self._calls
                 continue
             keep = _held_prefix(self._pending, self.OPEN)
             ready, self._pending = (

@@ -66,7 +66,10 @@ class ToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str  # system, user, assistant or tool
-    content: str
+    content: str  # the text parts joined with a newline, when sent as parts
+    # The text parts as sent (None: content came as a string; []: it came as null), for
+    # templates that read parts (--chat-template-content-format openai)
+    parts: list[str] | None = None
     tool_calls: list[ToolCall] = []  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
     name: str | None = None  # a tool turn: the function that answered

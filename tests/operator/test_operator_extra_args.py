@@ -59,6 +59,7 @@ def test_each_container_gets_the_flags_its_stage_takes():
             "--tool-call-parser", "hermes",
             "--block-size=32",
             "--chat-template", "{{ messages[0]['content'] }}",
+            "--chat-template-content-format", "openai",
         ]
     )  # fmt: skip
     args = _args(parsed)
@@ -66,7 +67,8 @@ def test_each_container_gets_the_flags_its_stage_takes():
     template = ["--chat-template", "{{ messages[0]['content'] }}"]
     assert args["api"][-7:] == [*names_, "--tool-call-parser", "hermes", *template]
     assert args["scheduler"][-6:] == [*names_, "--block-size=32", *template]
-    assert args["tokenizer"][-5:] == [*names_, *template]
+    content = ["--chat-template-content-format", "openai"]
+    assert args["tokenizer"][-7:] == [*names_, *template, *content]
     assert args["detokenizer"][-5:] == [*names_, *template]
     assert "--enable-auto-tool-choice" not in str(args)
 

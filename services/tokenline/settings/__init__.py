@@ -16,6 +16,7 @@ fields in each section and of each container's environment (a changed order roll
 from __future__ import annotations
 
 from tokenline.settings.api import API_SERVER, MAX_ALLOWED_ORIGINS, ORIGIN_PATTERN
+from tokenline.settings.chat_template import CHAT_RENDERING
 from tokenline.settings.declaration import (
     ALL_STAGES,
     API,
@@ -62,6 +63,7 @@ SETTINGS: tuple[Setting, ...] = (
     *TENSOR_PARALLEL,
     *KV_EVENTS,
     *LORA,
+    *CHAT_RENDERING,
 )
 
 BY_FLAG: dict[str, Setting] = {s.flag: s for s in SETTINGS}

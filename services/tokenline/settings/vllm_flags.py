@@ -4,7 +4,8 @@ A flag tokenline has under another name becomes that flag; one that asks for wha
 always does is accepted and said so at start; one tokenline has no such thing for is refused
 with what to use instead. None is silently ignored. The flags tokenline shares with vLLM under
 the same name (``--max-model-len``, ``--tensor-parallel-size``, ``--lora-modules``,
-``--chat-template``, ...) are its own and need no entry here. The README's table is this one.
+``--chat-template``, ``--chat-template-content-format``, ...) are its own and need no entry
+here. The README's table is this one.
 """
 
 from __future__ import annotations
@@ -42,12 +43,6 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     ),
     "--tokenizer-revision": VllmFlag(
         takes_value=True, refused=True, note="the tokenizer follows --revision, as the weights do"
-    ),
-    "--chat-template-content-format": VllmFlag(
-        takes_value=True,
-        refused=True,
-        note="message content always reaches the template as a string (text parts joined "
-        "with a newline, vLLM's 'string' format); leave the flag out",
     ),
     "--response-role": VllmFlag(
         takes_value=True, refused=True, note="replies always have the role assistant"

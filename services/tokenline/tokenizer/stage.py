@@ -24,6 +24,8 @@ from tokenline.metrics import STAGE_LATENCY, serve_metrics
 from tokenline.model_source import resolve
 from tokenline.settings import Settings
 from tokenline.stage_runtime import StepFreeHandler, serve_stage
+from tokenline.tokenizer.content_format import ContentFormat, template_content
+from tokenline.tokenizer.content_format import resolve as resolve_content_format
 from tokenline.transport import SyncRing
 
 log = logging.getLogger(__name__)
@@ -40,9 +42,9 @@ def _template_arguments(text: str) -> object:
     return value if isinstance(value, dict) else text
 
 
-def _template_message(message: protocol.ChatMessage) -> dict:
-    """A message as chat templates read it."""
-    out: dict = {"role": message.role, "content": message.content}
+def _template_message(message: protocol.ChatMessage, fmt: ContentFormat = "string") -> dict:
+    """A message as chat templates read it, its content in ``fmt``."""
+    out: dict = {"role": message.role, "content": template_content(message, fmt)}
     if message.tool_calls:
         out["tool_calls"] = [
             {
@@ -61,6 +63,14 @@ def _template_message(message: protocol.ChatMessage) -> dict:
     return out
 
 
+def _template_text(hf_tokenizer) -> str | None:
+    """The template chats render with (the default one of several), None without one."""
+    try:
+        return hf_tokenizer.get_chat_template()
+    except ValueError:  # no template: chats are refused when they come
+        return None
+
+
 def _invalid(uid: str, param: str, message: str) -> protocol.Failed:
     return protocol.Failed(uid=uid, code="invalid_request_error", param=param, message=message)
 
@@ -70,16 +80,19 @@ class PromptEncoder:
     turns `Generate` messages into `Tokenized` or terminal `Failed` ones (chat templates
     rendered, text encoded, ids checked), and answers `TokenizeCall`s with `TokenizerAnswer`s."""
 
-    def __init__(self, hf_tokenizer, max_model_len: int) -> None:
+    def __init__(
+        self, hf_tokenizer, max_model_len: int, content_format: ContentFormat = "string"
+    ) -> None:
         self.hf_tokenizer = hf_tokenizer
         self.max_model_len = max_model_len
+        self.content_format = content_format  # how messages' content reaches the template
         self.vocab_size = len(hf_tokenizer)  # added tokens included: every id decode() knows
 
     def _render(self, request: protocol.Generate | protocol.TokenizeCall) -> str:
         """The prompt's text; raises when the chat template refuses the messages."""
         if request.messages is None:
             return request.prompt or ""
-        messages = [_template_message(m) for m in request.messages]
+        messages = [_template_message(m, self.content_format) for m in request.messages]
         generation_prompt, continue_final = True, False
         if isinstance(request, protocol.TokenizeCall):
             generation_prompt = request.add_generation_prompt
@@ -262,7 +275,13 @@ def run(settings: Settings) -> int:
     source = resolve(
         settings.model, settings.model_cache_dir, settings.revision, settings.chat_template
     )
-    encoder = PromptEncoder(source.load_tokenizer(), source.max_model_len(settings.max_model_len))
+    hf_tokenizer = source.load_tokenizer()
+    content_format = resolve_content_format(
+        settings.chat_template_content_format, _template_text(hf_tokenizer)
+    )
+    encoder = PromptEncoder(
+        hf_tokenizer, source.max_model_len(settings.max_model_len), content_format
+    )
     if settings.metrics_port:
         serve_metrics(settings.metrics_port)
     ring = SyncRing("tokenizer", settings.endpoints, settings.ring_security)

@@ -135,8 +135,12 @@ class ChatMessageIn(BaseModel):
 
     def to_wire(self) -> ChatMessage:
         content = self.content
+        parts = None  # the tokenizer hands parts to templates that read them (content format)
         if isinstance(content, list):
-            content = PART_SEPARATOR.join(part.text for part in content)
+            parts = [part.text for part in content]
+            content = PART_SEPARATOR.join(parts)
+        elif content is None:
+            parts = []
         role = "system" if self.role == "developer" else self.role
         calls = [
             ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
@@ -145,6 +149,7 @@ class ChatMessageIn(BaseModel):
         return ChatMessage(
             role=role,
             content=content or "",
+            parts=parts,
             tool_calls=calls,
             tool_call_id=self.tool_call_id if self.role == "tool" else None,
             name=self.name if self.role == "tool" else None,

@@ -24,6 +24,7 @@ class ModelSource:
     def load_tokenizer(self):  # -> transformers.PreTrainedTokenizerBase
         from transformers import AutoTokenizer
 
+        self.refuse_own_code()
         tokenizer = AutoTokenizer.from_pretrained(self.path, revision=self.revision)
         if self.chat_template is not None:
             tokenizer.chat_template = self.chat_template
@@ -32,7 +33,21 @@ class ModelSource:
     def load_config(self):  # -> transformers.PretrainedConfig
         from transformers import AutoConfig
 
+        self.refuse_own_code()
         return AutoConfig.from_pretrained(self.path, revision=self.revision)
+
+    def refuse_own_code(self) -> None:
+        """Stop the stage (SystemExit, no traceback) when the model needs code of its own,
+        which is never run; a config.json that cannot be read is left to the load to report."""
+        from transformers import PretrainedConfig
+
+        try:
+            config, _ = PretrainedConfig.get_config_dict(self.path, revision=self.revision)
+        except (OSError, ValueError):
+            return
+        refusal = own_code_refusal(config)
+        if refusal:
+            raise SystemExit(f"--model {self.spec}: {refusal}")
 
     def max_model_len(self, override: int | None = None) -> int:
         """The context limit: --max-model-len if set, else the model config's.
@@ -63,6 +78,56 @@ class ModelSource:
         eos = getattr(self.load_config(), "eos_token_id", None)
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         return sorted(ids)
+
+
+#: The architectures tokenline runs with modules of its own (scheduler/models' NATIVE, which a
+#: test keeps this the same as), named when a model is refused.
+NATIVE_ARCHITECTURES = (
+    "Gemma3ForCausalLM",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+
+
+def own_code_refusal(config: dict) -> str | None:
+    """Why the model of ``config`` (config.json's contents) cannot be served without running
+    its own code, which tokenline never does; None when tokenline or transformers has a module
+    for it (whether that module then runs it exactly is the scheduler's check)."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    named = config.get("architectures") or []
+    architecture = named[0] if named else "(no architectures)"
+    model_type = config.get("model_type")
+    known_type = model_type in CONFIG_MAPPING_NAMES
+    # dir() lists transformers' classes without importing each one's module; with no
+    # architecture named, the model_type's own class is the one loaded
+    known_architecture = (
+        not named or architecture in NATIVE_ARCHITECTURES or architecture in dir(transformers)
+    )
+    if known_type and known_architecture:
+        return None
+    auto_map = config.get("auto_map")
+    if auto_map:
+        why = (
+            f"{architecture} (model_type {model_type!r}) needs the model's own code (config.json's "
+            "auto_map), and tokenline never runs a model's own code: --trust-remote-code is "
+            "accepted but runs none"
+        )
+    else:
+        why = (
+            f"{architecture} (model_type {model_type!r}) is not a model transformers "
+            f"{transformers.__version__} knows, and tokenline has no module for it"
+        )
+    return (
+        f"{why}. tokenline serves {', '.join(NATIVE_ARCHITECTURES)} with its own modules, and "
+        "the other decoders transformers ships with transformers' modules (--model-impl "
+        "transformers); serve one of those, or a checkpoint converted to one"
+    )
 
 
 def resolve(

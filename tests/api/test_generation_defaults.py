@@ -89,3 +89,17 @@ def test_a_served_default_applies_to_requests_that_leave_the_field_out(greedy_by
     assert text(1) == text(2)
     # the request's own top_k (0: off) wins, and the seeds draw differently
     assert text(1, top_k=0) != text(2, top_k=0)
+
+
+def test_the_defaults_in_force_are_shown_on_each_model_card():
+    from api_testkit import app_with, client_for
+
+    app, _ = app_with(
+        generation_config="vllm",
+        override_generation_config='{"temperature": 0.5, "top_p": 0.9}',
+        served_model_name=["a", "b"],
+    )
+    cards = client_for(app).get("/v1/models").json()["data"]
+    assert [c["sampling_defaults"] for c in cards] == [{"temperature": 0.5, "top_p": 0.9}] * 2
+    app, _ = app_with(generation_config="vllm")
+    assert client_for(app).get("/v1/models").json()["data"][0]["sampling_defaults"] == {}

@@ -7,7 +7,12 @@ from tokenline.api.endpoints.base import Endpoint
 
 class Models(Endpoint):
     def cards(self) -> list[dict]:
-        cards = self.request.app.state.lora_names.cards(self.request.app.state.started)
+        state = self.request.app.state
+        cards = state.lora_names.cards(state.started)
+        for card in cards:
+            # what requests that leave these fields out get (--generation-config and
+            # --override-generation-config); {} where the API's own defaults apply
+            card["sampling_defaults"] = dict(state.request_defaults)
         scheduler = self.ring_client.stage_statuses.get("scheduler")
         if scheduler is not None and scheduler.model_impl:  # which code runs the base model
             for card in cards:

@@ -150,6 +150,24 @@ LORA_ADAPTERS = Gauge(
     "draining (unloaded, finishing the requests they hold).",
     ["state"],
 )
+# Speculative decoding, in vLLM's names and meaning: verifications that had proposals, the
+# tokens proposed, those the target kept, and those kept at each proposal position (0: first)
+SPEC_DRAFTS = Counter(
+    "vllm:spec_decode_num_drafts", "Verification steps that checked proposals.", ["model_name"]
+)
+SPEC_DRAFT_TOKENS = Counter(
+    "vllm:spec_decode_num_draft_tokens", "Tokens proposed for verification.", ["model_name"]
+)
+SPEC_ACCEPTED_TOKENS = Counter(
+    "vllm:spec_decode_num_accepted_tokens",
+    "Proposed tokens the target model kept.",
+    ["model_name"],
+)
+SPEC_ACCEPTED_PER_POSITION = Counter(
+    "vllm:spec_decode_num_accepted_tokens_per_pos",
+    "Proposed tokens kept, by position among a step's proposals (0: the first).",
+    ["model_name", "position"],
+)
 GRAMMAR_COMPILE_TIME = Histogram(
     "tokenline_grammar_compile_seconds",
     "Time to build a new grammar's matcher (response_format, tools), off the step loop.",

@@ -12,6 +12,7 @@ from tokenline.model_source import ModelSource
 from tokenline.scheduler.engine import Engine, EngineLimits
 from tokenline.scheduler.grammar import GrammarCompiler
 from tokenline.scheduler.runner import ModelRunner, RunnerOptions
+from tokenline.scheduler.speculative import config as speculative_config
 
 MiB = 2**20
 
@@ -69,7 +70,8 @@ def make_engine(
 ) -> Callable[..., Engine]:
     """An engine over the tiny model on the CPU in float32; ``kv_blocks`` sizes a tiny pool.
 
-    ``dense_decode=False`` runs decode attention the way a GPU does (gathered from the pool)."""
+    ``dense_decode=False`` runs decode attention the way a GPU does (gathered from the pool);
+    ``speculative`` is a --speculative-config JSON."""
 
     def make(
         kv_blocks: int | None = None,
@@ -82,6 +84,7 @@ def make_engine(
         prefix_caching: bool = True,
         grammars: bool = False,
         attention_backend: str = "auto",
+        speculative: str | None = None,
     ) -> Engine:
         memory = kv_blocks * bytes_per_block if kv_blocks is not None else kv_cache_memory
         runner = ModelRunner(
@@ -99,7 +102,14 @@ def make_engine(
         limits = EngineLimits(max_model_len, max_num_seqs, max_num_batched_tokens)
         compiler = GrammarCompiler(tiny_source.load_tokenizer()) if grammars else None
         eos = eos_ids if eos is None else eos
-        return Engine(runner, limits, eos, prefix_caching, grammars=compiler)
+        return Engine(
+            runner,
+            limits,
+            eos,
+            prefix_caching,
+            grammars=compiler,
+            speculative=speculative_config.parse(speculative),
+        )
 
     return make
 

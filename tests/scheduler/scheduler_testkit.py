@@ -189,7 +189,7 @@ def fake_step(sched: BatchPolicy, token: int = 7) -> list[Chunk]:
         assert c.num_tokens >= 1
         assert c.start == c.seq.num_computed, f"{c.seq.uid} skips or repeats tokens"
         assert len(c.seq.block_table) * block_size >= c.start + c.num_tokens, "KV slots missing"
-    sampled = [(c.seq, token) for c in chunks if c.samples]
+    sampled = [(c.seq, [token]) for c in chunks if c.samples]
     sched.update_from_output(StepOutput(chunks, sampled))
     return chunks
 

@@ -178,7 +178,7 @@ def step(sched: BatchPolicy, kv: dict[int, tuple[int, int]] | None = None) -> li
                 slot = c.seq.block_table[pos // bs] * bs + pos % bs
                 assert kv.get(slot) == (c.seq.token_slice(pos, pos + 1)[0], pos), c.seq.uid
     sampled = [
-        (c.seq, sum(c.seq.token_slice(0, c.seq.num_tokens)) % 5) for c in chunks if c.samples
+        (c.seq, [sum(c.seq.token_slice(0, c.seq.num_tokens)) % 5]) for c in chunks if c.samples
     ]
     sched.update_from_output(StepOutput(chunks, sampled))
     return chunks

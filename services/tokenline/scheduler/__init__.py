@@ -9,5 +9,6 @@ behind one interface (``prepare(step)`` once per step, ``forward(q, k, v, layer,
 per layer), with the backend chosen once at start. ``step_inputs`` turns a step's chunks into
 the flat batch the runner and the attention backend read; ``sampler`` turns logits into
 tokens. ``engine`` (``Engine``) is the step loop that ties them: schedule, run the model,
-sample, hand the output to the policy. ``stage`` connects the engine to the ring.
+sample, hand the output to the policy. ``speculative/`` proposes tokens ahead and decides which
+of them one forward verified. ``stage`` connects the engine to the ring.
 """

@@ -21,6 +21,8 @@ from tokenline.scheduler.policy import BatchPolicy, Chunk, StepOutput
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.scheduler.sampler import plain_sampling, sample_with_logprobs
 from tokenline.scheduler.sequence import Sequence
+from tokenline.scheduler.speculative.config import SpeculativeConfig, proposer_for
+from tokenline.scheduler.speculative.verify import Acceptance, emitted
 from tokenline.scheduler.step_inputs import long_tensor, to_device
 from tokenline.scheduler.step_times import StepTimes, lap
 from tokenline.settings import BY_FLAG
@@ -103,6 +105,7 @@ class Engine:
         lora: LoraOptions | None = None,
         grammar_refusal: str = "this scheduler runs without grammar support",
         reasoning: ReasoningFormat | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.runner = runner
         self.reasoning = reasoning
@@ -126,7 +129,9 @@ class Engine:
             eos_ids=eos_ids,
             max_model_len=limits.max_model_len,
             loras=self.loras,
+            proposer=proposer_for(speculative),
         )
+        self.acceptance = Acceptance()  # speculative decoding's, since the stage last took it
         self._finished: list[TokenOutput] = []  # terminal outputs not tied to a forward pass
         # tokens generated per LoRA adapter since the stage last took them (its metric)
         self.lora_tokens: Counter[str] = Counter()
@@ -326,48 +331,43 @@ class Engine:
         else:
             logits = self.runner.execute(inputs)[0]
         times.forward, mark = lap(mark)
-        sampling_seqs = [c.seq for c in chunks if c.samples]
+        samplers = [c for c in chunks if c.samples]
         # max_tokens 0: the prompt is only read (for its logprobs); nothing is sampled
-        read_only = [seq for seq in sampling_seqs if seq.sampling.max_tokens == 0]
-        if read_only:
-            rest = [i for i, seq in enumerate(sampling_seqs) if seq.sampling.max_tokens != 0]
+        read_only = [c.seq for c in samplers if c.seq.sampling.max_tokens == 0]
+        if read_only:  # never speculating: a row each
+            rest = [i for i, c in enumerate(samplers) if c.seq.sampling.max_tokens != 0]
             keep = to_device(long_tensor(rest), logits.device)
-            logits, sampling_seqs = logits.index_select(0, keep), [sampling_seqs[i] for i in rest]
+            logits, samplers = logits.index_select(0, keep), [samplers[i] for i in rest]
+        rows = [c.seq for c in samplers for _ in range(1 + len(c.proposals))]  # a proposal's too
         tokens: list[int] = []
         logprobs: list = []
-        if sampling_seqs:
+        if rows:
             allowed = None
             if self.grammars is not None:
                 start_id = self.reasoning.start_id if self.reasoning is not None else None
-                allowed = self.grammars.step_masks(sampling_seqs, logits, start_id)
-            tokens, logprobs = sample_with_logprobs(logits, sampling_seqs, self.eos_ids, allowed)
+                allowed = self.grammars.step_masks(rows, logits, start_id)
+            tokens, logprobs = sample_with_logprobs(logits, rows, self.eos_ids, allowed)
         times.sample, mark = lap(mark)
+        sampled, logprob_of = emitted(samplers, tokens, logprobs, self.acceptance)
         step = StepOutput(
-            chunks=chunks,
-            sampled=list(zip(sampling_seqs, tokens, strict=True)),
-            read_only=read_only,
-            prompt_logprobs=scored,
+            chunks=chunks, sampled=sampled, read_only=read_only, prompt_logprobs=scored
         )
-        # only rows that asked carry logprobs: most steps have none to look up
-        logprob_of = {
-            id(s): lp for s, lp in zip(sampling_seqs, logprobs, strict=True) if lp is not None
-        }
         now = time.monotonic()
         for update in self.policy.update_from_output(step):
             seq = update.seq
-            token_ids = [] if update.token is None else [update.token]
+            token_ids = update.tokens
             if seq.lora and token_ids:
-                self.lora_tokens[seq.lora] += 1
+                self.lora_tokens[seq.lora] += len(token_ids)
             if update.finish_reason is not None:
                 out = self._terminal(seq, token_ids, update.finish_reason)
                 if update.finish_reason == "error":
                     out.error_code = "grammar_error"
             else:
                 out = TokenOutput(uid=seq.uid, token_ids=token_ids)
-            if logprob_of and update.token is not None:
-                logprob = logprob_of.get(id(seq))
-                if logprob is not None:
-                    out.logprobs = [logprob]
+            if logprob_of and token_ids:
+                entries = logprob_of.get(id(seq))
+                if entries is not None:
+                    out.logprobs = entries[: len(token_ids)]
             if update.first:  # what a uid's first output carries
                 out.queue_s = (seq.first_scheduled or now) - seq.arrival
                 out.cached_tokens = seq.cached_tokens or 0

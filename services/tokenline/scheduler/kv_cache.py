@@ -168,6 +168,16 @@ class BlockPool:
         for _ in range(self.extra_blocks(seq, new_tokens)):
             seq.block_table.append(self._allocate())
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the ones ``seq``'s known tokens need: those that only
+        held proposals the target rejected (never full of computed tokens, so never named)."""
+        keep = self.blocks_for(seq.num_tokens)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free.append(block)
+
     def release(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; its named blocks stay cached.
 

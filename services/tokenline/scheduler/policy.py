@@ -17,6 +17,12 @@ LoRA: a sequence of an adapter is admitted only with its adapter in one of the d
 finds none waits where it is in the queue while later sequences go ahead, and a running or
 paused-with-KV sequence pins its slot until it ends or is preempted.
 
+Speculative decoding (``proposer`` set): a decoding sequence that allows it
+(`speculation_serves`) gets the proposer's guesses of its next tokens fed after its last one,
+as far as the budget, its max_tokens, the context and the free blocks allow (a guess never
+preempts). Its chunk then samples a row per proposal too; only the rows verification keeps
+count as computed, and blocks that held nothing but rejected guesses go back at once.
+
 This is also the one writer of a sequence's state. After each forward pass the engine hands
 what the step produced to ``update_from_output`` (vLLM's ``EngineCore`` shape): the tokens
 computed, each sampled token and the prompt logprobs gathered; the policy counts them, offers
@@ -35,18 +41,23 @@ from tokenline.reasoning import ANSWER
 from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.lora.slots import LoraSlots
 from tokenline.scheduler.sequence import Sequence, Status
+from tokenline.scheduler.speculative.config import speculation_serves
+from tokenline.scheduler.speculative.ngram import NgramProposer
 
 
 @dataclass(slots=True)
 class Chunk:
     seq: Sequence
     start: int  # first token position fed this step
-    num_tokens: int
+    num_tokens: int  # rows fed this step, proposals included
+    # speculative decoding: tokens proposed after the last known one, fed after it and checked
+    # by the same forward (speculative/verify.py); a row of logits is sampled for each
+    proposals: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the known tokens, so a token is sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.start + self.num_tokens - len(self.proposals) == self.seq.num_tokens
 
 
 @dataclass
@@ -54,7 +65,9 @@ class StepOutput:
     """What one forward pass produced, for `update_from_output`."""
 
     chunks: list[Chunk]  # the chunks computed
-    sampled: list[tuple[Sequence, int]]  # each sequence that sampled, with its token, in order
+    # each sequence that sampled, with the tokens it emits (one, or with proposals, those of
+    # them the target kept and the target's own next token), in step order
+    sampled: list[tuple[Sequence, list[int]]]
     # sequences that asked for no token (max_tokens 0): their prompt is read, so they end now
     read_only: list[Sequence] = field(default_factory=list)
     # prompt logprob entries gathered this step, per sequence, in prompt order
@@ -66,7 +79,7 @@ class SequenceUpdate:
     """What changed for one sequence in a step, as the engine reports it."""
 
     seq: Sequence
-    token: int | None  # the token it sampled; None: a read-only sequence that ended
+    tokens: list[int]  # the tokens it took this step; none: a read-only sequence that ended
     finish_reason: str | None  # stop, length, error (its grammar broke); None: it goes on
     first: bool  # this is its first output
     prompt_logprobs: list | None = None  # handed over with the first output, when asked
@@ -81,8 +94,11 @@ class BatchPolicy:
         eos_ids: Iterable[int] = (),
         max_model_len: int | None = None,
         loras: LoraSlots | None = None,
+        proposer: NgramProposer | None = None,
     ) -> None:
         self.pool = pool
+        # speculative decoding: what guesses a decoding sequence's next tokens; None: off
+        self.proposer = proposer
         # LoRA device slots: a sequence of an adapter is admitted only with its adapter in a
         # slot (resident, or loaded into one no running sequence uses); else it waits
         self.loras = loras
@@ -108,6 +124,7 @@ class BatchPolicy:
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
+        seq.speculates = self.proposer is not None and speculation_serves(seq.sampling)
         self.waiting.append(seq)
         self.by_uid[seq.uid] = seq
         if seq.lora and self.loras is not None:
@@ -172,12 +189,14 @@ class BatchPolicy:
             n = min(seq.num_uncomputed, budget)
             if n <= 0:
                 continue
+            proposals = self._proposals(seq, budget) if n == 1 and seq.speculates else []
+            n += len(proposals)
             # most decode steps land in a block the sequence holds: nothing to make room for
             if seq.num_computed + n > len(seq.block_table) * block_size:
                 if not self._make_room(seq, n):
                     continue
                 self.pool.grow(seq, n)
-            chunks.append(Chunk(seq, seq.num_computed, n))
+            chunks.append(Chunk(seq, seq.num_computed, n, proposals))
             budget -= n
         # sequences whose adapter finds no free slot wait, in order, behind later ones
         held_back: list[Sequence] = []
@@ -209,11 +228,32 @@ class BatchPolicy:
         self.waiting.extendleft(reversed(held_back))
         return chunks
 
+    def _proposals(self, seq: Sequence, budget: int) -> list[int]:
+        """Guesses of a decoding sequence's next tokens, as many as its budget, max_tokens and
+        the context leave room for, and only where the pool has the blocks at hand: a guess
+        never preempts anyone."""
+        if self.proposer is None or not seq.output_ids:
+            return []
+        if len(seq.output_ids) < seq.sampling.min_tokens:  # the eos ban counts every row
+            return []
+        room = min(budget, seq.max_tokens - len(seq.output_ids)) - 1
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - seq.num_tokens - 1)
+        proposals = self.proposer.propose(seq, room) if room > 0 else []
+        if proposals and not self.pool.can_grow(seq, 1 + len(proposals)):
+            return []
+        return proposals
+
     def update_from_output(self, output: StepOutput) -> list[SequenceUpdate]:
         """Apply one step's results: the only place sequences' counters change after a
-        forward pass. Returns what changed, read-only ends first, then each sampled token in
-        step order; finished sequences are already out (their blocks back in the pool)."""
+        forward pass. Returns what changed, read-only ends first, then each sequence that
+        sampled, in step order; finished sequences are already out (their blocks back in the
+        pool)."""
+        proposing: dict[int, Chunk] = {}
         for chunk in output.chunks:
+            if chunk.proposals:  # counted once its tokens are known: only kept rows count
+                proposing[id(chunk.seq)] = chunk
+                continue
             chunk.seq.num_computed += chunk.num_tokens
             self.pool.cache_full_blocks(chunk.seq)
         for seq, entries in output.prompt_logprobs:
@@ -221,15 +261,27 @@ class BatchPolicy:
         updates = []
         for seq in output.read_only:
             self.remove(seq.uid)
-            updates.append(SequenceUpdate(seq, None, "length", True, _hand_over(seq)))
-        for seq, token in output.sampled:
+            updates.append(SequenceUpdate(seq, [], "length", True, _hand_over(seq)))
+        for seq, tokens in output.sampled:
             first = not seq.output_ids
-            seq.output_ids.append(token)
-            reason = self._finish_reason(seq, token)
+            taken: list[int] = []
+            reason = None
+            for token in tokens:  # a token after one that ends the sequence is not emitted
+                seq.output_ids.append(token)
+                taken.append(token)
+                reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    break
+            if id(seq) in proposing:
+                # the last token fed and the proposals kept have their K/V; the rejected
+                # proposals' slots are overwritten later, and their blocks go back now
+                seq.num_computed += len(taken)
+                self.pool.cache_full_blocks(seq)
+                self.pool.trim(seq)
             if reason is not None:
                 self.remove(seq.uid)
             handed = _hand_over(seq) if first else None
-            updates.append(SequenceUpdate(seq, token, reason, first, handed))
+            updates.append(SequenceUpdate(seq, taken, reason, first, handed))
         return updates
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

@@ -49,6 +49,10 @@ class Sequence:
     lora_slot: int = -1
     # sampler.plain_sampling(sampling), worked out once: the sampler's shortcut for the defaults
     plain_sampling: bool = False
+    # speculative decoding: whether its tokens may be proposed ahead and verified in one step
+    # (engine.speculates), and its n-gram index (speculative/ngram.py), built on first use
+    speculates: bool = False
+    ngrams: object | None = None
 
     @property
     def scores_prompt(self) -> bool:

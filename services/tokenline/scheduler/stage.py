@@ -25,6 +25,10 @@ from tokenline.metrics import (
     QUEUE_TIME,
     REQUESTS_RUNNING,
     REQUESTS_WAITING,
+    SPEC_ACCEPTED_PER_POSITION,
+    SPEC_ACCEPTED_TOKENS,
+    SPEC_DRAFT_TOKENS,
+    SPEC_DRAFTS,
     STAGE_LATENCY,
     STEP_PHASE_TIME,
     STEP_SEQUENCES,
@@ -82,6 +86,7 @@ class SchedulerStage:
         }
         self._late = LATE_REPLIES.labels(stage="scheduler")
         self._latency = STAGE_LATENCY.labels(stage="scheduler")
+        self._model_name = model_name
         self._queue_time = QUEUE_TIME.labels(model=model_name)
         self._running = REQUESTS_RUNNING.labels(model=model_name)
         self._waiting = REQUESTS_WAITING.labels(model=model_name)
@@ -173,6 +178,8 @@ class SchedulerStage:
             for adapter, count in self.engine.lora_tokens.items():
                 LORA_GENERATED_TOKENS.labels(adapter=adapter).inc(count)
             self.engine.lora_tokens.clear()
+        if self.engine.acceptance.drafts:
+            self._count_acceptance()
         sent: list[msgspec.Struct] = [
             self._failed(uid, exc) for uid, exc in self.engine.take_rejected()
         ]
@@ -184,6 +191,15 @@ class SchedulerStage:
             if out.finish_reason is not None:
                 self._latency.observe(out.scheduler_s)
         return [*sent, protocol.TokenBatch(outputs=outputs)]
+
+    def _count_acceptance(self) -> None:
+        taken = self.engine.acceptance.take()
+        model = self._model_name
+        SPEC_DRAFTS.labels(model_name=model).inc(taken.drafts)
+        SPEC_DRAFT_TOKENS.labels(model_name=model).inc(taken.draft_tokens)
+        SPEC_ACCEPTED_TOKENS.labels(model_name=model).inc(taken.accepted_tokens)
+        for position, count in enumerate(taken.accepted_per_position):
+            SPEC_ACCEPTED_PER_POSITION.labels(model_name=model, position=str(position)).inc(count)
 
     def _failed(self, uid: str, exc: InvalidRequest) -> protocol.Failed:
         return protocol.Failed(

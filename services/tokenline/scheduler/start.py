@@ -19,6 +19,7 @@ from tokenline.scheduler.lora.options import LoraOptions
 from tokenline.scheduler.lora_config import LoraConfigWatcher
 from tokenline.scheduler.parallel import stage as parallel_stage
 from tokenline.scheduler.runner import ModelRunner, RunnerOptions, pick_device
+from tokenline.scheduler.speculative import config as speculative
 from tokenline.scheduler.stage import LoraChanges, SchedulerStage
 from tokenline.scheduler.warm_up import warm_up
 from tokenline.settings import Settings
@@ -56,10 +57,11 @@ def run(settings: Settings) -> int:
             settings.max_cpu_loras,
             settings.model_cache_dir,
         )
-    grammars, refusal = grammar_compiler(source)
+    tokenizer = source.load_tokenizer()
+    grammars, refusal = grammar_compiler(source.spec, tokenizer)
     # where a grammar starts: after the thinking, as the detokenizer splits it
     try:
-        _, reasoning = parser_for(settings.reasoning_parser, source.load_tokenizer())
+        _, reasoning = parser_for(settings.reasoning_parser, tokenizer)
     except ValueError as exc:
         raise SystemExit(f"scheduler: {exc}") from None
     engine = Engine(
@@ -71,6 +73,7 @@ def run(settings: Settings) -> int:
         lora=lora,
         grammar_refusal=refusal,
         reasoning=reasoning,
+        speculative=speculative.parse(settings.speculative_config),
     )
     lora_changes = start_loras(settings, engine)
     kv_events = attach(settings, engine.pool, runner.device.type)
@@ -108,18 +111,18 @@ def runner_options(settings: Settings, source: ModelSource) -> RunnerOptions:
     )
 
 
-def grammar_compiler(source) -> tuple[GrammarCompiler | None, str]:
+def grammar_compiler(spec: str, tokenizer) -> tuple[GrammarCompiler | None, str]:
     """The grammar compiler over the model's tokenizer, or None and why: a tokenizer the grammar
     library cannot read (a word-level vocabulary with a WordPiece decoder, say) costs the model
     its structured outputs, never its plain generation."""
     try:
-        return GrammarCompiler(source.load_tokenizer()), ""
+        return GrammarCompiler(tokenizer), ""
     except Exception as exc:  # llguidance names what it could not read; nothing else is at stake
         reason = (
             "structured outputs and tool calls are not available for this model: the grammar "
             f"library (llguidance) cannot read its tokenizer ({exc})"
         )
-        log.warning("%s: %s", source.spec, reason)
+        log.warning("%s: %s", spec, reason)
         return None, reason
 
 

@@ -35,7 +35,8 @@ class StepBatch:
     positions: torch.Tensor  # [T]
     max_position: int  # the largest of them
     slots: torch.Tensor  # [T] where each token's K/V goes in the pool
-    sample_rows: torch.Tensor  # the last token row of every chunk that samples
+    sample_rows: torch.Tensor  # the last token row of every chunk that samples (and its
+    # proposals' rows, speculative/verify.py)
     decode: DecodeRows
     first_spans: list[tuple[int, int]]  # chunks that start a prompt: (row start, n)
     first_tables: list[list[int]]  # their block tables, in the same order
@@ -116,7 +117,8 @@ def build_step_batch(chunks: list[Chunk], *, block_size: int, device: torch.devi
             decode.tables.append(table)
             decode.lens.append(start + 1)
         else:
-            ids.extend(seq.token_slice(start, start + n))
+            ids.extend(seq.token_slice(start, start + n - len(chunk.proposals)))
+            ids.extend(chunk.proposals)
             span = range(start, start + n)
             positions.extend(span)
             slots.extend(table[p // bs] * bs + p % bs for p in span)
@@ -126,8 +128,8 @@ def build_step_batch(chunks: list[Chunk], *, block_size: int, device: torch.devi
             else:
                 continued.append((row, n, table, start))
         row += n
-        if chunk.samples:
-            sample_rows.append(row - 1)
+        if chunk.samples:  # with proposals, every row from the last known token's samples
+            sample_rows.extend(range(row - 1 - len(chunk.proposals), row))
     flat = to_device(long_tensor(ids + positions + slots + sample_rows), device)
     return StepBatch(
         input_ids=flat[:row],

@@ -5,6 +5,9 @@ batching, compilation, prefix caching, attention, model code) and tensor paralle
 
 from __future__ import annotations
 
+import argparse
+
+from tokenline.scheduler.speculative import config as speculative
 from tokenline.settings.declaration import (
     SCHEDULER,
     CrdField,
@@ -13,6 +16,19 @@ from tokenline.settings.declaration import (
     parse_bytes,
     parse_sizes,
 )
+
+
+class SpeculativeConfigText(str):
+    """vLLM's ``--speculative-config`` JSON, checked when it is read (a bad one fails at start,
+    naming the key) and kept as its text."""
+
+    def __new__(cls, value: str) -> SpeculativeConfigText:
+        try:
+            speculative.parse(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return super().__new__(cls, value)
+
 
 ENGINE: tuple[Setting, ...] = (
     Setting(
@@ -174,6 +190,17 @@ ENGINE: tuple[Setting, ...] = (
         "module when the architecture has one",
         stages=SCHEDULER,
         choices=("auto", "tokenline", "transformers"),
+    ),
+    Setting(
+        "speculative-config",
+        SpeculativeConfigText,
+        help='speculative decoding, vLLM\'s JSON: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4} proposes the tokens that '
+        "followed the last earlier occurrence of a sequence's last n tokens (n from "
+        "prompt_lookup_max down to prompt_lookup_min) and checks them in one forward; output "
+        "is the same as without it. Requests with a grammar or penalties take a token per step",
+        stages=SCHEDULER,
+        metavar="JSON",
     ),
 )
 

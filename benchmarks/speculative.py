@@ -1,0 +1,165 @@
+"""Speculative decoding in one process: what the machinery gives when every guess is right,
+what it costs when every guess is wrong, and what n-gram proposals give on a workload whose
+output repeats its prompt. Random weights guess nothing on their own, so the first two use
+proposers of known quality (the known greedy continuation, or a wrong token in its place) and
+separate the machinery from the luck; the third reports the acceptance actually seen.
+
+Each mode runs ``--streams`` greedy requests at once (closed loop, each replaced as it ends)
+and reports output tokens/s and the time between a request's tokens (ITL: a step that emits
+several tokens counts its time once per token, as a client sees the stream). Modes alternate
+within each round, so a drift of the machine's speed hits them alike.
+
+    python benchmarks/real_shapes.py --shape smollm2-135m --out /tmp/smollm2-shape
+    python benchmarks/speculative.py --model /tmp/smollm2-shape --streams 1 --rounds 3
+    python benchmarks/speculative.py --model /tmp/smollm2-shape --streams 8 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from tokenline.loadgen.workload import LengthDist, build_workload
+from tokenline.model_source import resolve
+from tokenline.protocol import SamplingParams
+from tokenline.scheduler.engine import Engine, EngineLimits
+from tokenline.scheduler.runner import ModelRunner, RunnerOptions
+from tokenline.scheduler.speculative.config import SpeculativeConfig, proposer_for
+
+
+class Known:
+    """Proposes each request's known greedy continuation (``wrong``: another token instead)."""
+
+    def __init__(self, continuations: dict[str, list[int]], count: int, wrong: bool) -> None:
+        self.continuations, self.count, self.wrong = continuations, count, wrong
+
+    def propose(self, seq, limit: int) -> list[int]:
+        done = len(seq.output_ids)
+        guess = self.continuations[seq.uid.split("/")[1]][done : done + min(limit, self.count)]
+        return [t - 1 if t else 1 for t in guess] if self.wrong else guess
+
+
+def run(engine: Engine, prompts: dict[str, list[int]], streams: int, tokens: int, tag: str):
+    """Closed loop over ``prompts``; (output tokens/s, ITL samples in s, tokens per step,
+    each request's tokens)."""
+    sampling = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    pending = list(prompts.items())
+    last: dict[str, float] = {}
+    itl: list[float] = []
+    emitted = steps = 0
+    outputs_of: dict[str, list[int]] = {}
+    started = time.perf_counter()
+    while pending or engine.has_work():
+        while pending and len(last) < streams:
+            uid, ids = pending.pop(0)
+            engine.add(f"{tag}/{uid}", ids, sampling)
+            last[f"{tag}/{uid}"] = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        steps += 1
+        for out in outputs:
+            n = len(out.token_ids)
+            if n and out.uid in last:
+                itl += [(now - last[out.uid]) / n] * n
+                last[out.uid] = now
+            emitted += n
+            outputs_of.setdefault(out.uid.split("/")[1], []).extend(out.token_ids)
+            if out.finish_reason:
+                last.pop(out.uid, None)
+    return emitted / (time.perf_counter() - started), itl, emitted / steps, outputs_of
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--streams", type=int, default=1)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--prompt-words", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--torch-threads", type=int)
+    args = parser.parse_args()
+
+    source = resolve(args.model)
+    runner = ModelRunner(source, RunnerOptions(torch_threads=args.torch_threads))
+    limits = EngineLimits(source.max_model_len(), max_num_batched_tokens=512)
+    engine = Engine(runner, limits, source.eos_token_ids())
+    tokenizer = source.load_tokenizer()
+    specs = build_workload(
+        args.requests,
+        LengthDist(args.prompt_words, args.prompt_words),
+        LengthDist(args.output_len, args.output_len),
+        seed=0,
+    )
+    prompts = {f"r{i}": tokenizer(s.prompt)["input_ids"] for i, s in enumerate(specs)}
+    k = args.num_speculative_tokens
+    # the greedy continuations, without speculation: the oracle's guesses and the reference
+    # every mode's output is checked against
+    engine.policy.proposer = None
+    for uid, ids in prompts.items():
+        engine.add(
+            f"ref/{uid}",
+            ids,
+            SamplingParams(max_tokens=args.output_len * 3, temperature=0, ignore_eos=True),
+        )
+    reference: dict[str, list[int]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            reference.setdefault(out.uid.split("/")[1], []).extend(out.token_ids)
+    # n-gram workload: the prompt, its continuation, and the prompt again; a model that
+    # repeats itself quotes its own continuation, which n-gram proposals find
+    repeats = {u: ids + reference[u][: args.output_len] + ids for u, ids in prompts.items()}
+    ngram = proposer_for(SpeculativeConfig("ngram", k, 2, 4))
+    modes = {
+        "off": (None, prompts),
+        "every guess right": (Known(reference, k, wrong=False), prompts),
+        "every guess wrong": (Known(reference, k, wrong=True), prompts),
+        "off, repeating": (None, repeats),
+        "ngram, repeating": (ngram, repeats),
+    }
+    results: dict[str, dict] = {m: {"rates": [], "itl": [], "per_step": []} for m in modes}
+    for round_ in range(args.rounds + 1):  # round 0 warms up
+        for mode, (proposer, workload) in modes.items():
+            engine.policy.proposer = proposer
+            engine.acceptance.take()
+            rate, itl, per_step, outputs = run(
+                engine, workload, args.streams, args.output_len, f"{round_}{mode}"
+            )
+            acceptance = engine.acceptance.take()
+            # speculation never changes the output: checked on every run
+            expected = results["off, repeating" if "repeating" in mode else "off"].get("tokens")
+            if expected is not None and outputs != expected:
+                raise SystemExit(f"{mode}: the output differs from one token per step")
+            results[mode]["tokens"] = outputs
+            if round_:
+                results[mode]["rates"].append(rate)
+                results[mode]["itl"] += itl
+                results[mode]["per_step"].append(per_step)
+                if acceptance.draft_tokens:
+                    results[mode]["acceptance"] = round(
+                        acceptance.accepted_tokens / acceptance.draft_tokens, 3
+                    )
+    base = statistics.median(results["off"]["rates"])
+    base_repeat = statistics.median(results["off, repeating"]["rates"])
+    for mode, r in results.items():
+        rate = statistics.median(r["rates"])
+        itl = sorted(r["itl"])
+        line = {
+            "mode": mode,
+            "streams": args.streams,
+            "tokens_per_s": round(rate, 1),
+            "vs_off": round(rate / (base_repeat if "repeating" in mode else base), 2),
+            "tokens_per_step": round(statistics.mean(r["per_step"]), 2),
+            "itl_p50_ms": round(1000 * itl[len(itl) // 2], 1),
+            "itl_p99_ms": round(1000 * itl[int(len(itl) * 0.99)], 1),
+        }
+        if "acceptance" in r:
+            line["acceptance"] = r["acceptance"]
+        print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()

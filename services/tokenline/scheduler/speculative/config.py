@@ -1,0 +1,108 @@
+"""``--speculative-config``: vLLM's JSON, read once at start into a `SpeculativeConfig`.
+
+Only what tokenline runs is accepted: a method it does not have, or a key it would ignore, is
+refused at start with what to do instead, never served as something else.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from tokenline.protocol import SamplingParams
+from tokenline.scheduler.speculative.ngram import NgramProposer
+
+METHODS = ("ngram",)
+# vLLM's methods that need a model next to the target; refused here with this reason
+NOT_YET = {
+    "draft_model": "a draft model",
+    "eagle": "EAGLE heads",
+    "eagle3": "EAGLE-3 heads",
+    "medusa": "Medusa heads",
+    "mtp": "multi-token-prediction layers",
+    "deepseek_mtp": "multi-token-prediction layers",
+}
+_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+
+def parse(text: str | None) -> SpeculativeConfig | None:
+    """The config a ``--speculative-config`` value asks for; None when it is unset or empty.
+    Raises ValueError naming the key at fault."""
+    if not text or not text.strip():
+        return None
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--speculative-config is not JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError('--speculative-config must be a JSON object, e.g. {"method": "ngram"}')
+    method = raw.get("method", "ngram" if "prompt_lookup_max" in raw else None)
+    if method in NOT_YET:
+        raise ValueError(
+            f"--speculative-config method {method!r} needs {NOT_YET[method]}, which tokenline "
+            'does not run; use {"method": "ngram", "num_speculative_tokens": 4}'
+        )
+    if method not in METHODS:
+        raise ValueError(
+            f"--speculative-config method {method!r} is unknown; use one of {list(METHODS)}"
+        )
+    unknown = sorted(set(raw) - _KEYS)
+    if unknown:
+        raise ValueError(
+            f"--speculative-config keys {unknown} are not used by the {method} method; "
+            f"it takes {sorted(_KEYS)}"
+        )
+    tokens = _count(raw, "num_speculative_tokens", None)
+    if tokens is None:
+        raise ValueError("--speculative-config needs num_speculative_tokens, e.g. 4")
+    if not 1 <= tokens <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(
+            f"--speculative-config num_speculative_tokens {tokens}: use 1 to "
+            f"{MAX_SPECULATIVE_TOKENS}"
+        )
+    # vLLM's defaults: either bound stands for the other; neither, 5
+    low = _count(raw, "prompt_lookup_min", None)
+    high = _count(raw, "prompt_lookup_max", None)
+    low, high = (low or high or 5), (high or low or 5)
+    if not 1 <= low <= high:
+        raise ValueError(
+            f"--speculative-config prompt_lookup_min {low} and prompt_lookup_max {high}: "
+            "need 1 <= min <= max"
+        )
+    return SpeculativeConfig(method, tokens, low, high)
+
+
+def _count(raw: dict, key: str, default: int | None) -> int | None:
+    value = raw.get(key, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"--speculative-config {key} must be an integer, not {value!r}")
+    return value
+
+
+def proposer_for(config: SpeculativeConfig | None) -> NgramProposer | None:
+    if config is None:
+        return None
+    return NgramProposer(
+        config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+    )
+
+
+def speculation_serves(sampling: SamplingParams) -> bool:
+    """Whether a request's tokens may be proposed and verified several at a time. Not with a
+    grammar (its mask follows each token) nor with penalties (they count each row's output):
+    those requests take one token per step, beside speculating ones."""
+    return (
+        sampling.grammar is None
+        and sampling.repetition_penalty == 1.0
+        and not sampling.frequency_penalty
+        and not sampling.presence_penalty
+    )

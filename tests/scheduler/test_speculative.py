@@ -155,11 +155,13 @@ def run(engine, prompt_ids, proposer=None, **sampling) -> Drained:
     return out
 
 
-@pytest.mark.parametrize("dense_decode", [True, False])
+@pytest.mark.parametrize("backend", ["dense-cpu", "sdpa", "flex"])
 def test_right_guesses_give_the_same_tokens_in_fewer_steps(
-    make_engine, prompt_ids, reference, dense_decode
+    make_engine, prompt_ids, reference, backend
 ) -> None:
-    engine = make_engine(speculative=NGRAM, dense_decode=dense_decode)
+    """Every attention backend verifies proposals as a chunk that continues the sequence."""
+    engine = make_engine(speculative=NGRAM, attention_backend=backend)
+    assert engine.runner.attention.name == backend
     oracle = Oracle(reference)
     out = run(engine, prompt_ids, oracle)
     assert out.tokens == reference

@@ -43,11 +43,44 @@ def matcher_cost(grammar: str, matcher: object) -> int:
     return MATCHER_BASE_BYTES + MATCHER_BYTES_PER_CHAR * len(grammar)
 
 
+class _TextTokens:
+    """The model's tokens for llguidance with only its special tokens special.
+
+    llguidance's own reading of a tokenizer (``llguidance.hf.from_tokenizer``) makes every
+    added token special, the ones added as text too (Qwen's ``<tool_call>``, ``<think>``): a
+    grammar's ``"<tool_call>"`` then allows that token in its mask and refuses it when
+    consumed, and a forced tool call ends in an error. Here they are text, as the tokenizer
+    itself decodes them; text never encodes to a special token, so a grammar spells what it
+    forces in text tokens and its mask and its matcher agree."""
+
+    def __init__(self, hf_tokenizer, read: llguidance.LLTokenizer) -> None:
+        self._hf = hf_tokenizer
+        self.eos_token_id = read.eos_token
+        self.bos_token_id = None
+        self.tokens = [read.decode_bytes([i]) for i in range(read.vocab_size)]
+        added = getattr(hf_tokenizer, "added_tokens_decoder", {})
+        special = {i for i, token in added.items() if token.special}
+        special |= set(hf_tokenizer.all_special_ids)
+        self.special_token_ids = sorted(i for i in special if i < read.vocab_size)
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # llguidance then passes text, not bytes
+            raise TypeError("text only")
+        return self._hf.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+
+def grammar_tokenizer(hf_tokenizer) -> llguidance.LLTokenizer:
+    """The llguidance tokenizer of a transformers one (`_TextTokens` says why not its own)."""
+    read = llguidance.hf.from_tokenizer(hf_tokenizer)
+    wrapped = llguidance.TokenizerWrapper(_TextTokens(hf_tokenizer, read))
+    return llguidance.LLTokenizer(wrapped, n_vocab=read.vocab_size, eos_token=read.eos_tokens)
+
+
 class GrammarCompiler:
     """Builds matchers for grammar strings, off the caller's thread, cached by grammar."""
 
     def __init__(self, tokenizer, workers: int = 1) -> None:  # tokenizer: a transformers one
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer)
+        self.tokenizer = grammar_tokenizer(tokenizer)
         self.vocab_size = self.tokenizer.vocab_size
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar")
         self.cache: LruCache[str, llguidance.LLMatcher] = LruCache(

@@ -54,6 +54,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None  # echo: the prompt tokens' logprobs plus the top N
     echo: bool = False  # send the prompt's text back in the first reply
     reasoning: bool = False  # chat: the detokenizer keeps thinking apart (--reasoning-parser)
+    # False: special tokens stay in the text (a tool format whose markers are special tokens)
+    skip_special_tokens: bool = True
 
 
 class ToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -94,6 +96,8 @@ class Generate(_Message, tag="generate"):
     lora: str = ""  # the LoRA adapter that serves it, by name; "" is the base model
     # extra variables of the chat template (enable_thinking, reasoning_effort, ...)
     template_kwargs: dict[str, Any] | None = None
+    priority: int = 0  # vLLM's: lower runs earlier (--scheduling-policy priority)
+    tenant: str = ""  # whose request it is, for fair share ("" : nobody in particular)
     version: int = PROTOCOL_VERSION
 
 
@@ -106,6 +110,8 @@ class Tokenized(_Message, tag="tokenized"):
     timeout_s: float
     tokenizer_s: float = 0.0  # time the request spent in the tokenizer stage
     lora: str = ""  # as `Generate.lora`
+    priority: int = 0  # as `Generate.priority`
+    tenant: str = ""  # as `Generate.tenant`
 
 
 class Abort(_Message, tag="abort"):

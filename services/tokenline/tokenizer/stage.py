@@ -223,6 +223,8 @@ class PromptEncoder:
             sampling=sampling,
             timeout_s=request.timeout_s,
             lora=request.lora,  # the scheduler picks the adapter's weights by it
+            priority=request.priority,
+            tenant=request.tenant,
         )
 
 

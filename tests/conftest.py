@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -92,10 +93,16 @@ class Stack:
     model: str = MODEL
     log_path: str = ""
     stage_pids: dict[str, int] = field(default_factory=dict)
+    ca_file: str | None = None  # the api serves HTTPS with this (self-signed) certificate
 
     @property
     def api_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.ca_file else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """What trusts the api's certificate (None over plain HTTP)."""
+        return ssl.create_default_context(cafile=self.ca_file) if self.ca_file else None
 
     @property
     def metrics_urls(self) -> dict[str, str]:
@@ -119,7 +126,8 @@ class Stack:
 
     def ready(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.api_url}/ready", timeout=2) as r:
+            ready = f"{self.api_url}/ready"
+            with urllib.request.urlopen(ready, timeout=2, context=self.ssl_context()) as r:
                 return r.status == 200
         except OSError:
             return False
@@ -138,7 +146,8 @@ class Stack:
         """Sum of the samples of ``name`` with ``labels`` on stage ``of``'s /metrics."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        with urllib.request.urlopen(self.metrics_urls[of], timeout=5) as r:
+        context = self.ssl_context() if of == "api" else None
+        with urllib.request.urlopen(self.metrics_urls[of], timeout=5, context=context) as r:
             text = r.read().decode()
         total = 0.0
         for family in text_string_to_metric_families(text):
@@ -155,7 +164,7 @@ class Stack:
         return self.process.wait(timeout)
 
 
-def start_stack(model_cache: Path, log_dir: Path, *extra: str) -> Stack:
+def start_stack(model_cache: Path, log_dir: Path, *extra: str, ca_file: str | None = None) -> Stack:
     port = free_port_block()
     ipc_dir = tempfile.mkdtemp(prefix="tl-ring-")
     os.rmdir(ipc_dir)  # serve creates it; the test checks that it is gone afterwards
@@ -178,7 +187,7 @@ def start_stack(model_cache: Path, log_dir: Path, *extra: str) -> Stack:
     ]
     with open(log_path, "w") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    stack = Stack(process=process, port=port, ipc_dir=ipc_dir, log_path=log_path)
+    stack = Stack(process=process, port=port, ipc_dir=ipc_dir, log_path=log_path, ca_file=ca_file)
     try:
         stack.wait_ready()
     except BaseException:
@@ -207,7 +216,7 @@ def api_base(stack) -> str:
 def launch_stack(model_cache, tmp_path_factory):
     """Start an extra stack with other flags (the caller stops it)."""
 
-    def launch(*flags: str) -> Stack:
-        return start_stack(model_cache, tmp_path_factory.mktemp("logs"), *flags)
+    def launch(*flags: str, ca_file: str | None = None) -> Stack:
+        return start_stack(model_cache, tmp_path_factory.mktemp("logs"), *flags, ca_file=ca_file)
 
     return launch

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -49,7 +50,7 @@ def stage_argv(stage: str, settings: Settings) -> list[str]:
         if setting.flag == "metrics-port":
             value = metrics_port(stage, settings.port)  # serve's own scheme: port+1..3
         elif not setting.serve:
-            continue  # not a serve flag: TLS, as the supervisor probes /ready over plain HTTP
+            continue  # not a serve flag (the scheduler's own metrics and device choices)
         else:
             value = setting.value(settings)
         if value is None:
@@ -129,18 +130,41 @@ class Child:
         return self.process is not None and self.process.poll() is None
 
 
-def _wait_ready(url: str, children: list[Child], timeout: float) -> bool:
+def probe_context(settings: Settings) -> ssl.SSLContext | None:
+    """How serve's readiness probe talks to its api: plain HTTP, or HTTPS that trusts only the
+    api's own certificate.
+
+    The probe dials 127.0.0.1, a name a deployment's certificate rarely carries (it names the
+    host clients use), so the hostname check is off for this probe alone; the certificate
+    itself is the only trust anchor, so the handshake still proves that the api answering
+    holds that certificate's key. Partial chains are allowed so that a CA-issued leaf (whose
+    root is not in the file) is an anchor on its own."""
+    if not settings.ssl_certfile:
+        return None
+    context = ssl.create_default_context(cafile=settings.ssl_certfile)
+    context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    context.check_hostname = False
+    return context
+
+
+def wait_ready(
+    url: str, children: list[Child], timeout: float, context: ssl.SSLContext | None = None
+) -> bool:
+    """Whether ``url`` answers 200 within ``timeout``; False at once when a child dies."""
     deadline = time.monotonic() + timeout
+    failure: OSError | None = None
     while time.monotonic() < deadline:
         if not all(c.alive() for c in children):
             return False
         try:
-            with urllib.request.urlopen(url, timeout=1) as response:
+            with urllib.request.urlopen(url, timeout=1, context=context) as response:
                 if response.status == 200:
                     return True
-        except OSError:
-            pass
+        except OSError as exc:
+            failure = exc
         time.sleep(0.2)
+    if failure is not None:  # a certificate the probe cannot verify shows here, not as a hang
+        log.error("the api's %s answered last with: %s", url, failure)
     return False
 
 
@@ -170,8 +194,10 @@ def serve(settings: Settings, ipc_dir: str | None = None) -> int:
     try:
         for child in children:
             child.start()
-        api_url = f"http://127.0.0.1:{settings.port}"
-        if not _wait_ready(f"{api_url}/ready", children, READY_TIMEOUT_S):
+        scheme = "https" if settings.ssl_certfile else "http"
+        api_url = f"{scheme}://127.0.0.1:{settings.port}"
+        context = probe_context(settings)
+        if not wait_ready(f"{api_url}/ready", children, READY_TIMEOUT_S, context):
             if not stopping:
                 log.error("the stages did not become ready; see the log lines above")
                 return 1

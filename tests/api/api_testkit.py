@@ -60,6 +60,18 @@ def client_for(app: FastAPI) -> TestClient:
     return TestClient(app, raise_server_exceptions=False, base_url="http://127.0.0.1")
 
 
+def self_signed_certificate(where: Path, name: str = "127.0.0.1") -> tuple[str, str]:
+    """A self-signed certificate for ``name`` (an IP address or a DNS name) and its key, made
+    by the `openssl` binary (the caller skips where there is none)."""
+    cert, key = str(where / f"{name}.pem"), str(where / f"{name}.key.pem")
+    alt = f"IP:{name}" if name.replace(".", "").isdigit() else f"DNS:{name}"
+    argv = ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"]
+    argv += ["-nodes", "-keyout", key, "-out", cert, "-days", "1", "-subj", f"/CN={name}"]
+    argv += ["-addext", f"subjectAltName={alt}"]
+    subprocess.run(argv, check=True, capture_output=True)
+    return cert, key
+
+
 @dataclass
 class ApiProcess:
     """`tokenline api` alone: its ring points at sockets no stage serves, so /health, auth,

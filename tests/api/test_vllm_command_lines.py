@@ -1,19 +1,20 @@
 """A real-world ``vllm serve`` command line, run unchanged through ``tokenline serve``: the model
 named positionally, aliases, LoRA modules in both of vLLM's syntaxes after one flag, a custom
 chat template that shows tools and reads content parts, a generation config with temperature
-and top_p, and flags that change nothing here. Each part behaves as vLLM documents it, seen
-through the official client. One stack for the module.
-
-(TLS: `tokenline serve` does not take --ssl-certfile yet; the api stage's TLS is
-tests/api/test_tls.py.)
+and top_p, TLS with a self-signed certificate made at test time, and flags that change nothing
+here. Each part behaves as vLLM documents it, seen through the official client over HTTPS. One
+stack for the module (over plain HTTP where there is no `openssl` to make the certificate).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import urllib.request
 
 import httpx
 import pytest
+from api_testkit import self_signed_certificate
 from openai import OpenAI
 from test_lora_e2e import write_adapter
 
@@ -52,6 +53,10 @@ def vllm_line(launch_stack, model_cache, tmp_path_factory):
     )
     template = tmp_path_factory.mktemp("template") / "tools.jinja"
     template.write_text(TEMPLATE)
+    tls, cert = [], None
+    if shutil.which("openssl"):
+        cert, key = self_signed_certificate(tmp_path_factory.mktemp("tls"))
+        tls = ["--ssl-certfile", cert, "--ssl-keyfile", key]
     stack = launch_stack(
         "tiny",
         "--served-model-name", *NAMES,
@@ -65,18 +70,46 @@ def vllm_line(launch_stack, model_cache, tmp_path_factory):
         "--enable-prefix-caching",
         "--disable-log-requests",
         "--max-model-len", "1024",
+        *tls,
+        ca_file=cert,
     )  # fmt: skip
     yield stack
     stack.stop()
 
 
 @pytest.fixture(scope="module")
-def client(vllm_line) -> OpenAI:
-    return OpenAI(base_url=f"{vllm_line.api_url}/v1", api_key="unused", max_retries=0)
+def http(vllm_line) -> httpx.Client:
+    """Trusts the stack's certificate, and only it."""
+    with httpx.Client(verify=vllm_line.ssl_context() or True, timeout=30) as client:
+        yield client
 
 
-def test_models_lists_every_alias_then_both_adapters(vllm_line):
-    cards = httpx.get(f"{vllm_line.api_url}/v1/models", timeout=30).json()["data"]
+@pytest.fixture(scope="module")
+def client(vllm_line, http) -> OpenAI:
+    return OpenAI(
+        base_url=f"{vllm_line.api_url}/v1", api_key="unused", http_client=http, max_retries=0
+    )
+
+
+def test_serve_passes_tls_to_its_api_and_the_openai_client_speaks_https(vllm_line, client):
+    if vllm_line.ca_file is None:
+        pytest.skip("needs openssl to make a certificate")
+    assert vllm_line.api_url.startswith("https://")
+    assert [m.id for m in client.models.list().data][:2] == NAMES
+    reply = client.chat.completions.create(
+        model=NAMES[1], messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    # a client that does not trust the certificate refuses it, and plain HTTP gets no answer
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{vllm_line.api_url}/health")
+    with pytest.raises(OSError):
+        plain = vllm_line.api_url.replace("https://", "http://")
+        urllib.request.urlopen(f"{plain}/health", timeout=5).read()
+
+
+def test_models_lists_every_alias_then_both_adapters(vllm_line, http):
+    cards = http.get(f"{vllm_line.api_url}/v1/models").json()["data"]
     assert [(c["id"], c["parent"]) for c in cards[:2]] == [(name, None) for name in NAMES]
     assert sorted((c["id"], c["parent"]) for c in cards[2:]) == [
         ("other", "tiny-chat"),
@@ -95,7 +128,7 @@ def test_each_alias_and_each_adapter_answers_under_its_own_name(client):
         assert reply.choices[0].finish_reason in ("stop", "length")
 
 
-def test_the_custom_template_renders_tools_and_parts_and_tokenize_agrees(vllm_line, client):
+def test_the_custom_template_renders_tools_and_parts_and_tokenize_agrees(vllm_line, http, client):
     messages = [
         {
             "role": "user",
@@ -103,11 +136,10 @@ def test_the_custom_template_renders_tools_and_parts_and_tokenize_agrees(vllm_li
         }
     ]
     body = {"model": "gpt-4o-mini", "messages": messages, "tools": TOOLS}
-    counted = httpx.post(f"{vllm_line.api_url}/tokenize", json=body, timeout=30).json()
-    text = httpx.post(
+    counted = http.post(f"{vllm_line.api_url}/tokenize", json=body).json()
+    text = http.post(
         f"{vllm_line.api_url}/detokenize",
         json={"model": "gpt-4o-mini", "tokens": counted["tokens"]},
-        timeout=30,
     ).json()["prompt"]
     assert "TOOLS: get_weather" in text and "[north][road]" in text
     reply = client.chat.completions.create(

@@ -181,17 +181,15 @@ API_SERVER: tuple[Setting, ...] = (
         ),
         choices=("auto", "none", "qwen3", "deepseek_r1"),
     ),
-    # api only: serve's supervisor probes /ready over plain HTTP
+    # api only; serve's supervisor probes /ready over HTTPS with the certificate
     Setting(
         "ssl-certfile",
         help="PEM certificate (chain): serve HTTPS instead of HTTP",
         stages=API,
-        serve=False,
     ),
     Setting(
         "ssl-keyfile",
         help="PEM private key of --ssl-certfile (if not in that file)",
         stages=API,
-        serve=False,
     ),
 )

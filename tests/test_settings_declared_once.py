@@ -71,7 +71,11 @@ def test_each_parser_has_exactly_its_declared_flags(command):
         assert action.choices == (list(setting.choices) if setting.choices else None), name
 
 
-SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 3}'
+# settings whose text has a form of its own, by their kind: a value of that form
+TEXT_SAMPLES = {
+    "SpeculativeConfigText": '{"method": "ngram", "num_speculative_tokens": 3}',
+    "TenantWeightsText": "team-a=1,team-b=3",
+}
 
 
 @pytest.mark.parametrize("command", [*STAGES, "serve"])
@@ -83,7 +87,7 @@ def test_each_mirror_reaches_settings(command):
         "parse_bytes": "1KiB",
         "parse_bool": "true",
         "parse_sizes": "1,2,64",
-        "SpeculativeConfigText": SPECULATIVE,
+        **TEXT_SAMPLES,
     }
     for setting in settings_of(command):
         raw = samples.get(setting.kind, samples.get(getattr(setting.kind, "__name__", ""), "x"))
@@ -105,8 +109,8 @@ def _everything_set() -> Settings:
             values[setting.field_name] = ["k1", "k2"]
         elif setting.kind is str:
             values[setting.field_name] = f"/{setting.flag}"
-        elif setting.kind.__name__ == "SpeculativeConfigText":  # JSON, checked when read
-            values[setting.field_name] = setting.kind(SPECULATIVE)
+        elif setting.kind.__name__ in TEXT_SAMPLES:  # text of a form, checked when read
+            values[setting.field_name] = setting.kind(TEXT_SAMPLES[setting.kind.__name__])
         else:
             values[setting.field_name] = setting.kind("3")
     values["compile"] = values["no_prefix_caching"] = True

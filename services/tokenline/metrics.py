@@ -150,6 +150,28 @@ LORA_ADAPTERS = Gauge(
     "draining (unloaded, finishing the requests they hold).",
     ["state"],
 )
+# Priority and fair share (--scheduling-policy priority, --tenant-weights), by tenant (the API
+# key's name or the gateway's fairness header; "default" when neither) and priority level
+TENANT_REQUESTS = Gauge(
+    "tokenline_tenant_requests",
+    "Requests in the scheduler, by tenant, priority and state (running, waiting).",
+    ["tenant", "priority", "state"],
+)
+TENANT_QUEUE_TIME = Histogram(
+    "tokenline_tenant_queue_seconds",
+    "Time from arrival at the scheduler to the first step that ran a request.",
+    ["tenant", "priority"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+)
+TENANT_TOKENS = Counter(
+    "tokenline_tenant_generation_tokens", "Tokens generated, by tenant and priority.",
+    ["tenant", "priority"],
+)  # fmt: skip
+TENANT_PREEMPTIONS = Counter(
+    "tokenline_tenant_preemptions",
+    "Running requests preempted (their KV given up, recomputed later), by tenant and priority.",
+    ["tenant", "priority"],
+)
 # Speculative decoding, in vLLM's names and meaning: verifications that had proposals, the
 # tokens proposed, those the target kept, and those kept at each proposal position (0: first)
 SPEC_DRAFTS = Counter(

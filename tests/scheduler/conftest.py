@@ -13,6 +13,7 @@ from tokenline.scheduler.engine import Engine, EngineLimits
 from tokenline.scheduler.grammar import GrammarCompiler
 from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 from tokenline.scheduler.speculative import config as speculative_config
+from tokenline.scheduler.waiting import Scheduling
 
 MiB = 2**20
 
@@ -85,6 +86,7 @@ def make_engine(
         grammars: bool = False,
         attention_backend: str = "auto",
         speculative: str | None = None,
+        scheduling: Scheduling = Scheduling(),
     ) -> Engine:
         memory = kv_blocks * bytes_per_block if kv_blocks is not None else kv_cache_memory
         runner = ModelRunner(
@@ -109,6 +111,7 @@ def make_engine(
             prefix_caching,
             grammars=compiler,
             speculative=speculative_config.parse(speculative),
+            scheduling=scheduling,
         )
 
     return make

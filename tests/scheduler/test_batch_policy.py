@@ -166,7 +166,7 @@ def test_newest_running_sequence_is_preempted_when_blocks_run_out(caching):
     assert oldest.status is Status.RUNNING and fed_ranges(chunks, "oldest")
     assert middle.status is Status.RUNNING and fed_ranges(chunks, "middle")
     assert not fed_ranges(chunks, "newest")
-    assert newest.status is Status.WAITING and sched.waiting[0] is newest
+    assert newest.status is Status.WAITING and sched.waiting.peek() is newest
     assert newest.block_table == [] and newest.num_computed == 0
     generated = list(newest.output_ids)
     assert generated, "the preempted request keeps what it generated"
@@ -202,7 +202,7 @@ def test_paused_sequences_are_parked_before_running_ones_are_preempted(caching):
 
     # Resumed without blocks, it goes to the head of the queue to be recomputed.
     assert sched.resume("parked")
-    assert parked.status is Status.WAITING and sched.waiting[0] is parked
+    assert parked.status is Status.WAITING and sched.waiting.peek() is parked
     sched.remove("runner")
     assert_recomputed(fake_step(sched), parked, caching)
 

@@ -18,6 +18,7 @@ from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.lora.options import LoraOptions, lora_slots
 from tokenline.scheduler.lora.slots import LoraSlots
 from tokenline.scheduler.policy import BatchPolicy, Chunk, StepOutput
+from tokenline.scheduler.refusals import InvalidRequest, KVCacheTooSmall, UnknownModel
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.scheduler.sampler import plain_sampling, sample_with_logprobs
 from tokenline.scheduler.sequence import Sequence
@@ -25,6 +26,7 @@ from tokenline.scheduler.speculative.config import SpeculativeConfig, proposer_f
 from tokenline.scheduler.speculative.verify import Acceptance, emitted
 from tokenline.scheduler.step_inputs import long_tensor, to_device
 from tokenline.scheduler.step_times import StepTimes, lap
+from tokenline.scheduler.waiting import Scheduling
 from tokenline.settings import BY_FLAG
 
 
@@ -44,35 +46,6 @@ def default_token_budget(device_type: str) -> int:
     flight: 128-token steps measured both faster and kinder to time-to-first-token than 256
     (benchmarks/README.md)."""
     return 2048 if device_type == "cuda" else 128
-
-
-class InvalidRequest(ValueError):
-    """A request the engine can never serve; it fails at once with an OpenAI error naming
-    ``param``, the request field at fault."""
-
-    code = "invalid_request_error"
-    param: str | None = None
-    http_status = 400
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        if param is not None:
-            self.param = param
-
-
-class UnknownModel(InvalidRequest):
-    """A request names a LoRA adapter this scheduler does not serve (OpenAI's 404)."""
-
-    code = "model_not_found"
-    param = "model"
-    http_status = 404
-
-
-class KVCacheTooSmall(InvalidRequest):
-    """The prompt can never fit in the KV pool, however long it waits."""
-
-    code = "kv_cache_too_small"
-    param = "messages"
 
 
 class Engine:
@@ -106,6 +79,7 @@ class Engine:
         grammar_refusal: str = "this scheduler runs without grammar support",
         reasoning: ReasoningFormat | None = None,
         speculative: SpeculativeConfig | None = None,
+        scheduling: Scheduling = Scheduling(),
     ) -> None:
         self.runner = runner
         self.reasoning = reasoning
@@ -130,8 +104,14 @@ class Engine:
             max_model_len=limits.max_model_len,
             loras=self.loras,
             proposer=proposer_for(speculative),
+            scheduling=scheduling,
         )
         self.acceptance = Acceptance()  # speculative decoding's, since the stage last took it
+        # (tenant, priority, tokens, queue seconds or None) per output since the stage took
+        # them, for its per-tenant metrics; None where tenants and priorities play no part
+        self.tenant_log: list[tuple[str, int, int, float | None]] | None = None
+        if scheduling.policy == "priority" or scheduling.tenant_weights is not None:
+            self.tenant_log = []
         self._finished: list[TokenOutput] = []  # terminal outputs not tied to a forward pass
         # tokens generated per LoRA adapter since the stage last took them (its metric)
         self.lora_tokens: Counter[str] = Counter()
@@ -147,6 +127,8 @@ class Engine:
         timeout_s: float = float("inf"),
         arrival: float | None = None,
         lora: str = "",
+        priority: int = 0,
+        tenant: str = "",
     ) -> Sequence:
         if lora and (self.loras is None or not self.loras.known(lora)):
             raise UnknownModel(f"The model `{lora}` does not exist.")
@@ -191,6 +173,8 @@ class Engine:
             arrival=time.monotonic() if arrival is None else arrival,
             lora=lora,
             plain_sampling=plain_sampling(sampling),
+            priority=priority,
+            tenant=tenant,
         )
         if sampling.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # the first token has nothing before it
@@ -373,6 +357,9 @@ class Engine:
                 out.cached_tokens = seq.cached_tokens or 0
                 if update.prompt_logprobs is not None:
                     out.prompt_logprobs = update.prompt_logprobs
+            if self.tenant_log is not None:
+                queued = out.queue_s if update.first else None
+                self.tenant_log.append((seq.tenant, seq.priority, len(token_ids), queued))
             outputs.append(out)
         times.outputs = time.perf_counter() - mark
 

@@ -17,6 +17,10 @@ LoRA: a sequence of an adapter is admitted only with its adapter in one of the d
 finds none waits where it is in the queue while later sequences go ahead, and a running or
 paused-with-KV sequence pins its slot until it ends or is preempted.
 
+Priority and fair share (``scheduling``, waiting.py): the waiting queue admits by priority and
+tenant share; an urgent request preempts a lower-priority running one rather than wait, and
+running prefills go in priority order.
+
 Speculative decoding (``proposer`` set): a decoding sequence that allows it
 (`speculation_serves`) gets the proposer's guesses of its next tokens fed after its last one,
 as far as the budget, its max_tokens, the context and the free blocks allow (a guess never
@@ -33,16 +37,19 @@ and the stage only read sequences.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
+from operator import attrgetter
 
 from tokenline.reasoning import ANSWER
 from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.lora.slots import LoraSlots
 from tokenline.scheduler.sequence import Sequence, Status
 from tokenline.scheduler.speculative.config import speculation_serves
-from tokenline.scheduler.speculative.ngram import NgramProposer
+from tokenline.scheduler.speculative.proposals import Proposer, step_proposals
+from tokenline.scheduler.waiting import Scheduling, WaitingQueue, preemption_order
 
 
 @dataclass(slots=True)
@@ -94,7 +101,8 @@ class BatchPolicy:
         eos_ids: Iterable[int] = (),
         max_model_len: int | None = None,
         loras: LoraSlots | None = None,
-        proposer: NgramProposer | None = None,
+        proposer: Proposer | None = None,
+        scheduling: Scheduling = Scheduling(),
     ) -> None:
         self.pool = pool
         # speculative decoding: what guesses a decoding sequence's next tokens; None: off
@@ -106,7 +114,13 @@ class BatchPolicy:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        # --scheduling-policy priority: waiting sequences admitted by priority, running ones
+        # preempted lowest priority first; `shares` (--tenant-weights): fair share of tenants
+        self.by_priority = scheduling.policy == "priority"
+        self.shares = scheduling.shares()
+        self.waiting = WaitingQueue(self.by_priority, self.shares)
+        # preemptions by (tenant, priority), counted where tenants or priorities matter
+        self.preempted: Counter[tuple[str, int]] = Counter()
         self.running: list[Sequence] = []
         self.paused: dict[str, Sequence] = {}
         self.by_uid: dict[str, Sequence] = {}
@@ -127,6 +141,8 @@ class BatchPolicy:
         seq.speculates = self.proposer is not None and speculation_serves(seq.sampling)
         self.waiting.append(seq)
         self.by_uid[seq.uid] = seq
+        if self.shares is not None:
+            self.shares.enter(seq.tenant)
         if seq.lora and self.loras is not None:
             self.loras.enter(seq.lora)
 
@@ -145,6 +161,8 @@ class BatchPolicy:
         self._release_slot(seq)
         seq.num_computed = 0
         seq.status = Status.FINISHED
+        if self.shares is not None:
+            self.shares.leave(seq.tenant)
         if seq.lora and self.loras is not None:
             self.loras.leave(seq.lora)  # an unloaded adapter goes with its last sequence
         return seq
@@ -181,7 +199,11 @@ class BatchPolicy:
         budget = self.max_num_batched_tokens
         block_size = self.pool.block_size
         chunks: list[Chunk] = []
-        for seq in list(self.running):
+        running = list(self.running)
+        if self.by_priority:  # a high priority's prefill chunks are never queued behind a low one's
+            self._preempt_for_waiting()
+            running = sorted(self.running, key=attrgetter("priority"))
+        for seq in running:
             if budget <= 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
@@ -189,7 +211,11 @@ class BatchPolicy:
             n = min(seq.num_uncomputed, budget)
             if n <= 0:
                 continue
-            proposals = self._proposals(seq, budget) if n == 1 and seq.speculates else []
+            proposals = []
+            if n == 1 and seq.speculates and self.proposer is not None:
+                proposals = step_proposals(
+                    self.proposer, seq, budget, self.max_model_len, self.pool
+                )
             n += len(proposals)
             # most decode steps land in a block the sequence holds: nothing to make room for
             if seq.num_computed + n > len(seq.block_table) * block_size:
@@ -201,7 +227,7 @@ class BatchPolicy:
         # sequences whose adapter finds no free slot wait, in order, behind later ones
         held_back: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             # a prompt still to be scored computes every position; its blocks are still cached
             looks_up = self.pool.caching and not seq.scores_prompt
             hits = self.pool.lookup(seq) if looks_up else []
@@ -225,24 +251,25 @@ class BatchPolicy:
             self.pool.grow(seq, n)
             chunks.append(Chunk(seq, seq.num_computed, n))
             budget -= n
-        self.waiting.extendleft(reversed(held_back))
+        for seq in reversed(held_back):
+            self.waiting.appendleft(seq)
         return chunks
 
-    def _proposals(self, seq: Sequence, budget: int) -> list[int]:
-        """Guesses of a decoding sequence's next tokens, as many as its budget, max_tokens and
-        the context leave room for, and only where the pool has the blocks at hand: a guess
-        never preempts anyone."""
-        if self.proposer is None or not seq.output_ids:
-            return []
-        if len(seq.output_ids) < seq.sampling.min_tokens:  # the eos ban counts every row
-            return []
-        room = min(budget, seq.max_tokens - len(seq.output_ids)) - 1
-        if self.max_model_len is not None:
-            room = min(room, self.max_model_len - seq.num_tokens - 1)
-        proposals = self.proposer.propose(seq, room) if room > 0 else []
-        if proposals and not self.pool.can_grow(seq, 1 + len(proposals)):
-            return []
-        return proposals
+    def _preempt_for_waiting(self) -> None:
+        """Priority: while the most urgent waiting sequence cannot be admitted (no sequence
+        slot, or no room in the pool) and a running one is of a lower priority, that one
+        (the lowest, newest first) is preempted for it: a flood of low-priority work never
+        holds an urgent request back for longer than a step."""
+        while self.waiting and self.running:
+            seq = self.waiting.peek()
+            worst = max(self.running, key=attrgetter("priority", "arrival"))
+            if worst.priority <= seq.priority:
+                return
+            hits = self.pool.lookup(seq) if self.pool.caching and not seq.scores_prompt else []
+            has_slot = len(self.running) < self.max_num_seqs
+            if has_slot and self.pool.can_admit(seq, seq.num_tokens + 1, hits):
+                return
+            self._preempt(worst)
 
     def update_from_output(self, output: StepOutput) -> list[SequenceUpdate]:
         """Apply one step's results: the only place sequences' counters change after a
@@ -250,6 +277,9 @@ class BatchPolicy:
         sampled, in step order; finished sequences are already out (their blocks back in the
         pool)."""
         proposing: dict[int, Chunk] = {}
+        if self.shares is not None:  # service is the tokens computed for a tenant
+            for chunk in output.chunks:
+                self.shares.charge(chunk.seq.tenant, chunk.num_tokens)
         for chunk in output.chunks:
             if chunk.proposals:  # counted once its tokens are known: only kept rows count
                 proposing[id(chunk.seq)] = chunk
@@ -315,11 +345,21 @@ class BatchPolicy:
         return True
 
     def _victim(self, needing: Sequence) -> Sequence | None:
+        """Who gives up its blocks for ``needing``: a paused sequence holding some, else the
+        newest running one; with priorities the lowest priority first, with fair share the
+        tenant most over its share first. None: ``needing`` itself should go."""
         for seq in self.paused.values():
             if seq.block_table:
                 return seq
-        newest = self.running[-1] if self.running else None
-        return newest if newest is not None and newest is not needing else None
+        if not self.by_priority and self.shares is None:
+            newest = self.running[-1] if self.running else None
+            return newest if newest is not None and newest is not needing else None
+        others = [s for s in self.running if s is not needing]
+        if not others:
+            return None
+        order = partial(preemption_order, by_priority=self.by_priority, shares=self.shares)
+        victim = max(others, key=order)
+        return None if order(victim) < order(needing) else victim  # None: all outrank it
 
     def _acquire_slot(self, seq: Sequence) -> bool:
         """Give ``seq`` its adapter's device slot; False: every slot serves another adapter's
@@ -343,6 +383,8 @@ class BatchPolicy:
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
+        if self.by_priority or self.shares is not None:
+            self.preempted[seq.tenant, seq.priority] += 1
         self.pool.release(seq)
         self._release_slot(seq)
         seq.num_computed = 0  # its KV is gone: recomputed from the start when it runs again

@@ -53,6 +53,9 @@ class Sequence:
     # (engine.speculates), and its n-gram index (speculative/ngram.py), built on first use
     speculates: bool = False
     ngrams: object | None = None
+    # --scheduling-policy priority: lower runs earlier (vLLM's); the tenant, for fair share
+    priority: int = 0
+    tenant: str = ""
 
     @property
     def scores_prompt(self) -> bool:

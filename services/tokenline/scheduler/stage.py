@@ -41,6 +41,7 @@ from tokenline.scheduler.engine import (
 from tokenline.scheduler.kv_events import KVEventPublisher
 from tokenline.scheduler.lora.adapters import LoraError
 from tokenline.scheduler.step_times import STEP_PHASES
+from tokenline.scheduler.tenant_metrics import TenantMetrics
 
 log = logging.getLogger(__name__)
 PROMPT_TAIL = 8  # prompt ids the detokenizer primes its stream with
@@ -87,6 +88,8 @@ class SchedulerStage:
         self._late = LATE_REPLIES.labels(stage="scheduler")
         self._latency = STAGE_LATENCY.labels(stage="scheduler")
         self._model_name = model_name
+        # by tenant and priority, where those play a part (engine.tenant_log)
+        self._tenants = TenantMetrics(engine) if engine.tenant_log is not None else None
         self._queue_time = QUEUE_TIME.labels(model=model_name)
         self._running = REQUESTS_RUNNING.labels(model=model_name)
         self._waiting = REQUESTS_WAITING.labels(model=model_name)
@@ -142,6 +145,8 @@ class SchedulerStage:
                 request.timeout_s,
                 arrival=arrived,
                 lora=request.lora,
+                priority=request.priority,
+                tenant=request.tenant,
             )
         except InvalidRequest as exc:
             return [self._failed(uid, exc)]
@@ -180,6 +185,8 @@ class SchedulerStage:
             self.engine.lora_tokens.clear()
         if self.engine.acceptance.drafts:
             self._count_acceptance()
+        if self._tenants is not None:
+            self._tenants.after_step()
         sent: list[msgspec.Struct] = [
             self._failed(uid, exc) for uid, exc in self.engine.take_rejected()
         ]
@@ -307,6 +314,8 @@ class SchedulerStage:
         self._kv_usage.set(self.engine.pool.usage)
         for buffer, gauge in self._depth.items():
             gauge.set(counts[buffer])
+        if self._tenants is not None:
+            self._tenants.housekeeping()
         queries, hits = self.engine.prefix_cache_queries, self.engine.prefix_cache_hits
         self._prefix_queries.inc(queries - self._prefix_counted[0])
         self._prefix_hits.inc(hits - self._prefix_counted[1])

@@ -18,9 +18,11 @@ from tokenline.scheduler.lora.adapters import LoraError
 from tokenline.scheduler.lora.options import LoraOptions
 from tokenline.scheduler.lora_config import LoraConfigWatcher
 from tokenline.scheduler.parallel import stage as parallel_stage
+from tokenline.scheduler.pooling import config as pooling_config
 from tokenline.scheduler.runner import ModelRunner, RunnerOptions, pick_device
 from tokenline.scheduler.speculative import config as speculative
 from tokenline.scheduler.stage import LoraChanges, SchedulerStage
+from tokenline.scheduler.waiting import Scheduling, parse_weights
 from tokenline.scheduler.warm_up import warm_up
 from tokenline.settings import Settings
 from tokenline.settings.declaration import sizes_of
@@ -38,6 +40,10 @@ def run(settings: Settings) -> int:
     if settings.metrics_port:  # a worker node's too: its pod's probes read it
         serve_metrics(settings.metrics_port)
     options = runner_options(settings, source)
+    if pooling_config.runner_of(settings.runner, source) == "pooling":  # embeddings, scores
+        from tokenline.scheduler.pooling import start as pooling_start
+
+        return pooling_start.run(settings, source, options, drain)
     if settings.tensor_parallel_size > 1 and settings.node_rank > 0:
         return parallel_stage.run_worker_node(settings, source, options)
     if settings.tensor_parallel_size > 1:  # rank 0's sharded runner, its workers started
@@ -74,6 +80,10 @@ def run(settings: Settings) -> int:
         grammar_refusal=refusal,
         reasoning=reasoning,
         speculative=speculative.parse(settings.speculative_config),
+        scheduling=Scheduling(
+            settings.scheduling_policy,
+            parse_weights(settings.tenant_weights) if settings.tenant_weights else None,
+        ),
     )
     lora_changes = start_loras(settings, engine)
     kv_events = attach(settings, engine.pool, runner.device.type)

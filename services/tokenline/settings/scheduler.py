@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 
 from tokenline.scheduler.speculative import config as speculative
+from tokenline.scheduler.waiting import parse_weights
 from tokenline.settings.declaration import (
+    API,
     SCHEDULER,
     CrdField,
     Setting,
@@ -203,6 +205,78 @@ ENGINE: tuple[Setting, ...] = (
         metavar="JSON",
     ),
 )
+
+
+class TenantWeightsText(str):
+    """``team-a=1,team-b=3`` (``*`` for every other tenant), checked when it is read, kept as
+    its text."""
+
+    def __new__(cls, value: str) -> TenantWeightsText:
+        try:
+            parse_weights(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return super().__new__(cls, value)
+
+
+# Who runs first (scheduler/waiting.py): the scheduler orders by priority and tenant share, and
+# the api, which knows the tenant, holds each tenant's waiting requests to a limit.
+SCHEDULING: tuple[Setting, ...] = (
+    Setting(
+        "scheduling-policy",
+        default="fcfs",
+        help="fcfs: first come, first served; priority: the `priority` request field orders "
+        "waiting requests (lower runs earlier, vLLM's meaning) and running ones are preempted "
+        "lowest priority first (a request with a priority other than 0 is refused under fcfs)",
+        stages=API | SCHEDULER,
+        crd=CrdField(
+            "scheduling.policy",
+            "fcfs, or priority: requests' `priority` field (lower runs earlier, as vLLM's) "
+            "orders admission and preemption.",
+        ),
+        choices=("fcfs", "priority"),
+    ),
+    Setting(
+        "tenant-weights",
+        TenantWeightsText,
+        help="fair share of tenants (the API key's name, else --tenant-header's value): "
+        "within a priority level, the scheduler's tokens are shared by these weights, e.g. "
+        "team-a=1,team-b=3 (* for every other tenant; unnamed ones weigh 1); an idle "
+        "tenant's share goes to the busy ones. Unset: tenants are not told apart",
+        stages=SCHEDULER,
+        crd=CrdField(
+            "scheduling.tenantWeights",
+            "Fair share of tenants, e.g. team-a=1,team-b=3 (* for every other tenant).",
+        ),
+        metavar="TENANT=WEIGHT,...",
+    ),
+    Setting(
+        "tenant-header",
+        default="x-llm-d-inference-fairness-id",
+        help="the request header naming the tenant when the API key has no name (llm-d's "
+        "gateway sets x-llm-d-inference-fairness-id); empty: only key names count",
+        stages=API,
+        crd=CrdField(
+            "scheduling.tenantHeader",
+            "Header that names a request's tenant when its API key has no name.",
+        ),
+    ),
+    Setting(
+        "max-waiting-per-tenant",
+        int,
+        0,
+        help="most requests one tenant may have waiting for their first token; beyond, 429 "
+        "with Retry-After (0: only --max-waiting holds)",
+        stages=API,
+        crd=CrdField(
+            "scheduling.maxWaitingPerTenant",
+            "Requests one tenant may have waiting; beyond, 429 with Retry-After. 0: no limit.",
+            {"minimum": 0},
+        ),
+    ),
+)
+
+ENGINE += SCHEDULING  # the engine's too: the CRD keeps them in their own section
 
 # Tensor parallelism (scheduler/parallel/): vLLM's flag names. One pod holds
 # tensor-parallel-size / nnodes ranks; with nnodes > 1 the operator makes a LeaderWorkerSet

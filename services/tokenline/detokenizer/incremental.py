@@ -7,6 +7,8 @@ text that could still become a stop string is held back until it cannot.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
@@ -17,14 +19,21 @@ class IncrementalDecoder:
         tokenizer: Tokenizer,
         stop: list[str] | None = None,
         prompt_tail: list[int] | None = None,
+        skip_special_tokens: bool = True,
+        hidden: Collection[int] = (),
     ) -> None:
+        """``skip_special_tokens`` False keeps special tokens in the text (a tool format whose
+        markers are special tokens), but for ``hidden``: ids never shown as text (the
+        model's end-of-sequence and other control tokens)."""
         self._tokenizer = tokenizer
         # Primed with the prompt's last ids, as vLLM primes it: a SentencePiece decoder drops
         # the leading space of a sequence's first piece, and the first generated token is not
         # the sequence's first piece.
         self._stream = DecodeStream(
-            ids=_whole_characters(tokenizer, prompt_tail or []), skip_special_tokens=True
+            ids=_whole_characters(tokenizer, prompt_tail or []),
+            skip_special_tokens=skip_special_tokens,
         )
+        self._hidden = frozenset() if skip_special_tokens else frozenset(hidden)
         self._stop = [s for s in (stop or []) if s]
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self._text = ""  # decoded text not yet emitted
@@ -33,6 +42,8 @@ class IncrementalDecoder:
     def feed(self, token_ids: list[int]) -> str:
         """Text that is now safe to emit. Sets ``stopped`` when a stop string matched."""
         for token_id in token_ids:
+            if token_id in self._hidden:
+                continue
             piece = self._stream.step(self._tokenizer, token_id)
             if piece:
                 self._text += piece

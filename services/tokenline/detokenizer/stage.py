@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import msgspec
@@ -44,6 +45,7 @@ class _Live:
     deadline: float = float("inf")  # monotonic; past it the scheduler ends the uid itself
     split: ReasoningSplit | None = None  # chat with a reasoning parser
     thinking: bool = False  # which channel the decoder's held-back text belongs to
+    skip_special_tokens: bool = True  # False: special tokens (but control ones) are text
 
 
 class DetokenizerStage(StepFreeHandler):
@@ -51,10 +53,20 @@ class DetokenizerStage(StepFreeHandler):
 
     stage = "detokenizer"
 
-    def __init__(self, tokenizer, reasoning: ReasoningFormat | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        reasoning: ReasoningFormat | None = None,
+        control_ids: Collection[int] = (),
+    ) -> None:
+        """``control_ids``: tokens never shown as text, even to a request that keeps special
+        tokens (the model's end-of-sequence ids, BOS, padding)."""
         self.tokenizer = tokenizer  # a tokenizers.Tokenizer
         self.reasoning = reasoning  # --reasoning-parser, for chat requests
-        self.token_texts = TokenTexts(tokenizer)
+        added = tokenizer.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, token in added.items() if token.special)
+        self.control_ids = frozenset(control_ids)
+        self.token_texts = TokenTexts(tokenizer, shown=self.special_ids - self.control_ids)
         self.live: dict[str, _Live] = {}
         # Ended here before the scheduler ended them; the scheduler's end is still to come.
         self.ended_early = ExpiringSet(MAX_ENDED_EARLY, LEAK_GRACE_S)
@@ -82,18 +94,27 @@ class DetokenizerStage(StepFreeHandler):
                 out.insert(0, protocol.ReplyBatch(replies=replies))
             return out
         if isinstance(message, protocol.Begin):
+            # a Begin without the field (a scheduler that does not pass it on) skips them
+            skip = getattr(message, "skip_special_tokens", True)
+            decoder = IncrementalDecoder(
+                self.tokenizer, message.stop, message.prompt_tail, skip, self.control_ids
+            )
             self.live[message.uid] = _Live(
-                IncrementalDecoder(self.tokenizer, message.stop, message.prompt_tail),
+                decoder,
                 message.prompt_tokens,
                 message.tokenizer_s,
                 echo_ids=message.echo_ids or None,
                 deadline=arrived + message.timeout_s,
+                skip_special_tokens=skip,
             )
             if message.reasoning and self.reasoning is not None:
                 self.live[message.uid].split = ReasoningSplit(self.reasoning, message.prompt_tail)
             return []
         if isinstance(message, protocol.TokenizerAnswer | protocol.LoraAnswer):
             # the tokenizer's or the scheduler's answer to an api call: no uid held here
+            return [message]
+        if isinstance(message, protocol.ReplyBatch):
+            # pooled results (embeddings, scores): no text to render, no uid held here
             return [message]
         # Failed, Abort: the end of a uid; free it if held, pass the message on
         self.live.pop(message.uid, None)
@@ -120,7 +141,14 @@ class DetokenizerStage(StepFreeHandler):
             live.queue_s = out.queue_s
         if out.cached_tokens:
             live.cached_tokens = out.cached_tokens
-        texts, reasoning_tokens = self._texts(live, out.token_ids)
+        token_ids = out.token_ids
+        if not live.skip_special_tokens and out.finish_reason == "stop" and token_ids:
+            if token_ids[-1] in self.special_ids:
+                # the token that stopped it (a stop_token_ids one): never text, as in vLLM.
+                # A grammar's last token ends it with "stop" too, but no tool format ends its
+                # calls with a special token.
+                token_ids = token_ids[:-1]
+        texts, reasoning_tokens = self._texts(live, token_ids)
         finish = out.finish_reason
         stop_string = live.decoder.stopped
         if stop_string:
@@ -139,7 +167,8 @@ class DetokenizerStage(StepFreeHandler):
         )
         if out.logprobs is not None:
             # After a stop string, the tokens up to the one that completed the match keep theirs.
-            reply.logprobs = [self.token_texts.entry(lp) for lp in out.logprobs]
+            skip = live.skip_special_tokens
+            reply.logprobs = [self.token_texts.entry(lp, skip) for lp in out.logprobs]
         self._prompt_fields(reply, live, out)
         if finish is not None:
             reply.stop_string = stop_string and out.finish_reason is None
@@ -224,5 +253,13 @@ def run(settings: Settings) -> int:
         serve_metrics(settings.metrics_port)
     ring = SyncRing("detokenizer", settings.endpoints, settings.ring_security)
     log.info("detokenizer ready: %s (reasoning parser: %s)", source.spec, parser)
-    serve_stage(DetokenizerStage(tokenizer, reasoning), ring, drain)
+    control = {
+        hf_tokenizer.bos_token_id,
+        hf_tokenizer.eos_token_id,
+        hf_tokenizer.pad_token_id,
+        hf_tokenizer.unk_token_id,
+        *source.eos_token_ids(),
+    }
+    control.discard(None)
+    serve_stage(DetokenizerStage(tokenizer, reasoning, control), ring, drain)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 
 from tokenline.protocol import LogprobEntry, TokenLogprobs, TopLogprob
 
@@ -36,22 +37,31 @@ class TokenTexts:
     so a client can join the bytes of consecutive tokens into the exact text.
     """
 
-    def __init__(self, tokenizer, max_cached: int = 1 << 20) -> None:  # tokenizers.Tokenizer
+    def __init__(
+        self, tokenizer, max_cached: int = 1 << 20, shown: Collection[int] = ()
+    ) -> None:  # tokenizers.Tokenizer
+        """``shown``: the special tokens a request that keeps special tokens sees as text."""
         self._tokenizer = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
         self._max_cached = max_cached
+        self._shown = {i: self._of(i, skip_special_tokens=False) for i in shown}
 
     def __len__(self) -> int:
         return len(self._cache)
 
-    def get(self, token_id: int) -> tuple[str, list[int]]:
+    def get(self, token_id: int, skip_special_tokens: bool = True) -> tuple[str, list[int]]:
+        if not skip_special_tokens and token_id in self._shown:
+            return self._shown[token_id]
         hit = self._cache.get(token_id)
         if hit is None:
-            text = self._tokenizer.decode([token_id], skip_special_tokens=True)
-            hit = (text, self._bytes(token_id, text))
+            hit = self._of(token_id)
             if len(self._cache) < self._max_cached:
                 self._cache[token_id] = hit
         return hit
+
+    def _of(self, token_id: int, skip_special_tokens: bool = True) -> tuple[str, list[int]]:
+        text = self._tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens)
+        return text, self._bytes(token_id, text)
 
     def _bytes(self, token_id: int, text: str) -> list[int]:
         if "\ufffd" in text:
@@ -64,10 +74,10 @@ class TokenTexts:
                     return [_BYTE_LEVEL[c] for c in raw]
         return list(text.encode())
 
-    def entry(self, logprobs: TokenLogprobs) -> LogprobEntry:
-        text, raw = self.get(logprobs.token_id)
+    def entry(self, logprobs: TokenLogprobs, skip_special_tokens: bool = True) -> LogprobEntry:
+        text, raw = self.get(logprobs.token_id, skip_special_tokens)
         top = []
         for token_id, value in zip(logprobs.top_ids, logprobs.top_logprobs, strict=True):
-            top_text, top_raw = self.get(token_id)
+            top_text, top_raw = self.get(token_id, skip_special_tokens)
             top.append(TopLogprob(token=top_text, logprob=value, bytes=top_raw))
         return LogprobEntry(token=text, logprob=logprobs.logprob, bytes=raw, top=top)

@@ -33,6 +33,7 @@ from tokenline.settings.every_stage import EVERY_STAGE
 from tokenline.settings.kv_events import KV_EVENTS
 from tokenline.settings.lora import LORA
 from tokenline.settings.metrics_port import DEFAULT_METRICS_PORTS, METRICS_PORT
+from tokenline.settings.pooling import POOLING
 from tokenline.settings.ring import RING
 from tokenline.settings.scheduler import ENGINE, TENSOR_PARALLEL
 
@@ -64,6 +65,7 @@ SETTINGS: tuple[Setting, ...] = (
     *KV_EVENTS,
     *LORA,
     *CHAT_RENDERING,
+    *POOLING,
 )
 
 BY_FLAG: dict[str, Setting] = {s.flag: s for s in SETTINGS}

@@ -244,6 +244,32 @@ def chat_template_text(
     return None
 
 
+def special_tokens(
+    model: str, cache_dir: str | None = None, revision: str | None = None
+) -> dict[str, int]:
+    """The model's special added tokens, text to id, read from its tokenizer files without
+    loading a tokenizer (the api writes a tool-call marker that is one as that exact token).
+    {} when there are none, or they cannot be read (logged)."""
+    if model == "tiny":
+        return {}  # its tool-call markers are text
+    try:
+        for path in _model_files(
+            model, ("tokenizer.json", "tokenizer_config.json"), cache_dir, revision
+        ):
+            data = json.loads(path.read_text())
+            if path.name == "tokenizer.json":
+                added = data.get("added_tokens") or []
+            else:  # a slow tokenizer's files: added_tokens_decoder, keyed by id
+                decoder = data.get("added_tokens_decoder") or {}
+                added = [{**token, "id": int(i)} for i, token in decoder.items()]
+            found = {t["content"]: int(t["id"]) for t in added if t.get("special")}
+            if added:
+                return found
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("could not read the special tokens of %s: %s", model, exc)
+    return {}
+
+
 def generation_config(
     model: str, cache_dir: str | None = None, revision: str | None = None
 ) -> dict:

@@ -1,10 +1,13 @@
 """The mistral, pythonic, qwen3_coder and deepseek_v3 formats without a stack: their parsers
 (whole and streamed in random pieces alike, cut-off calls, markup never content), their
 detection from templates, and their grammars: output that required and named tool choices
-allow, drawn token by token at random, parses into calls valid for their schemas."""
+allow, drawn token by token at random, parses into calls valid for their schemas; a marker that
+is a special token of the vocabulary is written as that token, which the scheduler's grammar
+tokenizer takes."""
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 
@@ -24,9 +27,12 @@ from tokenline.api.function_calling.formats import (
     QWEN3_CODER,
     format_for,
 )
+from tokenline.api.function_calling.list_streams import MISTRAL_TRIGGER
 from tokenline.api.function_calling.parsers import Call, CallEnd, Content, ParsedCall
 from tokenline.api.http.errors import ApiError
 from tokenline.api.openai.tools import NamedToolChoice, Tool
+from tokenline.model_source import special_tokens
+from tokenline.scheduler.grammar import grammar_tokenizer
 
 NEW = [MISTRAL, PYTHONIC, QWEN3_CODER, DEEPSEEK_V3]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -259,3 +265,84 @@ def test_pythonic_refuses_json_values_python_spells_differently():
         grammars.plan_tools(_tools(flags), "required", True, None, PYTHONIC)
     # the same schema is fine where the arguments are JSON
     assert grammars.plan_tools(_tools(flags), "required", True, None, MISTRAL).grammar
+
+
+# ── markers that are special tokens ────────────────────────────────────────────────────────────
+@pytest.fixture(scope="module")
+def special_marker(tiny_tokenizer):
+    """The tiny tokenizer with Mistral's marker as a special added token (as in Mistral's
+    Hugging Face tokenizers), and the marker's id."""
+    from tokenizers import AddedToken
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    marker = AddedToken(MISTRAL_TRIGGER, special=True, normalized=False)
+    tokenizer.add_special_tokens({"additional_special_tokens": [marker]})
+    return tokenizer, tokenizer.convert_tokens_to_ids(MISTRAL_TRIGGER)
+
+
+def _allowed(matcher: llguidance.LLMatcher, size: int) -> list[int]:
+    return [i for i, b in enumerate(matcher.compute_logit_bias()) if b and i < size]
+
+
+def test_a_special_marker_is_its_exact_token_in_the_scheduler_s_grammar(special_marker):
+    """required writes the marker as the model's own special token (``<[id]>``), which the
+    scheduler's grammar tokenizer takes; auto lets free text end at that token, then holds
+    the call to the declared functions."""
+    tokenizer, marker = special_marker
+    fmt = MISTRAL.for_vocabulary({MISTRAL_TRIGGER: marker, "<|end|>": 4})
+    assert fmt.special_markers == ((MISTRAL_TRIGGER, marker),)
+    env = grammar_tokenizer(tokenizer)
+    size = len(tokenizer)
+    required = grammars.plan_tools(_tools(*TOOLS), "required", False, None, fmt)
+    assert f"<[{marker}]>" in required.grammar
+    for seed in range(3):
+        matcher = llguidance.LLMatcher(env, required.grammar, log_level=0)
+        assert _allowed(matcher, size) == [marker]
+        rng, ids = random.Random(seed), []
+        while not matcher.is_stopped() and len(ids) < 300:
+            token = rng.choice(_allowed(matcher, size))
+            assert matcher.consume_token(token), matcher.get_error()
+            ids.append(token)
+        parsed = fmt.parse(tokenizer.decode(ids, skip_special_tokens=False))
+        assert len(parsed.calls) == 1 and not parsed.content
+        call = parsed.calls[0]
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+    auto = grammars.plan_tools(_tools(*TOOLS), "auto", True, None, fmt)
+
+    def accepts(ids: list[int]) -> bool:
+        matcher = llguidance.LLMatcher(env, auto.grammar, log_level=0)
+        return matcher.consume_tokens(ids) and matcher.is_accepting()
+
+    def text(s: str) -> list[int]:
+        return tokenizer.encode(s, add_special_tokens=False)
+
+    call = '[{"name": "get_time", "arguments": {"zone": "UTC"}}]'
+    assert accepts(text("Hello there"))
+    assert accepts([marker, *text(call)])
+    assert accepts([*text("Let me look. "), marker, *text(call)])
+    assert not accepts([marker, *text(call.replace("get_time", "rm_rf"))])
+
+
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=list(FORMATS))
+def test_formats_whose_markers_are_text_keep_their_grammars(fmt):
+    """Special tokens of a vocabulary that the format does not write change nothing."""
+    same = fmt.for_vocabulary({"<|end|>": 4, "<s>": 1, "[INST]": 3})
+    assert same.special_markers == ()
+    for choice in ("required", "auto"):
+        ours = grammars.plan_tools(_tools(*TOOLS), choice, True, None, same)
+        before = grammars.plan_tools(_tools(*TOOLS), choice, True, None, fmt)
+        assert ours.grammar == before.grammar
+
+
+def test_the_api_reads_special_tokens_from_the_tokenizer_files(tmp_path):
+    added = [
+        {"id": 4, "content": "<|end|>", "special": True},
+        {"id": 9, "content": "<tool_call>", "special": False},  # added as text, as Qwen's
+        {"id": 12, "content": MISTRAL_TRIGGER, "special": True},
+    ]
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": added}))
+    assert special_tokens(str(tmp_path)) == {"<|end|>": 4, MISTRAL_TRIGGER: 12}
+    assert special_tokens("tiny") == {}
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    assert special_tokens(str(tmp_path)) == {}  # logged, and the markers stay text

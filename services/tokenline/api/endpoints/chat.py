@@ -19,7 +19,7 @@ from tokenline.api.openai.chat import ChatCompletionRequest
 from tokenline.api.openai.logprobs import chat_logprobs
 from tokenline.api.openai.usage import Usage
 from tokenline.api.ring.exchange import NORMAL_ENDS, Exchange
-from tokenline.model_source import chat_template_text
+from tokenline.model_source import chat_template_text, special_tokens
 
 
 class Chat(Endpoint):
@@ -39,7 +39,8 @@ class Chat(Endpoint):
         )
 
     async def tool_format(self) -> ToolCallFormat:
-        """The model's tool-call format: --tool-call-parser, or read once from its template."""
+        """The model's tool-call format: --tool-call-parser, or read once from its template;
+        with the markers that are special tokens of its vocabulary, read once too."""
         state = self.request.app.state
         if getattr(state, "tool_format", None) is None:
             settings = self.settings
@@ -52,7 +53,11 @@ class Chat(Endpoint):
                     settings.revision,
                     settings.chat_template,
                 )
-            state.tool_format = format_for(template, settings.tool_call_parser)
+            special = await asyncio.to_thread(
+                special_tokens, settings.model, settings.model_cache_dir, settings.revision
+            )
+            fmt = format_for(template, settings.tool_call_parser)
+            state.tool_format = fmt.for_vocabulary(special)
         return state.tool_format
 
     def messages(self, chat: ChatCompletionRequest, plan: ToolPlan) -> list[protocol.Generate]:
@@ -65,6 +70,9 @@ class Chat(Endpoint):
                     chat.sampling(index, self.request.app.state.request_defaults),
                     grammar=plan.grammar,
                     reasoning=True,
+                    # the parser must see markers that are special tokens (vLLM's Mistral
+                    # parser asks the same)
+                    skip_special_tokens=plan.parser is None or not plan.parser.special_markers,
                 ),
                 messages=wire,
                 tools=plan.tools,

@@ -5,8 +5,10 @@ template that uses it, and its stream parser (api/function_calling/parsers.py)."
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -61,6 +63,47 @@ class ToolCallFormat:
     # xml: each function's parameters schema, for reading values back as their types
     schemas: dict[str, Any] | None = None
     id_size: int = 0  # a call id of this many letters and digits (Mistral's templates need 9)
+    # The markers that are special tokens of the served model's vocabulary (text, id), as
+    # `for_vocabulary` finds them: the grammar writes each as that exact token (``<[id]>``),
+    # since text never becomes a special token, and the reply is decoded with special tokens
+    # kept so the parser sees them. Empty: every marker is text.
+    special_markers: tuple[tuple[str, int], ...] = ()
+
+    def for_vocabulary(self, special_tokens: Mapping[str, int]) -> ToolCallFormat:
+        """This format for a model whose special added tokens are ``special_tokens`` (text to
+        id): those of its markers that are special, found in the text it writes."""
+        written = (
+            self.call_head,
+            self.call_middle,
+            self.call_tail,
+            self.separator,
+            self.calls_open,
+            self.calls_close,
+        )
+        found = sorted(
+            (text, token_id)
+            for text, token_id in special_tokens.items()
+            if text and any(text in part for part in written)
+        )
+        return replace(self, special_markers=tuple(found))
+
+    def _literal(self, text: str) -> str:
+        """``text`` as a Lark expression: quoted, with each special marker in it as its exact
+        token. Without special markers it is just the quoted text."""
+        if not any(marker in text for marker, _ in self.special_markers):
+            return _lark_string(text)
+        ids = dict(self.special_markers)
+        pattern = "|".join(re.escape(m) for m in sorted(ids, key=len, reverse=True))
+        pieces = []
+        for piece in re.split(f"({pattern})", text):
+            if piece in ids:
+                pieces.append(f"<[{ids[piece]}]>")
+            elif piece:
+                pieces.append(_lark_string(piece))
+        return " ".join(pieces)
+
+    def _special(self, text: str) -> bool:
+        return any(marker in text for marker, _ in self.special_markers)
 
     def stream(self) -> ToolCallStream:
         if self.schemas is not None:
@@ -84,13 +127,13 @@ class ToolCallFormat:
         """Lark rules whose ``calls`` rule is one call (several if ``parallel``) of the given
         functions; each function's arguments are the Lark rule its name is paired with."""
         rules = self._call_alternatives(names_and_arguments, "", self.call_head)
-        opening, closing = _lark_string(self.calls_open), _lark_string(self.calls_close)
+        opening, closing = self._literal(self.calls_open), self._literal(self.calls_close)
         body = self._body(parallel)
         rules.append(f"calls: {opening} {body} {closing}" if self.calls_open else f"calls: {body}")
         return "\n".join(rules)
 
     def _body(self, parallel: bool) -> str:
-        return f"call ({_lark_string(self.separator)} call)*" if parallel else "call"
+        return f"call ({self._literal(self.separator)} call)*" if parallel else "call"
 
     def text_or_calls_rules(
         self, names_and_arguments: list[tuple[str, str]], parallel: bool
@@ -100,20 +143,27 @@ class ToolCallFormat:
 
         With a trigger, free text runs until the trigger appears; from there the call must
         follow (llguidance's lazy lexeme, as its structural tags do), so the model cannot call
-        a function the request did not declare, nor write arguments its schema refuses.
+        a function the request did not declare, nor write arguments its schema refuses. A
+        trigger that is a special token needs no lazy lexeme: free text cannot hold it, so
+        the text simply ends where the token comes (and a special token cannot sit inside a
+        lexeme).
         """
         if self.trigger is None:
             start = "start: FREE | calls | EMPTY"
             text = [f"FREE: /{self.text_start}(.|\\n)*/", 'EMPTY: ""']
             return ["%llguidance {}", start, *text, self.call_rules(names_and_arguments, parallel)]
+        if self._special(self.trigger):
+            trigger = f"trigger: TEXT {self._literal(self.trigger)}"
+        else:
+            trigger = f"trigger[lazy]: TEXT {_lark_string(self.trigger)}"
         if self.calls_open:  # one list of calls, after free text
-            rest = _lark_string(self.calls_open.removeprefix(self.trigger))
+            rest = self._literal(self.calls_open.removeprefix(self.trigger))
             return [
                 "%llguidance {}",
                 "start: TEXT | block",
                 "TEXT: /(.|\\n)*/",
-                f"trigger[lazy]: TEXT {_lark_string(self.trigger)}",
-                f"block: trigger {rest} {self._body(parallel)} {_lark_string(self.calls_close)}",
+                trigger,
+                f"block: trigger {rest} {self._body(parallel)} {self._literal(self.calls_close)}",
                 *self._call_alternatives(names_and_arguments, "", self.call_head),
             ]
         rest = self.call_head.removeprefix(self.trigger)
@@ -121,7 +171,7 @@ class ToolCallFormat:
             "%llguidance {}",
             "start: (call)* TEXT" if parallel else "start: TEXT | call",
             "TEXT: /(.|\\n)*/",
-            f"trigger[lazy]: TEXT {_lark_string(self.trigger)}",
+            trigger,
         ]
         return rules + self._call_alternatives(names_and_arguments, "trigger ", rest)
 
@@ -132,8 +182,8 @@ class ToolCallFormat:
         the ``call`` rule choosing among them."""
         rules = []
         for i, (name, arguments_rule) in enumerate(names_and_arguments):
-            text = _lark_string(head + name + self.call_middle)
-            rules.append(f"call_{i}: {lead}{text} {arguments_rule} {_lark_string(self.call_tail)}")
+            text = self._literal(head + name + self.call_middle)
+            rules.append(f"call_{i}: {lead}{text} {arguments_rule} {self._literal(self.call_tail)}")
         alternatives = " | ".join(f"call_{i}" for i in range(len(names_and_arguments)))
         return [*rules, "call: " + alternatives]
 

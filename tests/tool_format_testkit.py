@@ -16,6 +16,8 @@ from pathlib import Path
 import jsonschema
 import openai
 
+from tokenline import protocol
+
 _TURNS = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' and message['tool_calls'] %}<|assistant|>\n"
@@ -67,11 +69,17 @@ TEMPLATES = {
         "{% if not loop.last %}\n{% endif %}{% endfor %}<｜tool▁calls▁end｜>",
     ),
 }
-# (markers, whether they are special tokens). Empty: with the markers as added tokens of
-# the vocabulary, llguidance (as the scheduler builds its tokenizer) fast-forwards a grammar
-# literal into the added token's id and then refuses that token (its bytes read as special),
-# so a forced call ends in an error; until the scheduler maps them, the markers stay text.
-MARKERS: dict[str, tuple[list[str], bool]] = {}
+# Mistral's marker is a special token of the reply only once the detokenizer learns that a
+# request keeps special tokens (`protocol.Begin` carrying ``skip_special_tokens``); until then
+# the variant writes it as text, as before.
+SPECIAL_MARKERS_REACH_THE_REPLY = "skip_special_tokens" in protocol.Begin.__struct_fields__
+# (markers, whether they are special tokens). DeepSeek's stay text: as added (non-special)
+# tokens, llguidance (as the scheduler built its tokenizer) fast-forwarded a grammar literal
+# into the added token's id and then refused it; the scheduler now reads them as text, but
+# this variant has not been switched back.
+MARKERS: dict[str, tuple[list[str], bool]] = (
+    {"mistral": (["[TOOL_CALLS]"], True)} if SPECIAL_MARKERS_REACH_THE_REPLY else {}
+)
 
 
 def write_format_model(tiny_dir: Path, out: Path, name: str) -> Path:
@@ -230,10 +238,13 @@ def check_responses_call(client: openai.OpenAI, model: str) -> None:
 
 
 def stack_for(name: str, model_cache, launch_stack, tmp_path_factory):
-    """A stack serving the ``name`` variant; its parser is read from the template."""
+    """A stack serving the ``name`` variant; its parser is read from the template. The
+    model's directory is ``stack.model_dir``."""
     from tokenline import tiny_model
 
     model = write_format_model(
         tiny_model.ensure_cached(model_cache), tmp_path_factory.mktemp(name) / "model", name
     )
-    return launch_stack("--model", str(model), "--served-model-name", name)
+    stack = launch_stack("--model", str(model), "--served-model-name", name)
+    stack.model_dir = model
+    return stack

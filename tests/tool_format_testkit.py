@@ -16,7 +16,7 @@ from pathlib import Path
 import jsonschema
 import openai
 
-from tokenline import protocol
+from tokenline.api.endpoints.chat import REPLY_KEEPS_SPECIAL_TOKENS
 
 _TURNS = (
     "{% for message in messages %}"
@@ -72,7 +72,7 @@ TEMPLATES = {
 # Mistral's marker is a special token of the reply only once the detokenizer learns that a
 # request keeps special tokens (`protocol.Begin` carrying ``skip_special_tokens``); until then
 # the variant writes it as text, as before.
-SPECIAL_MARKERS_REACH_THE_REPLY = "skip_special_tokens" in protocol.Begin.__struct_fields__
+SPECIAL_MARKERS_REACH_THE_REPLY = REPLY_KEEPS_SPECIAL_TOKENS
 # (markers, whether they are special tokens). DeepSeek's stay text: as added (non-special)
 # tokens, llguidance (as the scheduler built its tokenizer) fast-forwarded a grammar literal
 # into the added token's id and then refused it; the scheduler now reads them as text, but

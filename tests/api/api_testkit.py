@@ -40,7 +40,7 @@ class StandInRingClient:
     def problem(self) -> str | None:
         return None if self.ready else "stand-in not ready"
 
-    def open(self, messages):
+    def open(self, messages, tenant=""):
         # encoded as the ring would: what reaches here must be carriable
         for i, message in enumerate(messages):
             message.uid = f"uid-{i}"

@@ -61,7 +61,15 @@ REASONING = "test_reasoning_replies.py"
 _THINKING = t(REASONING, "test_thinking_switched_off_in_the_template_answers_plainly")
 _HISTORY = t(REASONING, "test_an_assistant_turn_goes_back_with_its_reasoning_under_either_name")
 
+TENANTS = "test_tenants.py"
+_PRIORITY = t(TENANTS, "test_priority_and_tenant_reach_the_ring") + t(
+    TENANTS, "test_priority_is_refused_under_fcfs_and_bounded"
+)
+
 EXERCISED: dict[str, tuple[str, ...]] = {
+    "ChatCompletionRequest.priority": _PRIORITY,
+    "CompletionRequest.priority": _PRIORITY,
+    "responses.ResponsesRequest.priority": _PRIORITY,
     "ChatCompletionRequest.reasoning_effort": t(
         REASONING, "test_reasoning_effort_reaches_the_chat_template"
     )

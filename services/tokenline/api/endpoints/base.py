@@ -29,6 +29,8 @@ from tokenline.api.openai.limits import check_request
 from tokenline.api.ring.client import RingClient
 from tokenline.api.ring.exchange import NORMAL_ENDS, Exchange
 
+MAX_TENANT_CHARS = 128  # a tenant names a team or a flow; the label of its metrics too
+
 
 class Answer(Protocol):
     """How one request's replies read as its answer: an SSE stream, or a whole JSON body once
@@ -66,6 +68,16 @@ class Endpoint:
             raise model_not_found(model, names.base)
         return self.lora
 
+    def tenant(self) -> str:
+        """Whose request this is: its API key's name, else the tenant header's value (the
+        gateway's fairness id), else "" (nobody in particular)."""
+        named = getattr(self.request.state, "tenant", "")
+        header = self.settings.tenant_header
+        tenant = named or (self.request.headers.get(header, "") if header else "")
+        if len(tenant) > MAX_TENANT_CHARS:
+            raise invalid(None, f"the {header} header is longer than {MAX_TENANT_CHARS} characters")
+        return tenant
+
     @property
     def model_name(self) -> str:
         """What answers give as ``model``: the adapter or the alias asked for, else the primary
@@ -86,6 +98,12 @@ class Endpoint:
         names the field whose answer follows a grammar (None: free text)."""
         self.check_model(body.model)
         check_request(body, self.settings)
+        if body.priority and self.settings.scheduling_policy != "priority":
+            raise invalid(
+                "priority",
+                f"priority {body.priority} asks for priority scheduling, which this server "
+                "does not run (--scheduling-policy fcfs); leave priority out or 0",
+            )
         refusal = self.ring_client.grammar_refusal if grammar_param is not None else ""
         if refusal:
             raise invalid(grammar_param, refusal, "unsupported_parameter")
@@ -97,10 +115,13 @@ class Endpoint:
         if not self.admitted:
             raise RuntimeError("generate() before admit(): the request's limits went unchecked")
         ring_client = self.ring_client
+        tenant = self.tenant()
         for message in messages:
             message.lora = self.lora
+            message.priority = body.priority
+            message.tenant = tenant
         try:
-            ex = ring_client.open(messages)
+            ex = ring_client.open(messages, tenant)
         except (OverflowError, UnicodeError) as exc:
             # The schemas bound every field, so this is a gap in them; open() has already let
             # go of the request's uids.

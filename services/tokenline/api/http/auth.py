@@ -7,6 +7,10 @@ new key works and the old one stops working without a restart. A file that canno
 startup stops the api; one that vanishes later keeps its last keys (a half-finished rotation
 must not open the door).
 
+A key file line may name its key: ``team-a sk-...`` (the name, whitespace, the key). The name
+is the request's tenant (priority and fair share, scheduler/waiting.py); a bearer token never
+holds whitespace, so the two forms cannot be confused.
+
 Presented keys are compared as SHA-256 digests with ``hmac.compare_digest`` against every
 configured key, so neither the key's content nor which key matched shows in the timing. No key
 is ever logged: only the file's path and how many keys it holds.
@@ -38,11 +42,17 @@ def _digest(key: str | bytes) -> bytes:
 
 def parse_key_file(text: str) -> list[str]:
     """One key per line; blank lines and ``#`` comments are ignored."""
+    return [key for _, key in named_keys(text)]
+
+
+def named_keys(text: str) -> list[tuple[str, str]]:
+    """(name, key) per line: ``NAME KEY``, or ``KEY`` alone (name "")."""
     keys = []
     for line in text.splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
-            keys.append(line)
+            name, _, key = line.rpartition(" ")
+            keys.append((name.strip(), key))
     return keys
 
 
@@ -60,11 +70,11 @@ class ApiKeys:
         clock: Callable[[], float] = time.monotonic,
         recheck_s: float = RECHECK_INTERVAL_S,
     ) -> None:
-        self._fixed = [_digest(k) for k in keys if k]
+        self._fixed = [("", _digest(k)) for k in keys if k]
         self._file = key_file
         self._clock = clock
         self._recheck_s = recheck_s
-        self._file_keys: list[bytes] = []
+        self._file_keys: list[tuple[str, bytes]] = []
         self._identity: tuple | None = None
         self._checked_at = float("-inf")
         if key_file is not None:
@@ -85,8 +95,8 @@ class ApiKeys:
 
     def _reload(self, stat: os.stat_result) -> None:
         with open(self._file, encoding="utf-8", errors="replace") as f:
-            keys = parse_key_file(f.read())
-        self._file_keys = [_digest(k) for k in keys]
+            keys = named_keys(f.read())
+        self._file_keys = [(name, _digest(k)) for name, k in keys]
         self._identity = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
         log.info("api: %d API key(s) in force from %s", len(keys), self._file)
         if not keys and not self._fixed:
@@ -111,12 +121,17 @@ class ApiKeys:
             )
 
     def accepts(self, key: str | bytes) -> bool:
+        return self.match(key) is not None
+
+    def match(self, key: str | bytes) -> str | None:
+        """The name of the key presented ("" for an unnamed one), or None: no such key."""
         self._refresh()
         presented = _digest(key)
-        ok = False
-        for known in (*self._fixed, *self._file_keys):  # no early exit: every key is compared
-            ok |= hmac.compare_digest(presented, known)
-        return ok
+        found = None
+        for name, known in (*self._fixed, *self._file_keys):  # no early exit: all compared
+            if hmac.compare_digest(presented, known) and found is None:
+                found = name
+        return found
 
 
 def bearer_token(scope: Scope) -> bytes | None:
@@ -156,7 +171,10 @@ class ApiKeyAuth:
             await self.app(scope, receive, send)
             return
         token = bearer_token(scope)
-        if token is not None and self.keys.accepts(token):
+        name = self.keys.match(token) if token is not None else None
+        if name is not None:
+            if name:  # the request's tenant (Request.state.tenant)
+                scope.setdefault("state", {})["tenant"] = name
             await self.app(scope, receive, send)
             return
         if token is None:

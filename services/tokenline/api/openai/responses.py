@@ -108,6 +108,8 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: Text | None = None  # prefixes are cached by content, key or not
     service_tier: str | None = None
     truncation: str | None = None
+    # vLLM's: lower runs earlier, with --scheduling-policy priority
+    priority: int | None = Field(default=None, ge=-INT32_MAX, le=INT32_MAX)
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
     background: bool | None = None
@@ -377,7 +379,7 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         "tool_choice": _tool_choice_of(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls is not False,
     }
-    for field in ("temperature", "top_p"):
+    for field in ("temperature", "top_p", "priority"):
         if getattr(body, field) is not None:
             chat[field] = getattr(body, field)
     effort = (body.reasoning or {}).get("effort")

@@ -127,6 +127,8 @@ class SamplingFields(BaseModel):
     # Nothing is stored, so there is nothing to tag: only the defaults are accepted.
     store: Annotated[bool | None, WithJsonSchema({"enum": [False, None]})] = None
     service_tier: Literal["auto", "default"] | None = None
+    # vLLM's: lower runs earlier, under --scheduling-policy priority (refused under fcfs)
+    priority: int = Field(default=0, ge=-INT32_MAX, le=INT32_MAX)
 
     @field_validator("store")
     @classmethod

@@ -120,8 +120,9 @@ class RingClient:
         calls, which queue in the same tokenizer inbox."""
         return len(self.calls) + sum(ex.first_token_at is None for ex in self._distinct_exchanges())
 
-    def _refuse_unless_admissible(self) -> None:
-        """Raise the 503 or 429 a new request (or tokenizer call) gets now, if any."""
+    def _refuse_unless_admissible(self, tenant: str | None = None) -> None:
+        """Raise the 503 or 429 a new request (or tokenizer call) gets now, if any; a
+        generation of ``tenant`` also meets --max-waiting-per-tenant."""
         if self.draining:
             raise ApiError(
                 503,
@@ -144,19 +145,34 @@ class RingClient:
                 "too_many_requests",
                 retry_after=1,
             )
+        limit = self.settings.max_waiting_per_tenant
+        if tenant is not None and limit and self.waiting_of(tenant) >= limit:
+            raise ApiError(
+                429,
+                f"{limit} requests of tenant {tenant or 'default'!r} are already waiting "
+                "(--max-waiting-per-tenant); retry later",
+                "too_many_requests",
+                retry_after=1,
+            )
+
+    def waiting_of(self, tenant: str) -> int:
+        """``tenant``'s generations before their first token."""
+        return sum(
+            ex.first_token_at is None and ex.tenant == tenant for ex in self._distinct_exchanges()
+        )
 
     # ── admission and cleanup ──────────────────────────────────────────────────────────────────
     def new_uid(self) -> str:
         return f"{self._origin}-{next(self._uid_counter)}"
 
-    def open(self, messages: list[protocol.Generate]) -> Exchange:
+    def open(self, messages: list[protocol.Generate], tenant: str = "") -> Exchange:
         """Admit a request of one message a choice, give each its uid and send them into the
         ring.
 
         Every exchange opened must be closed (`close`): that
         is the only place per-request api state is freed.
         """
-        self._refuse_unless_admissible()
+        self._refuse_unless_admissible(tenant)
         base = self.new_uid()
         uids = [base] if len(messages) == 1 else [f"{base}.{i}" for i in range(len(messages))]
         for message, uid in zip(messages, uids, strict=True):
@@ -165,7 +181,7 @@ class RingClient:
         # leaves nothing behind.
         frames = [self.ring.encode(message) for message in messages]
         timeout = self.settings.request_timeout
-        ex = Exchange(uids=uids, deadline=time.monotonic() + timeout, flow=self)
+        ex = Exchange(uids=uids, deadline=time.monotonic() + timeout, flow=self, tenant=tenant)
         for uid, frame in zip(uids, frames, strict=True):
             self.exchanges[uid] = ex
             self.ledger.open(uid, timeout)

@@ -46,6 +46,7 @@ class Exchange:
     deadline: float
     flow: FlowControl
     created: float = field(default_factory=time.monotonic)
+    tenant: str = ""  # whose request (--max-waiting-per-tenant)
     choices: list[Choice] = field(default_factory=list)
     # Prompt tokens served from the prefix cache: the fewest any choice found, since choices
     # admitted together share one prompt but cannot share what none has computed yet.

@@ -4,14 +4,11 @@ chunked through the paged KV cache), and a Qwen3 cross-encoder's logits equal tr
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parents[1]))
 from pooling_testkit import write_cross_encoder, write_embedder
 
 from tokenline.model_source import ModelSource

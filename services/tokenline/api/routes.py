@@ -12,11 +12,13 @@ from tokenline.api.endpoints.chat import Chat
 from tokenline.api.endpoints.completions import Completions
 from tokenline.api.endpoints.lora import LoraAdapters
 from tokenline.api.endpoints.models import Models
+from tokenline.api.endpoints.pooling import Embeddings, Rerank, Score
 from tokenline.api.endpoints.responses import Responses, not_stored
 from tokenline.api.endpoints.tokenize import Tokenize
 from tokenline.api.openai.chat import ChatCompletionRequest
 from tokenline.api.openai.completions import CompletionRequest
 from tokenline.api.openai.lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from tokenline.api.openai.pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 from tokenline.api.openai.responses import ResponsesRequest
 from tokenline.api.openai.tokenize import DetokenizeRequest, TokenizeRequest
 
@@ -95,6 +97,23 @@ async def list_input_items(response_id: str) -> Response:
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel_response(response_id: str) -> Response:
     raise not_stored(response_id)
+
+
+# ── embeddings and reranking (a --runner pooling model) ──────────────────────────────────────
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
+    return await Embeddings(request).create(body)
+
+
+@router.post("/rerank")
+@router.post("/v1/rerank")
+async def rerank(body: RerankRequest, request: Request) -> dict:
+    return await Rerank(request).create(body)
+
+
+@router.post("/score")
+async def score(body: ScoreRequest, request: Request) -> dict:
+    return await Score(request).create(body)
 
 
 # ── vLLM's tokenizer endpoints ─────────────────────────────────────────────────────────────────

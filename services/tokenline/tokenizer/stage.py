@@ -26,6 +26,7 @@ from tokenline.settings import Settings
 from tokenline.stage_runtime import StepFreeHandler, serve_stage
 from tokenline.tokenizer.content_format import ContentFormat, template_content
 from tokenline.tokenizer.content_format import resolve as resolve_content_format
+from tokenline.tokenizer.pooling import check_pooled, encode_pairs
 from tokenline.transport import SyncRing
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,12 @@ class PromptEncoder:
     ) -> list[protocol.Tokenized | protocol.Failed]:
         to_encode = []
         done: dict[int, protocol.Tokenized | protocol.Failed] = {}
+        pairs = [(i, r) for i, r in enumerate(requests) if r.pooling and r.pooling.text_pair]
+        for i, (ids, types) in encode_pairs(self.hf_tokenizer, pairs).items():
+            done[i] = check_pooled(requests[i], ids, self.max_model_len, types)
         for i, request in enumerate(requests):
+            if i in done:
+                continue
             if request.prompt_ids is not None:  # tokenized by the client: checked, not encoded
                 bad = self._out_of_vocab(request.uid, request.prompt_ids, "prompt")
                 done[i] = bad or self._check(request, list(request.prompt_ids))
@@ -190,6 +196,8 @@ class PromptEncoder:
         return out
 
     def _check(self, request: protocol.Generate, ids: list[int]):
+        if request.pooling is not None:  # nothing is generated: the input may fill the context
+            return check_pooled(request, ids, self.max_model_len)
         param = "messages" if request.messages is not None else "prompt"
         if not ids and request.prompt_ids is not None:
             return _invalid(request.uid, param, "the prompt holds no token ids; send at least one")

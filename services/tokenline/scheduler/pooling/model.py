@@ -77,11 +77,16 @@ class PoolingRunner(ModelRunner):
     def _load_model(self, source: ModelSource, implementation: str) -> CausalLM:
         config = source.load_config()
         family = native_family(self.setup.architecture)
+        served = ", ".join(sorted(n.removesuffix("ForCausalLM") for n in NATIVE))
+        if self.setup.encoder:
+            raise ModelRefused(
+                f"{self.setup.architecture}: BERT-style encoders (bidirectional attention) are "
+                f"not served yet; pooling runs decoders of the native families ({served})"
+            )
         if family is None or implementation == "transformers":
-            served = ", ".join(sorted(n.removesuffix("ForCausalLM") for n in NATIVE))
             raise ModelRefused(
                 f"{self.setup.architecture}: pooling runs decoders of the native families "
-                f"({served}) and BERT-style encoders; this one is neither"
+                f"({served}) on their native modules; this one has none"
             )
         model = pooling_model(family, config, Placement(self.device, self.dtype), self.setup.task)
         load_weights(model, source)

@@ -12,6 +12,8 @@ from collections.abc import Collection
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+RECENT = 8  # ids kept to prime a restarted stream: a character spans at most four
+
 
 class IncrementalDecoder:
     def __init__(
@@ -29,9 +31,10 @@ class IncrementalDecoder:
         # Primed with the prompt's last ids, as vLLM primes it: a SentencePiece decoder drops
         # the leading space of a sequence's first piece, and the first generated token is not
         # the sequence's first piece.
+        self._skip_special_tokens = skip_special_tokens
+        self._recent = list(prompt_tail or [])[-RECENT:]  # the last ids, to prime a restart
         self._stream = DecodeStream(
-            ids=_whole_characters(tokenizer, prompt_tail or []),
-            skip_special_tokens=skip_special_tokens,
+            ids=_whole_characters(tokenizer, self._recent), skip_special_tokens=skip_special_tokens
         )
         self._hidden = frozenset() if skip_special_tokens else frozenset(hidden)
         self._stop = [s for s in (stop or []) if s]
@@ -44,6 +47,7 @@ class IncrementalDecoder:
         for token_id in token_ids:
             if token_id in self._hidden:
                 continue
+            self._recent = [*self._recent[1 - RECENT :], token_id]
             piece = self._stream.step(self._tokenizer, token_id)
             if piece:
                 self._text += piece
@@ -58,6 +62,15 @@ class IncrementalDecoder:
             return ""
         out, self._text = self._text[:safe], self._text[safe:]
         return out
+
+    def restart(self) -> None:
+        """Start a new stretch of text (the answer after the thinking): bytes of a character
+        the last stretch left unfinished are dropped, not let out as the new stretch's first
+        text (U+FFFD that breaks a JSON answer)."""
+        self._stream = DecodeStream(
+            ids=_whole_characters(self._tokenizer, self._recent),
+            skip_special_tokens=self._skip_special_tokens,
+        )
 
     def flush(self) -> str:
         """Whatever is held back, at the end of the request."""

@@ -198,6 +198,7 @@ class DetokenizerStage(StepFreeHandler):
         for segment in live.split.segments(token_ids):
             if segment.reasoning != live.thinking:
                 texts[live.thinking] += live.decoder.feed([]) + live.decoder.flush()
+                live.decoder.restart()
                 live.thinking = segment.reasoning
             texts[segment.reasoning] += live.decoder.feed(segment.token_ids)
             if segment.reasoning:

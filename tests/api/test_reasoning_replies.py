@@ -9,13 +9,14 @@ and logit_bias keeps the markers out of the output, so where the thinking ends i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
 
 import openai
 import pytest
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from reasoning_testkit import END, START, write_thinking_model
 
 from tokenline import tiny_model
@@ -375,3 +376,96 @@ async def test_whole_and_streamed_answers_carry_the_same_thinking():
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert "".join(d.get("reasoning", "") for d in deltas) == "the river"
     assert "".join(d.get("content") or "" for d in deltas) == " Hello world"
+
+
+# ── agent frameworks with a thinking model ────────────────────────────────────────────────────
+class Tally(BaseModel):
+    n: int = Field(ge=0, le=9)  # bounded, so a random model's answer ends
+    ok: bool
+
+
+def _thinks_a_while(model: Path) -> dict[str, float]:
+    """logit_bias for a thinking that ends after a few tokens (the prompt opened it)."""
+    ids = _marker_ids(model)
+    return {str(ids[START]): -100, str(ids[END]): 5}
+
+
+def test_an_openai_agents_run_keeps_the_thinking_out_of_its_final_output(thinking_stack):
+    """The agent reads the reply's thinking as a reasoning item of its own and parses its
+    output type from the answer alone, on every seed."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        set_tracing_disabled,
+    )
+    from agents.items import ReasoningItem
+
+    stack, model = thinking_stack
+    set_tracing_disabled(True)
+
+    async def run(seed: int):
+        client = openai.AsyncOpenAI(base_url=f"{stack.api_url}/v1", api_key="x", max_retries=0)
+        settings = ModelSettings(
+            max_tokens=200,
+            extra_body={"seed": seed, "logit_bias": _thinks_a_while(model), **THINKING_ONLY},
+        )
+        agent = Agent(
+            name="counter",
+            instructions="Count the rivers.",
+            output_type=Tally,
+            model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+            model_settings=settings,
+        )
+        try:
+            return await Runner.run(agent, "How many rivers?", max_turns=1)
+        finally:
+            await client.close()
+
+    thought = 0
+    for seed in range(4):
+        result = asyncio.run(run(seed))
+        assert isinstance(result.final_output, Tally), seed
+        thought += any(isinstance(item, ReasoningItem) for item in result.new_items)
+    assert thought, "no run thought before answering"
+
+
+def test_langchain_chat_openai_gets_a_clean_answer_and_the_thinking_via_responses(
+    thinking_stack, markers
+):
+    """LangChain's ChatOpenAI reads only OpenAI's own fields: over chat completions it drops
+    ``reasoning``/``reasoning_content`` by design (its docs send such providers to their own
+    packages), so what it gets is the answer, clean of thinking. Over the Responses API
+    (``use_responses_api``) the thinking is a reasoning output item, which it keeps as a
+    ``reasoning`` content block."""
+    from langchain_openai import ChatOpenAI
+
+    stack, _ = thinking_stack
+    common = {
+        "base_url": f"{stack.api_url}/v1",
+        "api_key": "unused",
+        "model": MODEL,
+        "max_retries": 0,
+        "temperature": 0,
+    }
+    chat = ChatOpenAI(
+        **common,
+        max_tokens=12,
+        logit_bias={int(k): v for k, v in markers.items()},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    answer = chat.invoke("Why is the river long?")
+    assert answer.content and START not in answer.content and END not in answer.content
+    assert "reasoning_content" not in answer.additional_kwargs  # dropped, as its docs say
+    thinker = ChatOpenAI(
+        **common,
+        max_tokens=6,
+        use_responses_api=True,
+        reasoning={"effort": "low"},  # the template then opens the block
+    )
+    message = thinker.invoke("Why is the river long?")
+    blocks = [b for b in message.content if isinstance(b, dict) and b.get("type") == "reasoning"]
+    texts = [c.get("text", "") for b in blocks for c in b.get("content", [])]
+    assert blocks and any(texts), message.content
+    assert all(START not in t for t in texts)

@@ -75,6 +75,7 @@ def test_each_parser_has_exactly_its_declared_flags(command):
 TEXT_SAMPLES = {
     "SpeculativeConfigText": '{"method": "ngram", "num_speculative_tokens": 3}',
     "TenantWeightsText": "team-a=1,team-b=3",
+    "PoolerConfigText": '{"pooling_type": "MEAN", "normalize": false}',
 }
 
 

@@ -27,8 +27,14 @@ NOT_SETTINGS = {
     # extraArgs: flags for the stages' command lines, checked by their parser (extra_args.py)
     "engine": {"gpus", "extraArgs"},
     "server": {"startupTimeoutSeconds", "apiKeySecret", "tlsSecret"},
+    "scheduling": set(),
 }
-SECTIONS = {"model": crd.MODEL, "engine": crd.ENGINE, "server": crd.SERVER}
+SECTIONS = {
+    "model": crd.MODEL,
+    "engine": crd.ENGINE,
+    "server": crd.SERVER,
+    "scheduling": crd.SCHEDULING,
+}
 EVERYTHING: dict[str, Any] = {
     "model": {"name": "Qwen/Qwen3-0.6B", "servedName": "qwen3", "revision": "main"},
     "engine": {
@@ -42,12 +48,14 @@ EVERYTHING: dict[str, Any] = {
         "enforceEager": True,
         "prefixCaching": False,
         "prefixCachingHashAlgo": "sha256_cbor",
+        "speculative": '{"method": "ngram", "num_speculative_tokens": 4}',
     },
     "server": {
         "apiKeySecret": {"name": "keys"},
         "tlsSecret": {"name": "tls"},
         "allowedOrigins": ["https://app.example.com"],
     },
+    "scheduling": {"policy": "priority", "tenantWeights": "team-a=1,team-b=3"},
 }
 
 

@@ -150,7 +150,8 @@ SERVER = {
             minimum=30,
         ),
         "apiKeySecret": secret_reference(
-            "A Secret whose key holds the API keys, one per line: every route but /health, "
+            "A Secret whose key holds the API keys, one per line (a line `NAME KEY` names its "
+            "key: the name is the request's tenant): every route but /health, "
             "/ready and /metrics then needs `Authorization: Bearer <key>`. A changed Secret "
             "takes effect without a restart.",
             key_default="api-keys",
@@ -160,6 +161,16 @@ SERVER = {
             "Leave it unset to terminate TLS at a Gateway or Ingress instead."
         ),
     },
+}
+
+SCHEDULING = {
+    "type": "object",
+    "description": "Who runs first when the pool is busy: requests' priority (with policy "
+    "priority; lower runs earlier, vLLM's meaning, the opposite of the Gateway API's "
+    "InferenceObjective priority) and fair share between tenants (the API key's name, else the "
+    "fairness header the gateway sets).",
+    "default": {},
+    "properties": {**setting_fields("scheduling")},
 }
 
 RESOURCES = {
@@ -217,6 +228,7 @@ SPEC = {
         ),
         "engine": ENGINE,
         "server": SERVER,
+        "scheduling": SCHEDULING,
         "resources": RESOURCES,
         "nodeSelector": string_map("Node labels the pods must match, e.g. a GPU product."),
         "tolerations": {

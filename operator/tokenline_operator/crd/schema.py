@@ -101,6 +101,14 @@ _KIND_SCHEMAS: dict[Any, Schema] = {
 }
 
 
+def _kind_schema(kind: Any) -> Schema:
+    """A parser's type; text of a form of its own (a ``str`` subclass that checks itself, like
+    --speculative-config's JSON) is a string, its form checked by the field's pattern."""
+    if kind not in _KIND_SCHEMAS and isinstance(kind, type) and issubclass(kind, str):
+        return {"type": "string"}
+    return _KIND_SCHEMAS[kind]
+
+
 def setting_schema(setting: Setting) -> Schema:
     """The CRD field of one setting: its type, description, enum and default (the flag's, in
     the field's type; negated for an inverted switch; none where the declaration's schema says
@@ -108,7 +116,7 @@ def setting_schema(setting: Setting) -> Schema:
     declared = setting.crd
     assert declared is not None, setting.flag
     extra = dict(declared.schema)
-    kind = {"type": "array"} if setting.repeatable else dict(_KIND_SCHEMAS[setting.kind])
+    kind = {"type": "array"} if setting.repeatable else dict(_kind_schema(setting.kind))
     schema: Schema = {"type": extra.pop("type", kind.pop("type")), "description": declared.help}
     enum = extra.pop("enum", list(setting.choices) if setting.choices else None)
     if enum:

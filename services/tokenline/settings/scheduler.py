@@ -202,6 +202,11 @@ ENGINE: tuple[Setting, ...] = (
         "prompt_lookup_max down to prompt_lookup_min) and checks them in one forward; output "
         "is the same as without it. Requests with a grammar or penalties take a token per step",
         stages=SCHEDULER,
+        crd=CrdField(
+            "engine.speculative",
+            'Speculative decoding, vLLM\'s --speculative-config JSON, e.g. {"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4}; the output is the same.',
+        ),
         metavar="JSON",
     ),
 )
@@ -247,6 +252,7 @@ SCHEDULING: tuple[Setting, ...] = (
         crd=CrdField(
             "scheduling.tenantWeights",
             "Fair share of tenants, e.g. team-a=1,team-b=3 (* for every other tenant).",
+            {"pattern": r"^[^=,\s]+=[0-9]*\.?[0-9]+(,[^=,\s]+=[0-9]*\.?[0-9]+)*$"},
         ),
         metavar="TENANT=WEIGHT,...",
     ),

@@ -16,8 +16,6 @@ from pathlib import Path
 import jsonschema
 import openai
 
-from tokenline.api.endpoints.chat import REPLY_KEEPS_SPECIAL_TOKENS
-
 _TURNS = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' and message['tool_calls'] %}<|assistant|>\n"
@@ -69,17 +67,11 @@ TEMPLATES = {
         "{% if not loop.last %}\n{% endif %}{% endfor %}<｜tool▁calls▁end｜>",
     ),
 }
-# Mistral's marker is a special token of the reply only once the detokenizer learns that a
-# request keeps special tokens (`protocol.Begin` carrying ``skip_special_tokens``); until then
-# the variant writes it as text, as before.
-SPECIAL_MARKERS_REACH_THE_REPLY = REPLY_KEEPS_SPECIAL_TOKENS
 # (markers, whether they are special tokens). DeepSeek's stay text: as added (non-special)
 # tokens, llguidance (as the scheduler built its tokenizer) fast-forwarded a grammar literal
 # into the added token's id and then refused it; the scheduler now reads them as text, but
 # this variant has not been switched back.
-MARKERS: dict[str, tuple[list[str], bool]] = (
-    {"mistral": (["[TOOL_CALLS]"], True)} if SPECIAL_MARKERS_REACH_THE_REPLY else {}
-)
+MARKERS: dict[str, tuple[list[str], bool]] = {"mistral": (["[TOOL_CALLS]"], True)}
 
 
 def write_format_model(tiny_dir: Path, out: Path, name: str) -> Path:

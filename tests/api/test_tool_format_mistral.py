@@ -12,7 +12,6 @@ import jsonschema
 import openai
 import pytest
 from tool_format_testkit import (
-    SPECIAL_MARKERS_REACH_THE_REPLY,
     TOOLS,
     check_forced_calls,
     check_history_renders,
@@ -24,10 +23,6 @@ from tokenline.api.function_calling.list_streams import MISTRAL_TRIGGER
 from tokenline.model_source import special_tokens
 
 MODEL = "mistral"
-needs_special_marker = pytest.mark.skipif(
-    not SPECIAL_MARKERS_REACH_THE_REPLY,
-    reason="protocol.Begin does not carry skip_special_tokens to the detokenizer yet",
-)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +54,6 @@ def test_call_ids_are_nine_letters_and_digits_as_mistral_templates_require(clien
     assert len(call["id"]) == 9 and call["id"].isalnum()
 
 
-@needs_special_marker
 def test_auto_parses_a_call_the_model_starts_with_its_special_marker_token(stack, client):
     """The marker is one special token of the vocabulary; once the model emits it (a logit
     bias here, training in a real model), the grammar holds the call to a declared function
@@ -88,7 +82,6 @@ def test_auto_parses_a_call_the_model_starts_with_its_special_marker_token(stack
     assert not final.choices[0].message.content
 
 
-@needs_special_marker
 def test_without_tools_the_marker_token_stays_out_of_the_text(stack, client):
     """A request without tools decodes as before: special tokens are skipped."""
     marker = special_tokens(str(stack.model_dir))[MISTRAL_TRIGGER]

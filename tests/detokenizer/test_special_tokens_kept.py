@@ -17,13 +17,6 @@ from tokenline.detokenizer.stage import DetokenizerStage
 MARKER = "[TOOL_CALLS]"
 
 
-class KeepingBegin(protocol.Begin, tag="begin"):
-    """`protocol.Begin` as it reads once it carries the request's ``skip_special_tokens``
-    (see the detokenizer's Begin handling): the stage takes it where it is given."""
-
-    skip_special_tokens: bool = True
-
-
 @pytest.fixture(scope="module")
 def marked(tokenizer: Tokenizer) -> tuple[Tokenizer, int, int]:
     """The tiny tokenizer with the marker as a special added token; the marker's id and EOS."""
@@ -61,7 +54,7 @@ def test_the_stage_decodes_as_the_request_asks(marked, skip):
     assert len(stop_token) == 1
     stage = DetokenizerStage(tokenizer, control_ids={eos})
     body = _ids(tokenizer, '[{"a": 1}]')
-    begin = KeepingBegin(uid="u", prompt_tokens=3, prompt_tail=[1, 2], skip_special_tokens=skip)
+    begin = protocol.Begin(uid="u", prompt_tokens=3, prompt_tail=[1, 2], skip_special_tokens=skip)
     lp = protocol.TokenLogprobs(token_id=marker, logprob=-0.1, top_ids=[eos], top_logprobs=[-3])
     replies = _run(
         stage,
@@ -76,7 +69,7 @@ def test_the_stage_decodes_as_the_request_asks(marked, skip):
     assert replies[0].logprobs[0].token == ("" if skip else MARKER)
     assert replies[0].logprobs[0].top[0].token == ""  # EOS is never text
     # a stop token that is special, at the end of a "stop": never text either
-    begin = KeepingBegin(uid="v", prompt_tokens=3, prompt_tail=[1, 2], skip_special_tokens=skip)
+    begin = protocol.Begin(uid="v", prompt_tokens=3, prompt_tail=[1, 2], skip_special_tokens=skip)
     last = protocol.TokenOutput(uid="v", token_ids=[*body, *stop_token], finish_reason="stop")
     (reply,) = _run(stage, begin, [last])
     assert reply.text == '[{"a": 1}]' and reply.num_tokens == len(body) + 1

@@ -94,10 +94,12 @@ class DetokenizerStage(StepFreeHandler):
                 out.insert(0, protocol.ReplyBatch(replies=replies))
             return out
         if isinstance(message, protocol.Begin):
-            # a Begin without the field (a scheduler that does not pass it on) skips them
-            skip = getattr(message, "skip_special_tokens", True)
             decoder = IncrementalDecoder(
-                self.tokenizer, message.stop, message.prompt_tail, skip, self.control_ids
+                self.tokenizer,
+                message.stop,
+                message.prompt_tail,
+                message.skip_special_tokens,
+                self.control_ids,
             )
             self.live[message.uid] = _Live(
                 decoder,
@@ -105,7 +107,7 @@ class DetokenizerStage(StepFreeHandler):
                 message.tokenizer_s,
                 echo_ids=message.echo_ids or None,
                 deadline=arrived + message.timeout_s,
-                skip_special_tokens=skip,
+                skip_special_tokens=message.skip_special_tokens,
             )
             if message.reasoning and self.reasoning is not None:
                 self.live[message.uid].split = ReasoningSplit(self.reasoning, message.prompt_tail)

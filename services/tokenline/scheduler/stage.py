@@ -161,6 +161,7 @@ class SchedulerStage:
                 tokenizer_s=request.tokenizer_s,
                 prompt_tail=request.prompt_ids[-PROMPT_TAIL:],
                 reasoning=request.sampling.reasoning,
+                skip_special_tokens=request.sampling.skip_special_tokens,
                 echo_ids=request.prompt_ids if request.sampling.echo else [],
             )
         ]

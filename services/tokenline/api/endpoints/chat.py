@@ -21,11 +21,6 @@ from tokenline.api.openai.usage import Usage
 from tokenline.api.ring.exchange import NORMAL_ENDS, Exchange
 from tokenline.model_source import chat_template_text, special_tokens
 
-# A marker written as its special token reaches the parser only if the detokenizer keeps
-# special tokens for the request, which it learns from the scheduler's Begin; without that,
-# the markers stay written as text (spelled in text tokens), as before.
-REPLY_KEEPS_SPECIAL_TOKENS = "skip_special_tokens" in protocol.Begin.__struct_fields__
-
 
 class Chat(Endpoint):
     id_prefix = "chatcmpl-"
@@ -59,11 +54,12 @@ class Chat(Endpoint):
                     settings.chat_template,
                 )
             fmt = format_for(template, settings.tool_call_parser)
-            if REPLY_KEEPS_SPECIAL_TOKENS:
-                special = await asyncio.to_thread(
-                    special_tokens, settings.model, settings.model_cache_dir, settings.revision
-                )
-                fmt = fmt.for_vocabulary(special)
+            # markers that are special tokens are written as those tokens, and the reply
+            # keeps them (skip_special_tokens False) for the parser
+            special = await asyncio.to_thread(
+                special_tokens, settings.model, settings.model_cache_dir, settings.revision
+            )
+            fmt = fmt.for_vocabulary(special)
             state.tool_format = fmt
         return state.tool_format
 

@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 import torch
-from scheduler_testkit import PROMPTS, Drained, assert_idle, drain, greedy
+from scheduler_testkit import PROMPTS, Drained, assert_idle, collect, drain, greedy
 
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.sequence import Sequence
@@ -326,3 +326,52 @@ def test_the_stage_exports_vllms_counters(make_engine, prompt_ids, reference) ->
     assert grew["drafts"] >= 4 and grew["draft_tokens"] == grew["accepted_tokens"] > 0
     first = value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0")
     assert first - first_before == grew["drafts"]
+
+
+def test_bf16_greedy_output_with_flex_is_exact_at_one_stream(tiny_source, prompt_ids) -> None:
+    """In bf16, where a kernel's rounding shows, flex attention's verification equals one token
+    per step for a request alone, every guess right or wrong. (The other CPU paths compute a
+    decode token and a verified chunk with kernels of other shapes, which may round apart, as
+    steps of other batch shapes do without speculation; the tests above hold in float32.)"""
+    backend = "flex"
+    from tokenline.scheduler.engine import Engine, EngineLimits
+    from tokenline.scheduler.runner import ModelRunner, RunnerOptions
+
+    options = RunnerOptions(
+        device="cpu", dtype="bfloat16", kv_cache_memory=2**23, attention_backend=backend
+    )
+    runner = ModelRunner(tiny_source, options)
+
+    def alone(proposer=None) -> dict[str, list[int]]:
+        tokens = {}
+        for uid, ids in prompt_ids.items():
+            engine = Engine(runner, EngineLimits(256), [], prefix_caching=False)
+            tokens |= run(engine, {uid: ids}, proposer).tokens
+        return tokens
+
+    plain = alone()
+    assert alone(Oracle(plain)) == plain
+    assert alone(Oracle(plain, wrong=True)) == plain
+
+
+def test_no_proposals_past_disable_by_batch_size(make_engine, prompt_ids, reference) -> None:
+    """vLLM's disable_by_batch_size: while more sequences run than it says, nobody guesses;
+    as the batch drains below it, guessing resumes. The output is the same either way."""
+    config = '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 2}'
+    assert parse(config).disable_by_batch_size == 2
+    with pytest.raises(ValueError, match="1 or more"):
+        parse('{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0}')
+    engine = make_engine(speculative=config)
+    oracle = Oracle(reference)
+    oracle.disable_by_batch_size = 2
+    engine.policy.proposer = oracle
+    for uid in ("p0", "p1", "p2"):
+        engine.add(uid, prompt_ids[uid], greedy(MAX_TOKENS, ignore_eos=True))
+    out = Drained()
+    for _ in range(4):  # three running: no chunk carries proposals
+        collect(engine.step(), out)
+    assert engine.acceptance.drafts == 0
+    engine.abort("p2")
+    drain(engine, into=out)
+    assert engine.acceptance.drafts > 0
+    assert out.tokens["p0"] == reference["p0"] and out.tokens["p1"] == reference["p1"]

@@ -17,9 +17,8 @@ LoRA: a sequence of an adapter is admitted only with its adapter in one of the d
 finds none waits where it is in the queue while later sequences go ahead, and a running or
 paused-with-KV sequence pins its slot until it ends or is preempted.
 
-Priority and fair share (``scheduling``, waiting.py): the waiting queue admits by priority and
-tenant share; an urgent request preempts a lower-priority running one rather than wait, and
-running prefills go in priority order.
+Priority and fair share (``scheduling``, waiting.py): admission by priority and tenant share;
+an urgent request preempts a lower-priority one rather than wait; prefills in priority order.
 
 Speculative decoding (``proposer`` set): a decoding sequence that allows it
 (`speculation_serves`) gets the proposer's guesses of its next tokens fed after its last one,
@@ -47,8 +46,8 @@ from tokenline.reasoning import ANSWER
 from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.lora.slots import LoraSlots
 from tokenline.scheduler.sequence import Sequence, Status
+from tokenline.scheduler.speculative import proposals as speculation
 from tokenline.scheduler.speculative.config import speculation_serves
-from tokenline.scheduler.speculative.proposals import Proposer, step_proposals
 from tokenline.scheduler.waiting import Scheduling, WaitingQueue, preemption_order
 
 
@@ -57,8 +56,7 @@ class Chunk:
     seq: Sequence
     start: int  # first token position fed this step
     num_tokens: int  # rows fed this step, proposals included
-    # speculative decoding: tokens proposed after the last known one, fed after it and checked
-    # by the same forward (speculative/verify.py); a row of logits is sampled for each
+    # speculation: tokens proposed after the last known one, checked by the same forward
     proposals: list[int] = field(default_factory=list)
 
     @property
@@ -101,7 +99,7 @@ class BatchPolicy:
         eos_ids: Iterable[int] = (),
         max_model_len: int | None = None,
         loras: LoraSlots | None = None,
-        proposer: Proposer | None = None,
+        proposer: speculation.Proposer | None = None,
         scheduling: Scheduling = Scheduling(),
     ) -> None:
         self.pool = pool
@@ -213,8 +211,8 @@ class BatchPolicy:
                 continue
             proposals = []
             if n == 1 and seq.speculates and self.proposer is not None:
-                proposals = step_proposals(
-                    self.proposer, seq, budget, self.max_model_len, self.pool
+                proposals = speculation.step_proposals(
+                    self.proposer, seq, budget, self.max_model_len, self.pool, len(self.running)
                 )
             n += len(proposals)
             # most decode steps land in a block the sequence holds: nothing to make room for
@@ -305,6 +303,7 @@ class BatchPolicy:
             if id(seq) in proposing:
                 # the last token fed and the proposals kept have their K/V; the rejected
                 # proposals' slots are overwritten later, and their blocks go back now
+                speculation.after_verification(seq, len(tokens) - 1)
                 seq.num_computed += len(taken)
                 self.pool.cache_full_blocks(seq)
                 self.pool.trim(seq)

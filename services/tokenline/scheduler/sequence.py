@@ -53,6 +53,10 @@ class Sequence:
     # (engine.speculates), and its n-gram index (speculative/ngram.py), built on first use
     speculates: bool = False
     ngrams: object | None = None
+    # verifications in a row that kept no proposal, and the steps to go before the next
+    # proposal (speculative/proposals.py backs off while guesses keep failing)
+    proposal_misses: int = 0
+    proposal_pause: int = 0
     # --scheduling-policy priority: lower runs earlier (vLLM's); the tenant, for fair share
     priority: int = 0
     tenant: str = ""

@@ -22,7 +22,13 @@ NOT_YET = {
     "mtp": "multi-token-prediction layers",
     "deepseek_mtp": "multi-token-prediction layers",
 }
-_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+_KEYS = {
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "disable_by_batch_size",
+}
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -32,6 +38,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
+    # vLLM's: no proposals while more sequences than this run (None: at any batch size)
+    disable_by_batch_size: int | None = None
 
 
 def parse(text: str | None) -> SpeculativeConfig | None:
@@ -78,7 +86,10 @@ def parse(text: str | None) -> SpeculativeConfig | None:
             f"--speculative-config prompt_lookup_min {low} and prompt_lookup_max {high}: "
             "need 1 <= min <= max"
         )
-    return SpeculativeConfig(method, tokens, low, high)
+    most = _count(raw, "disable_by_batch_size", None)
+    if most is not None and most < 1:
+        raise ValueError(f"--speculative-config disable_by_batch_size {most}: use 1 or more")
+    return SpeculativeConfig(method, tokens, low, high, most)
 
 
 def _count(raw: dict, key: str, default: int | None) -> int | None:
@@ -92,7 +103,10 @@ def proposer_for(config: SpeculativeConfig | None) -> NgramProposer | None:
     if config is None:
         return None
     return NgramProposer(
-        config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        config.num_speculative_tokens,
+        config.prompt_lookup_min,
+        config.prompt_lookup_max,
+        config.disable_by_batch_size,
     )
 
 

@@ -24,10 +24,17 @@ class NgramIndex:
 
 
 class NgramProposer:
-    def __init__(self, num_tokens: int, lookup_min: int, lookup_max: int) -> None:
+    def __init__(
+        self,
+        num_tokens: int,
+        lookup_min: int,
+        lookup_max: int,
+        disable_by_batch_size: int | None = None,
+    ) -> None:
         self.num_tokens = num_tokens
         self.lookup_min = lookup_min
         self.lookup_max = lookup_max
+        self.disable_by_batch_size = disable_by_batch_size
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         """Up to ``min(limit, num_tokens)`` guesses of the tokens after ``seq``'s last one."""

@@ -57,6 +57,14 @@ LORA_METRICS = {
 LORA_INFO_METRIC = "vllm:lora_requests_info"
 # Issue 32: the engine step's phases and batch, which every scheduler exports once a step ran.
 STEP_METRICS = {"tokenline_step_phase_seconds", "tokenline_step_sequences"}
+# Issue 50: per tenant and priority, exported with --scheduling-policy priority or
+# --tenant-weights only.
+TENANT_METRICS = {
+    "tokenline_tenant_requests",
+    "tokenline_tenant_queue_seconds",
+    "tokenline_tenant_generation_tokens_total",
+    "tokenline_tenant_preemptions_total",
+}
 # Issue 28: exported by rank 0 with --tensor-parallel-size above 1 only.
 TENSOR_PARALLEL_METRICS = {"tokenline_collective_seconds", "tokenline_tp_rank_step_seconds"}
 HISTOGRAM_SERIES = re.compile(r"_(bucket|sum|count)$")

@@ -21,6 +21,7 @@ from monitoring_support import (
     LORA_INFO_METRIC,
     LORA_METRICS,
     STEP_METRICS,
+    TENANT_METRICS,
     TENSOR_PARALLEL_METRICS,
     metric_names,
 )
@@ -94,7 +95,9 @@ def test_every_query_uses_the_datasource_variable_and_all_filters():
 
 
 def test_dashboards_read_every_contract_metric_and_nothing_else():
-    known = CONTRACT_METRICS | LORA_METRICS | STEP_METRICS | TENSOR_PARALLEL_METRICS
+    known = (
+        CONTRACT_METRICS | LORA_METRICS | STEP_METRICS | TENSOR_PARALLEL_METRICS | TENANT_METRICS
+    )
     used: dict[str, set[str]] = {}
     for uid, dashboard in load_dashboards().items():
         used[uid] = set().union(*(metric_names(t["expr"]) for _, t in targets(dashboard)))
@@ -127,17 +130,39 @@ def test_lora_panel_shows_each_pods_newest_adapters_info():
         assert label in expr and "{{" + label + "}}" in target["legendFormat"]
 
 
-def test_lora_panels_sit_in_their_own_row():
+def row_panels(title: str) -> list[str]:
+    """The titles of the overview's panels under the row called ``title``."""
     panels = load_dashboards()["tokenline-overview"]["panels"]
-    rows = [i for i, p in enumerate(panels) if p["type"] == "row"]
-    titles = [panels[i]["title"] for i in rows]
-    assert titles[-1] == "LoRA adapters"
-    after = [p["title"] for p in panels[rows[-1] + 1 :]]
+    [start] = [i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == title]
+    after = []
+    for panel in panels[start + 1 :]:
+        if panel["type"] == "row":
+            break
+        after.append(panel["title"])
+    return after
+
+
+def test_lora_panels_sit_in_their_own_row():
+    after = row_panels("LoRA adapters")
     assert after == [
         "LoRA requests/s",
         "LoRA generated tokens/s",
         "LoRA adapters by state",
         "Running / waiting adapters",
+    ]
+
+
+def test_tenant_and_speculation_panels_sit_in_their_own_rows():
+    assert row_panels("Tenants and priorities") == [
+        "Tokens/s by tenant",
+        "Running / waiting by tenant",
+        "Queue time p99 by tenant",
+        "Preemptions/s by tenant",
+    ]
+    assert row_panels("Speculative decoding") == [
+        "Tokens per verification",
+        "Acceptance rate",
+        "Accepted by position/s",
     ]
 
 

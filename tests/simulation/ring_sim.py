@@ -7,7 +7,9 @@ function of the last one, so a scenario runs in milliseconds. Every message cros
 encoded and decoded as on the wire, in order per link. A scenario injects client
 disconnects, deadlines, unread streams (pauses), stop strings, over-long and empty prompts,
 malformed frames, a handler that raises, and a stage restarted mid-flight with its state and
-its inbox lost; then it lets the ring settle and checks DESIGN.md's invariants.
+its inbox lost; a third of the scenarios schedule first come, first served, a third by
+priority, and a third by priority with two weighted tenants (preempting for urgent
+requests). Then it lets the ring settle and checks DESIGN.md's invariants.
 
 A failure names its seed; ``python -m pytest tests/simulation -k replay --seed N`` replays it.
 """
@@ -29,6 +31,7 @@ from tokenline.api.ring.exchange import Exchange
 from tokenline.detokenizer.stage import DetokenizerStage
 from tokenline.scheduler.engine import Engine, EngineLimits
 from tokenline.scheduler.stage import SchedulerStage
+from tokenline.scheduler.waiting import Scheduling
 from tokenline.settings import Settings
 from tokenline.stage_runtime import StageRuntime
 from tokenline.tokenizer.stage import PromptEncoder, TokenizerStage
@@ -133,6 +136,13 @@ class RingSim:
         self.malformed = 0
         settings = Settings(request_timeout=30.0, slow_client_timeout=5.0, max_waiting=10_000)
         self.ring_client = RingClient(settings, ListRing(self.links["tokenizer"]))
+        # who runs first, drawn apart too: fcfs, priority, or priority with tenant weights;
+        # each request gets a priority and one of three tenants
+        self.tenant_rng = random.Random(seed + 2_000_003)
+        mode = seed % 3
+        self.scheduling = Scheduling(
+            "fcfs" if mode == 0 else "priority", {"a": 1, "b": 3} if mode == 2 else None
+        )
         self.runtimes: dict[str, StageRuntime] = {}
         for stage in STAGES:
             self.runtimes[stage] = self._new_runtime(stage)
@@ -153,7 +163,8 @@ class RingSim:
             end = self.hf_tokenizer.convert_tokens_to_ids("<|end|>")
             runner = ScriptedRunner(len(self.hf_tokenizer), [end], num_blocks=40, block_size=4)
             limits = EngineLimits(self.max_model_len, max_num_seqs=6, max_num_batched_tokens=32)
-            handler = SchedulerStage(Engine(runner, limits, [end]), "sim")
+            engine = Engine(runner, limits, [end], scheduling=self.scheduling)
+            handler = SchedulerStage(engine, "sim")
         target = self.links[NEXT_STAGE[stage]]
         encoder = msgspec.msgpack.Encoder()
         return StageRuntime(handler, lambda m: target.append(encoder.encode(m)))
@@ -243,16 +254,31 @@ class RingSim:
                 max_tokens=self.echo_rng.choice([0, sampling.max_tokens]),
             )
 
+        tenant = self.tenant_rng.choice(["", "a", "b"])
+        priority = self.tenant_rng.randint(-2, 3) if self.scheduling.policy == "priority" else 0
+
         def build(uid: str, index: int) -> protocol.Generate:
             if chat:
                 messages = [protocol.ChatMessage(role="user", content=prompt)]
                 return protocol.Generate(
-                    uid=uid, sampling=sampling, timeout_s=30, messages=messages
+                    uid=uid,
+                    sampling=sampling,
+                    timeout_s=30,
+                    messages=messages,
+                    priority=priority,
+                    tenant=tenant,
                 )
-            return protocol.Generate(uid=uid, sampling=sampling, timeout_s=30, prompt=prompt)
+            return protocol.Generate(
+                uid=uid,
+                sampling=sampling,
+                timeout_s=30,
+                prompt=prompt,
+                priority=priority,
+                tenant=tenant,
+            )
 
         try:
-            ex = self.ring_client.open([build("", i) for i in range(n)])
+            ex = self.ring_client.open([build("", i) for i in range(n)], tenant)
         except Exception as exc:  # refused at admission: nothing may be held for it
             assert getattr(exc, "status", None) in (429, 503), exc
             return

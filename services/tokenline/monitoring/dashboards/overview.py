@@ -15,6 +15,7 @@ from tokenline.monitoring.dashboards.panels import (
     sum_by,
     with_rows,
 )
+from tokenline.monitoring.dashboards.scheduling import speculation_panels, tenant_panels
 from tokenline.monitoring.promql import selector, summed_rate
 
 
@@ -167,6 +168,8 @@ def overview() -> dash.Dashboard:
             ("Engine", engine),
             ("Errors", errors),
             ("LoRA adapters", lora_panels()),
+            ("Tenants and priorities", tenant_panels()),
+            ("Speculative decoding", speculation_panels()),
         ],
     )
 

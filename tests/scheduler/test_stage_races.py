@@ -103,3 +103,21 @@ def test_every_admitted_uid_ends_exactly_once(make_engine):
     assert sorted(ends) == [f"r{i}" for i in range(6)]
     assert ring.terminals()["r2"] == "abort"
     assert len(stage.ledger) == 0
+
+
+def test_a_pooling_request_on_a_generating_model_is_refused_by_the_scheduler(make_engine):
+    """The api refuses embeddings on a generating model from the scheduler's heartbeat; one
+    that slipped past (a heartbeat not seen yet) ends with a 400 naming the model, holds
+    nothing, and its neighbour runs."""
+    stage = ring = RecordingRing(make_engine())
+    pooled = msgspec.structs.replace(_request("embed"), pooling=protocol.PoolingParams())
+    stage.handle(pooled)
+    stage.handle(_request("ok"))
+    [failed] = [m for m in ring.sent if isinstance(m, protocol.Failed)]
+    assert (failed.uid, failed.http_status, failed.param) == ("embed", 400, "model")
+    assert "--runner pooling" in failed.message
+    assert not stage.engine.holds("embed")
+    while stage.engine.has_work():
+        stage.step()
+    assert ring.terminals() == {"ok": "length"}
+    assert len(stage.ledger) == 0

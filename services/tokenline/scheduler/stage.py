@@ -137,6 +137,13 @@ class SchedulerStage:
                     outputs=[protocol.TokenOutput(uid=uid, token_ids=[], finish_reason="abort")]
                 ),
             ]
+        if request.pooling is not None:  # the api checks too, from a heartbeat that may lag
+            refusal = InvalidRequest(
+                "this model generates text; embeddings, rerank and score need a model served "
+                "with --runner pooling",
+                param="model",
+            )
+            return [self._failed(uid, refusal)]
         try:
             self.engine.add(
                 uid,

@@ -70,7 +70,7 @@ def test_an_unencodable_request_leaves_no_uid_live(ring_client, sampling):
 def test_the_route_answers_an_unencodable_request_with_a_400():
     app, stand_in = app_with()
 
-    def unencodable(messages):
+    def unencodable(messages, tenant=""):
         raise OverflowError("can't serialize ints < -2**63 or > 2**64 - 1")
 
     stand_in.open = unencodable

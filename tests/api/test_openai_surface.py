@@ -109,7 +109,7 @@ def test_unknown_routes_wrong_methods_and_non_json_bodies_answer_in_openai_shape
         return body
 
     assert error(http.get("/v1/nope"), 404)["code"] == "not_found"
-    assert error(http.post("/v1/embeddings", json={}), 404)["code"] == "not_found"
+    assert error(http.post("/v1/audio/speech", json={}), 404)["code"] == "not_found"
     assert error(http.post("/v1/models", json={}), 405)["code"] == "method_not_allowed"
     assert error(http.get("/v1/chat/completions"), 405)["code"] == "method_not_allowed"
     for content_type in ("text/plain", "application/x-www-form-urlencoded"):

@@ -128,3 +128,18 @@ def test_strong_presence_penalty_yields_no_repeated_tokens(make_engine, encode):
         )
         assert len(tokens) == N
         assert len(set(tokens)) == N, f"{text!r} repeated a token: {tokens}"
+
+
+def test_the_scheduler_seed_makes_unseeded_sampling_repeat(make_engine, prompt_ids) -> None:
+    """vLLM's --seed: requests without a seed of their own sample the same tokens after the
+    same seed, and others after another."""
+    from tokenline.scheduler.start import seed_sampling
+
+    def sampled(seed: int) -> dict[str, list[int]]:
+        seed_sampling(seed)
+        engine = make_engine()
+        for uid in ("a", "b", "c"):
+            engine.add(uid, prompt_ids, SamplingParams(max_tokens=12, ignore_eos=True))
+        return drain(engine).tokens
+
+    assert sampled(7) == sampled(7) != sampled(8)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 
+import torch
+
 from tokenline.lifecycle import Drain
 from tokenline.metrics import serve_metrics
 from tokenline.model_source import ModelSource, resolve
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 def run(settings: Settings) -> int:
     drain = Drain(settings.drain_timeout)
+    seed_sampling(settings.seed)
     source = resolve(
         settings.model, settings.model_cache_dir, settings.revision, settings.chat_template
     )
@@ -97,6 +100,14 @@ def run(settings: Settings) -> int:
     stage = SchedulerStage(engine, settings.model_name, kv_events, lora_changes)
     serve_stage(stage, ring, drain)
     return 0
+
+
+def seed_sampling(seed: int | None) -> None:
+    """vLLM's --seed: requests without a seed of their own draw from the process's generator,
+    seeded here, so the same requests in the same order sample the same tokens after a
+    restart. None: a fresh seed each start."""
+    if seed is not None:
+        torch.manual_seed(seed)
 
 
 def runner_options(settings: Settings, source: ModelSource) -> RunnerOptions:

@@ -194,6 +194,14 @@ ENGINE: tuple[Setting, ...] = (
         choices=("auto", "tokenline", "transformers"),
     ),
     Setting(
+        "seed",
+        int,
+        help="seed of the scheduler's random numbers (vLLM's --seed): requests that give no "
+        "seed of their own draw from it, so the same requests in the same order sample the "
+        "same tokens after a restart (default: a fresh seed each start)",
+        stages=SCHEDULER,
+    ),
+    Setting(
         "speculative-config",
         SpeculativeConfigText,
         help='speculative decoding, vLLM\'s JSON: {"method": "ngram", '

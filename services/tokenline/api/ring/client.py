@@ -157,9 +157,8 @@ class RingClient:
 
     def waiting_of(self, tenant: str) -> int:
         """``tenant``'s generations before their first token."""
-        return sum(
-            ex.first_token_at is None and ex.tenant == tenant for ex in self._distinct_exchanges()
-        )
+        exchanges = self._distinct_exchanges()
+        return sum(ex.first_token_at is None and ex.tenant == tenant for ex in exchanges)
 
     # ── admission and cleanup ──────────────────────────────────────────────────────────────────
     def new_uid(self) -> str:

@@ -79,6 +79,7 @@ class Tokenized(_Message, tag="tokenized"):
     priority: int = 0  # as `Generate.priority`
     tenant: str = ""  # as `Generate.tenant`
     pooling: PoolingParams | None = None  # as `Generate.pooling`
+    token_type_ids: list[int] | None = None  # a pair's segments, for encoders that read them
 
 
 class Abort(_Message, tag="abort"):

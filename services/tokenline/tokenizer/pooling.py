@@ -9,19 +9,23 @@ from tokenline import protocol
 
 def encode_pairs(
     hf_tokenizer, requests: list[tuple[int, protocol.Generate]]
-) -> dict[int, list[int]]:
-    """(index, request) to {index: ids}: one batched call over the (prompt, text_pair) pairs.
-    (Token type ids are not kept: the decoders served read none.)"""
+) -> dict[int, tuple[list[int], list[int] | None]]:
+    """(index, request) to {index: (ids, token type ids)}: one batched call over the pairs.
+    (BERT-style encoders read the second text's segment; decoders' tokenizers give none.)"""
     if not requests:
         return {}
     firsts = [r.prompt or "" for _, r in requests]
     seconds = [r.pooling.text_pair for _, r in requests]
     batch = hf_tokenizer(firsts, seconds, add_special_tokens=True)
-    return dict(zip((i for i, _ in requests), batch["input_ids"], strict=True))
+    types = batch.get("token_type_ids")
+    return {
+        i: (ids, None if types is None else types[k])
+        for k, ((i, _), ids) in enumerate(zip(requests, batch["input_ids"], strict=True))
+    }
 
 
 def check_pooled(
-    request: protocol.Generate, ids: list[int], max_model_len: int
+    request: protocol.Generate, ids: list[int], max_model_len: int, types: list[int] | None = None
 ) -> protocol.Tokenized | protocol.Failed:
     """The tokenized request, or its refusal: empty, or longer than the context."""
     if not ids:
@@ -47,4 +51,5 @@ def check_pooled(
         sampling=request.sampling,
         timeout_s=request.timeout_s,
         pooling=request.pooling,
+        token_type_ids=types if types is not None and any(types) else None,
     )

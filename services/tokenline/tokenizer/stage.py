@@ -149,8 +149,8 @@ class PromptEncoder:
         to_encode = []
         done: dict[int, protocol.Tokenized | protocol.Failed] = {}
         pairs = [(i, r) for i, r in enumerate(requests) if r.pooling and r.pooling.text_pair]
-        for i, ids in encode_pairs(self.hf_tokenizer, pairs).items():
-            done[i] = check_pooled(requests[i], ids, self.max_model_len)
+        for i, (ids, types) in encode_pairs(self.hf_tokenizer, pairs).items():
+            done[i] = check_pooled(requests[i], ids, self.max_model_len, types)
         for i, request in enumerate(requests):
             if i in done:
                 continue

@@ -1,7 +1,9 @@
-"""Random-weight pooling models written by the tests, over the tiny model's tokenizer: a
+"""Random-weight pooling models written by the tests. Over the tiny model's tokenizer: a
 Qwen3-Embedding-style decoder saved as sentence-transformers saves one (a headless
 ``Qwen3Model`` with ``modules.json`` and its pooling config) and a Qwen3 cross-encoder
-(``Qwen3ForSequenceClassification``, one label)."""
+(``Qwen3ForSequenceClassification``, one label). Over a WordPiece tokenizer built offline: a
+BERT embedder (sentence-transformers' layout, CLS or MEAN pooling), a BERT cross-encoder and a
+BERT classifier of several labels (``BertForSequenceClassification``)."""
 
 from __future__ import annotations
 
@@ -85,6 +87,122 @@ def write_cross_encoder(tiny_dir: Path, out: Path) -> Path:
     with torch.no_grad():
         for param in model.parameters():
             param.mul_(3.0)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+# ── BERT-style encoders ──────────────────────────────────────────────────────────────────────────
+BERT_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=128,  # short, so that a test can pass the limit cheaply
+    type_vocab_size=2,
+)
+_WORDS = (
+    "the quick brown fox jumps over lazy dog near river in morning light where does sleep "
+    "hello world request queue and a of to is it that for on with as was at by this be"
+).split()
+
+
+def bert_tokenizer():
+    """A BERT-style WordPiece tokenizer built offline (``tokenizers``): lower-cased, split on
+    punctuation, [CLS] A [SEP] B [SEP] with B's segment 1, unknown words in word pieces."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import BertTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list("0123456789.,!?'-")
+    vocab = [*specials, *letters, *("##" + c for c in letters), *_WORDS, "##s", "##ing"]
+    vocab = list(dict.fromkeys(vocab))
+    model = models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]")
+    tok = Tokenizer(model)
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    cls, sep = vocab.index("[CLS]"), vocab.index("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+    )
+    tok.decoder = decoders.WordPiece()
+    return BertTokenizerFast(
+        tokenizer_object=tok, model_max_length=BERT_CONFIG["max_position_embeddings"]
+    )
+
+
+def _bert(model_cls, seed: int, **extra):
+    import torch
+    from transformers import BertConfig
+
+    tokenizer = bert_tokenizer()
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=len(tokenizer), pad_token_id=0, **BERT_CONFIG, **extra)
+    model = model_cls(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(3.0)
+    return model.eval(), tokenizer
+
+
+def write_bert_embedder(out: Path, mode: str = "CLS", normalize: bool = True) -> Path:
+    """A BERT embedder at ``out`` as sentence-transformers saves one: ``BertModel``,
+    ``modules.json`` and ``1_Pooling/config.json`` asking ``mode`` (CLS or MEAN) pooling."""
+    from transformers import BertModel
+
+    if (out / "modules.json").exists():
+        return out
+    model, tokenizer = _bert(BertModel, 3, matryoshka_dimensions=[16, 32, 64])
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+    ]
+    if normalize:
+        modules.append(
+            {
+                "idx": 2,
+                "name": "2",
+                "path": "2_Normalize",
+                "type": "sentence_transformers.models.Normalize",
+            }
+        )
+        (out / "2_Normalize").mkdir(exist_ok=True)
+    (out / "modules.json").write_text(json.dumps(modules))
+    modes = {"CLS": "pooling_mode_cls_token", "MEAN": "pooling_mode_mean_tokens"}
+    pooling = {"word_embedding_dimension": BERT_CONFIG["hidden_size"]}
+    pooling |= {key: False for key in ("pooling_mode_lasttoken", "pooling_mode_max_tokens")}
+    pooling |= {value: key == mode for key, value in modes.items()}
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    limit = BERT_CONFIG["max_position_embeddings"]
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": limit}))
+    return out
+
+
+def write_bert_classifier(out: Path, labels: list[str] | None = None) -> Path:
+    """``BertForSequenceClassification`` at ``out``: a cross-encoder (one label) when
+    ``labels`` is None, else a classifier of those labels (config.id2label)."""
+    from transformers import BertForSequenceClassification
+
+    if (out / "config.json").exists():
+        return out
+    extra = {"num_labels": 1}
+    if labels:
+        extra = {
+            "num_labels": len(labels),
+            "id2label": dict(enumerate(labels)),
+            "label2id": {label: i for i, label in enumerate(labels)},
+        }
+    model, tokenizer = _bert(BertForSequenceClassification, 4 if labels else 5, **extra)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out

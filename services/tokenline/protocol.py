@@ -26,6 +26,7 @@ import msgspec
 
 # what a request carries, in request_parts.py; named here too, as every stage reads them here
 from tokenline.request_parts import ChatMessage as ChatMessage
+from tokenline.request_parts import KVTransferParams as KVTransferParams
 from tokenline.request_parts import PoolingParams as PoolingParams
 from tokenline.request_parts import SamplingParams as SamplingParams
 from tokenline.request_parts import ToolCall as ToolCall
@@ -107,6 +108,8 @@ class PoolingInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Matryoshka: ``dimensions`` a request may ask for; None: any from 1 to ``size``, []: none
     matryoshka: list[int] | None = []
     labels: list[str] = []  # classify: each logit's label (the config's id2label)
+    # classify: the config's problem_type (multi_label_classification: each label's sigmoid)
+    problem_type: str = ""
 
 
 class StageStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -264,6 +267,8 @@ class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=T
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked
     # With sampling.prompt_logprobs, on the first output only: one per prompt token, [0] None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # a remote-decode request's terminal output: where a decode pod reads the prompt's KV
+    kv_transfer: KVTransferParams | None = None
 
 
 class TokenBatch(_Message, tag="tokens"):
@@ -316,6 +321,7 @@ class Reply(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
     # a pooling request's result (terminal reply): float32 little-endian, an embedding or the
     # classifier's logits; made by the scheduler, which sends it past the detokenizer as is
     pooled: bytes | None = None
+    kv_transfer: KVTransferParams | None = None  # terminal reply: TokenOutput's, passed on
 
 
 class ReplyBatch(_Message, tag="replies"):

@@ -149,23 +149,3 @@ def test_cross_encoder_scores_equal_transformers(tiny_dir, tmp_path_factory):
     got, _ = drain(engine, {f"p{i}": (p, params) for i, p in enumerate(pairs)})
     for i, want in enumerate(expected):
         np.testing.assert_allclose(got[f"p{i}"], want, atol=2e-5)
-
-
-def test_a_bert_encoder_is_refused_at_start_naming_it(tiny_dir, tmp_path_factory):
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    path = tmp_path_factory.mktemp("bert")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-    )
-    BertModel(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    source = ModelSource(spec="bert", path=str(path))
-    assert runner_of("auto", source) == "pooling"
-    with pytest.raises(SystemExit, match=r"BERT-style encoders .* not served yet"):
-        engine_for(path)

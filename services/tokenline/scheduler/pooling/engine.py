@@ -40,6 +40,18 @@ class WrongRunner(InvalidRequest):
     param = "model"
 
 
+@dataclass(frozen=True)
+class CacheStatus:
+    """The KV cache as the stage reports it (an encoder has none: all zero)."""
+
+    usage: float = 0.0  # share of usable blocks referenced
+    block_size: int = 0
+    num_blocks: int = 0  # usable blocks
+    cached_blocks: int = 0  # prefix-cached blocks
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, ever
+    prefix_hits: int = 0  # of which found
+
+
 @dataclass
 class _Pooling:
     """One request's pooling state beside its sequence."""
@@ -92,6 +104,7 @@ class PoolingEngine:
         timeout_s: float = float("inf"),
         arrival: float | None = None,
         tokenizer_s: float = 0.0,
+        token_type_ids: list[int] | None = None,  # decoders read no segments
     ) -> Sequence:
         check_params(params, self.setup, self.size)
         if not prompt_ids:  # the tokenizer stage refuses these: a caller that skipped it
@@ -162,6 +175,17 @@ class PoolingEngine:
             "running": len(policy.running),
             "paused": len(policy.paused),
         }
+
+    def cache_status(self) -> CacheStatus:
+        pool, policy = self.pool, self.policy
+        return CacheStatus(
+            usage=pool.usage,
+            block_size=pool.block_size,
+            num_blocks=pool.num_blocks - 1,
+            cached_blocks=pool.num_cached,
+            prefix_queries=policy.prefix_cache_queries,
+            prefix_hits=policy.prefix_cache_hits,
+        )
 
     def expire(self, now: float | None = None) -> list[str]:
         """Abort requests past their deadline plus a margin (the api's backstop, as in

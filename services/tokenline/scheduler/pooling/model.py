@@ -78,11 +78,6 @@ class PoolingRunner(ModelRunner):
         config = source.load_config()
         family = native_family(self.setup.architecture)
         served = ", ".join(sorted(n.removesuffix("ForCausalLM") for n in NATIVE))
-        if self.setup.encoder:
-            raise ModelRefused(
-                f"{self.setup.architecture}: BERT-style encoders (bidirectional attention) are "
-                f"not served yet; pooling runs decoders of the native families ({served})"
-            )
         if family is None or implementation == "transformers":
             raise ModelRefused(
                 f"{self.setup.architecture}: pooling runs decoders of the native families "

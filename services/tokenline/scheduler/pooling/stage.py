@@ -22,8 +22,9 @@ from tokenline.metrics import (
     STAGE_LATENCY,
     track_cache,
 )
-from tokenline.scheduler.engine import InvalidRequest
+from tokenline.scheduler.pooling.encoder_engine import EncoderEngine
 from tokenline.scheduler.pooling.engine import PoolingEngine
+from tokenline.scheduler.refusals import InvalidRequest
 from tokenline.scheduler.stage import MAX_TOMBSTONES, TOMBSTONE_TTL_S
 
 log = logging.getLogger(__name__)
@@ -32,23 +33,27 @@ log = logging.getLogger(__name__)
 class PoolingStage:
     stage = "scheduler"
 
-    def __init__(self, engine: PoolingEngine, model_name: str) -> None:
+    def __init__(self, engine: PoolingEngine | EncoderEngine, model_name: str) -> None:
         self.engine = engine
         # an abort that overtook its request (a restart upstream): refused when it comes
         self.tombstones = ExpiringSet(MAX_TOMBSTONES, TOMBSTONE_TTL_S)
         track_cache(self.stage, "tombstones", self.tombstones)
-        track_cache(self.stage, "prefix_blocks", lambda pool=engine.pool: pool.num_cached)
-        model = engine.runner.model
+        track_cache(self.stage, "prefix_blocks", lambda: engine.cache_status().cached_blocks)
+        runner = engine.runner
         setup = engine.setup
-        labels = getattr(engine.runner.config, "id2label", None) or {}
+        config = runner.config
+        labels = getattr(config, "id2label", None) or {}
+        classify = setup.task == "classify"
         self._status = {
             "architecture": setup.architecture,
-            "model_impl": getattr(model, "implementation", ""),
+            "model_impl": getattr(runner, "implementation", "")
+            or getattr(runner.model, "implementation", ""),
             "pooling": protocol.PoolingInfo(
                 task=setup.task,
                 size=engine.size,
                 matryoshka=setup.matryoshka,
-                labels=[str(labels[i]) for i in sorted(labels)] if setup.task == "classify" else [],
+                labels=[str(labels[i]) for i in sorted(labels)] if classify else [],
+                problem_type=(getattr(config, "problem_type", None) or "") if classify else "",
             ),
         }
         self._late = LATE_REPLIES.labels(stage="scheduler")
@@ -105,6 +110,7 @@ class PoolingStage:
                 request.timeout_s,
                 arrival=arrived,
                 tokenizer_s=request.tokenizer_s,
+                token_type_ids=request.token_type_ids,
             )
         except InvalidRequest as exc:
             return [self._failed(uid, exc)]
@@ -143,15 +149,15 @@ class PoolingStage:
 
     def status(self) -> protocol.StageStatus:
         counts = self.engine.counts()
-        pool = self.engine.pool
+        cache = self.engine.cache_status()
         return protocol.StageStatus(
             stage=self.stage,
             instance="",
             waiting=counts["waiting"],
             running=counts["running"],
-            kv_usage=pool.usage,
-            block_size=pool.block_size,
-            num_blocks=pool.num_blocks - 1,
+            kv_usage=cache.usage,
+            block_size=cache.block_size,
+            num_blocks=cache.num_blocks,
             grammar_refusal="pooling models generate no text",
             **self._status,
         )
@@ -166,11 +172,11 @@ class PoolingStage:
         counts = self.engine.counts()
         self._running.set(counts["running"])
         self._waiting.set(counts["waiting"])
-        self._kv_usage.set(self.engine.pool.usage)
+        cache = self.engine.cache_status()
+        self._kv_usage.set(cache.usage)
         for buffer, gauge in self._depth.items():
             gauge.set(counts[buffer])
-        policy = self.engine.policy
-        queries, hits = policy.prefix_cache_queries, policy.prefix_cache_hits
+        queries, hits = cache.prefix_queries, cache.prefix_hits
         self._prefix_queries.inc(queries - self._prefix_counted[0])
         self._prefix_hits.inc(hits - self._prefix_counted[1])
         self._prefix_counted = (queries, hits)

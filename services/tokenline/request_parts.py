@@ -9,6 +9,22 @@ from typing import Literal
 import msgspec
 
 
+class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """vLLM's ``kv_transfer_params`` (NixlConnector's keys), as llm-d's routing sidecar sends
+    them: ``do_remote_decode`` asks a prefill pod to compute the prompt and keep its KV for a
+    decode pod; ``do_remote_prefill`` (with the ``remote_*`` fields the prefill pod answered)
+    asks a decode pod to read that KV instead of computing it (scheduler/kv_transfer/)."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None
+    remote_block_ids: list[int] = []
+    remote_host: str | None = None
+    remote_port: int | None = None
+    tp_size: int = 1
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_tokens: int | None = None  # None: up to the context limit (the tokenizer fills it in)
     temperature: float = 1.0
@@ -31,6 +47,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     reasoning: bool = False  # chat: the detokenizer keeps thinking apart (--reasoning-parser)
     # False: special tokens stay in the text (a tool format whose markers are special tokens)
     skip_special_tokens: bool = True
+    kv_transfer: KVTransferParams | None = None  # prefill/decode disaggregation (llm-d's)
 
 
 class ToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -12,13 +12,18 @@ from tokenline.api.endpoints.chat import Chat
 from tokenline.api.endpoints.completions import Completions
 from tokenline.api.endpoints.lora import LoraAdapters
 from tokenline.api.endpoints.models import Models
-from tokenline.api.endpoints.pooling import Embeddings, Rerank, Score
+from tokenline.api.endpoints.pooling import Classify, Embeddings, Rerank, Score
 from tokenline.api.endpoints.responses import Responses, not_stored
 from tokenline.api.endpoints.tokenize import Tokenize
 from tokenline.api.openai.chat import ChatCompletionRequest
 from tokenline.api.openai.completions import CompletionRequest
 from tokenline.api.openai.lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
-from tokenline.api.openai.pooling import EmbeddingRequest, RerankRequest, ScoreRequest
+from tokenline.api.openai.pooling import (
+    ClassifyRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from tokenline.api.openai.responses import ResponsesRequest
 from tokenline.api.openai.tokenize import DetokenizeRequest, TokenizeRequest
 
@@ -114,6 +119,12 @@ async def rerank(body: RerankRequest, request: Request) -> dict:
 @router.post("/score")
 async def score(body: ScoreRequest, request: Request) -> dict:
     return await Score(request).create(body)
+
+
+@router.post("/classify")
+@router.post("/v1/classify")
+async def classify(body: ClassifyRequest, request: Request) -> dict:
+    return await Classify(request).create(body)
 
 
 # ── vLLM's tokenizer endpoints ─────────────────────────────────────────────────────────────────

@@ -1,12 +1,14 @@
 """``POST /v1/embeddings`` (OpenAI's), ``/rerank`` and ``/v1/rerank`` (the Cohere/Jina shape vLLM
-serves) and ``/score`` (vLLM's): inputs pooled by a ``--runner pooling`` scheduler, one uid an
-input, answered whole.
+serves), ``/score`` and ``/classify`` (vLLM's): inputs pooled by a ``--runner pooling``
+scheduler, one uid an input, answered whole.
 
 Embeddings need an embedding model. Rerank and score take a cross-encoder (a classifier of one
 label: each (query, document) pair read together, its logit through a sigmoid, as
 sentence-transformers' CrossEncoder scores) or an embedding model (the cosine of the two
-texts' embeddings, as vLLM does). A pooling request to a generating model, or one the model's
-task cannot answer, is a 400 that names the mismatch.
+texts' embeddings, as vLLM does). Classify takes a classifier: each input's probabilities
+(softmax over the labels; a sigmoid for one label or a multi-label classifier, as vLLM) and its
+most likely label. A pooling request to a generating model, or one the model's task cannot
+answer, is a 400 that names the mismatch.
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ from fastapi import Request
 from tokenline import protocol
 from tokenline.api.endpoints.base import Endpoint
 from tokenline.api.http.errors import ApiError, ended_with, invalid, unencodable
-from tokenline.api.openai.pooling import EmbeddingRequest, RerankRequest, ScoreRequest
+from tokenline.api.openai.pooling import (
+    ClassifyRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from tokenline.api.ring.exchange import NORMAL_ENDS
 
 
@@ -200,3 +207,53 @@ class Score(Pooling):
             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
             "usage": {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens},
         }
+
+
+class Classify(Pooling):
+    async def create(self, body: ClassifyRequest) -> dict:
+        self.check_model(body.model)
+        info = self.served("/classify")
+        if info.task != "classify":
+            raise invalid(
+                "model",
+                "/classify needs a classification model (a sequence-classification head, "
+                "--convert classify); this one serves embeddings (--convert embed): use "
+                "/v1/embeddings",
+            )
+        inputs = body.inputs()
+        self.check_chars(inputs, "input")
+        params = protocol.PoolingParams(task="classify")
+        logits = await self.pool([self.message(text, params) for text in inputs])
+        labels = info.labels or [f"LABEL_{i}" for i in range(info.size)]
+        data = []
+        for index, row in enumerate(logits):
+            probs = _probabilities(row.astype(np.float64), info.problem_type)
+            data.append(
+                {
+                    "index": index,
+                    "label": labels[int(np.argmax(probs))],
+                    "probs": probs.tolist(),
+                    "num_classes": len(probs),
+                }
+            )
+        return {
+            "id": f"classify-{self.ring_client.new_uid()}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "data": data,
+            "usage": {
+                "prompt_tokens": self.prompt_tokens,
+                "total_tokens": self.prompt_tokens,
+                "completion_tokens": 0,
+            },
+        }
+
+
+def _probabilities(logits: np.ndarray, problem_type: str) -> np.ndarray:
+    """transformers' reading of a classifier's logits: a softmax over single-label classes,
+    each label's own sigmoid for one label or several that may hold at once."""
+    if len(logits) == 1 or problem_type == "multi_label_classification":
+        return 0.5 * (1.0 + np.tanh(logits / 2))  # the sigmoid, never overflowing
+    shifted = np.exp(logits - logits.max())
+    return shifted / shifted.sum()

@@ -1,6 +1,6 @@
 """Request bodies of the pooling endpoints (pydantic): OpenAI's ``/v1/embeddings``, the
-Cohere/Jina ``/rerank`` that vLLM serves, and vLLM's ``/score``. Unknown fields are refused
-(400 ``unsupported_parameter``), as in every other body."""
+Cohere/Jina ``/rerank`` that vLLM serves, and vLLM's ``/score`` and ``/classify``. Unknown
+fields are refused (400 ``unsupported_parameter``), as in every other body."""
 
 from __future__ import annotations
 
@@ -16,14 +16,15 @@ _CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
 EmbeddingInput = Text | list[int]
 
 
-class EmbeddingRequest(BaseModel):
+class _Inputs(BaseModel):
+    """What the embeddings and classify bodies share: the model and OpenAI's four input
+    shapes."""
+
     model_config = _CONFIG
 
     model: Text | None = None
     # a string, strings, token ids, or lists of token ids (OpenAI's four shapes)
     input: Text | list[Text] | list[TokenId] | list[list[TokenId]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1, le=INT32_MAX)
     user: Text | None = None  # OpenAI's end-user id: accepted, not used
 
     @field_validator("input")
@@ -45,6 +46,15 @@ class EmbeddingRequest(BaseModel):
         if isinstance(self.input[0], int):
             return [list(self.input)]
         return list(self.input)
+
+
+class EmbeddingRequest(_Inputs):
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1, le=INT32_MAX)
+
+
+class ClassifyRequest(_Inputs):
+    """vLLM's ``/classify``: the inputs in the embeddings' shapes."""
 
 
 class Document(BaseModel):

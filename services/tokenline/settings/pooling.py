@@ -52,7 +52,7 @@ POOLING: tuple[Setting, ...] = (
         "runner",
         default="auto",
         help="generate text, or pool prompts into embeddings and scores (/v1/embeddings, "
-        "/rerank, /score); auto: pooling for a sequence-classification or headless "
+        "/rerank, /score, /classify); auto: pooling for a sequence-classification or headless "
         "(*Model) architecture or a sentence-transformers checkpoint, else generate",
         stages=SCHEDULER,
         crd=CrdField(
@@ -66,7 +66,7 @@ POOLING: tuple[Setting, ...] = (
         "convert",
         default="auto",
         help="what a pooling model computes: embed (vectors) or classify (a sequence-"
-        "classification head's scores, for /rerank and /score); auto: classify for a "
+        "classification head's scores, for /rerank, /score and /classify); auto: classify for a "
         "*ForSequenceClassification architecture, else embed",
         stages=SCHEDULER,
         choices=("auto", "embed", "classify"),

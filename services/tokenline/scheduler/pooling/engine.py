@@ -272,9 +272,9 @@ def check_params(params: PoolingParams | None, setup: PoolingSetup, size: int) -
     """Refuse a request this pooling model cannot serve, naming the mismatch."""
     if params is None:
         raise WrongRunner(
-            "this model is served with --runner pooling (embeddings, rerank, score): it "
-            "generates no text; use /v1/embeddings, /rerank or /score, or serve a generative "
-            "model for chat and completions"
+            "this model is served with --runner pooling (embeddings, rerank, score, classify): "
+            "it generates no text; use /v1/embeddings, /rerank, /score or /classify, or serve a "
+            "generative model for chat and completions"
         )
     if params.task != setup.task:
         served = "embeddings (/v1/embeddings)" if setup.task == "embed" else "scores"

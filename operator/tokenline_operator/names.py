@@ -115,3 +115,18 @@ KV_EVENTS_TOPIC_PREFIX = "kv@"
 #: them the precise-prefix-cache scorer; its EndpointPickerConfig follows this release.
 LLMD_PICKER_VERSION = "v0.7.0"
 LLMD_PICKER_IMAGE = f"ghcr.io/llm-d/llm-d-inference-scheduler:{LLMD_PICKER_VERSION}"
+
+# Prefill/decode disaggregation (spec.disaggregation), in llm-d's contract: two Deployments
+# whose pods carry llm-d's role label, one InferencePool over both, llm-d's picker choosing a
+# decode pod and, for a long enough uncached prompt, a prefill pod, and llm-d's routing
+# sidecar on each decode pod, which asks the prefill pod first and hands its KV to the api.
+LABEL_LLMD_ROLE = "llm-d.ai/role"
+LLMD_ROLES = ("prefill", "decode")
+#: The routing sidecar ships with the inference scheduler's release; its flags follow it.
+ROUTING_SIDECAR_IMAGE = f"ghcr.io/llm-d/llm-d-routing-sidecar:{LLMD_PICKER_VERSION}"
+#: The decode pod's api port behind the sidecar (the sidecar takes API_PORT); llm-d's
+#: guides use the same, and it stays clear of the stages' metrics ports (API_PORT + 1..3).
+SIDECAR_TARGET_PORT = 8200
+#: The port vLLM's NixlConnector side channel listens on (VLLM_NIXL_SIDE_CHANNEL_PORT).
+KV_SIDE_CHANNEL_PORT = 5600
+KV_SIDE_CHANNEL_PORT_NAME = "kv-side"

@@ -8,9 +8,10 @@
 
 from __future__ import annotations
 
+from ..crd import spec as spec_module
 from ..crd.spec import Spec
 from ..objects import Capabilities, Manifest, Owner
-from ..pods import lora
+from ..pods import disaggregation, lora
 from ..pods.config import config_map
 from ..pods.deployment import deployment
 from ..pods.monitoring import pod_monitor
@@ -31,6 +32,10 @@ from ..routing.network import network_policy, service
 #: ConfigMap, applied before the Deployment and deleted when LoRA is turned off.
 LORA_CONFIG_MAP = "LoraConfigMap"
 
+#: The keys of spec.disaggregation's two Deployments (``<name>-prefill``, ``<name>-decode``)
+#: among `children`, in place of the one Deployment; deleted when it is turned off.
+ROLE_DEPLOYMENTS = tuple(disaggregation.DEPLOYMENT_KEYS.values())
+
 #: Kinds that exist only in some configurations; the reconciler deletes them when unwanted.
 OPTIONAL_KINDS = (
     "PodDisruptionBudget",
@@ -44,7 +49,8 @@ OPTIONAL_KINDS = (
 
 def children(owner: Owner, spec: Spec, caps: Capabilities) -> dict[str, Manifest]:
     """Every child the spec asks for, by kind (one object per kind, but for the LoRA
-    adapters' ConfigMap under :data:`LORA_CONFIG_MAP`), in the order they are applied."""
+    adapters' ConfigMap under :data:`LORA_CONFIG_MAP` and the prefill and decode Deployments
+    under :data:`ROLE_DEPLOYMENTS`), in the order they are applied."""
     autoscaler = autoscaler_kind(spec, caps)
     routing = routing_enabled(spec, caps)
     result: dict[str, Manifest] = {"ConfigMap": config_map(owner, spec)}
@@ -62,6 +68,13 @@ def children(owner: Owner, spec: Spec, caps: Capabilities) -> dict[str, Manifest
     }
     if multi_node(spec):  # one LeaderWorkerSet group of pods per replica
         result["LeaderWorkerSet"] = leader_worker_set(owner, spec, result.pop("Deployment"))
+    if disaggregation.enabled(spec):  # prefill and decode pods in place of the one kind
+        del result["Deployment"]
+        result |= disaggregation.deployments(
+            owner, spec, routing=routing, image_volumes=caps.image_volume
+        )
+        # one budget over both roles' pods: voluntary evictions one pod at a time
+        spec = {**spec, "replicas": spec_module.desired_replicas(spec)}
     if wants_disruption_budget(spec):
         result["PodDisruptionBudget"] = pod_disruption_budget(owner, spec)
     if autoscaler == "ScaledObject":

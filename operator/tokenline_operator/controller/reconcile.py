@@ -21,7 +21,7 @@ from ..crd import model_uri, spec
 from ..kube import Kube, KubeError
 from ..metrics import OperatorMetrics
 from ..objects import Capabilities, Owner, picker_name, selector_labels
-from ..pods import lora, model, parallel
+from ..pods import disaggregation, lora, model, parallel
 from ..routing import inference_pool
 from ..routing.network import service_url
 from ..status import conditions
@@ -242,9 +242,16 @@ async def _apply_children(
             await _remove(ctx, owner, kind)
     if manifests.LORA_CONFIG_MAP not in desired:
         await _remove(ctx, owner, "ConfigMap", lora.config_map_name(owner))
-    if "Deployment" not in desired:  # a multi-node model runs as a LeaderWorkerSet
+    if "Deployment" not in desired:  # a LeaderWorkerSet, or prefill and decode Deployments
         await _remove(ctx, owner, "Deployment")
-    workload = live.get("Deployment") or parallel.as_deployment(live.get("LeaderWorkerSet"))
+    for role, key in disaggregation.DEPLOYMENT_KEYS.items():
+        if key not in desired:
+            await _remove(ctx, owner, "Deployment", disaggregation.deployment_name(owner, role))
+    workload = (
+        live.get("Deployment")
+        or parallel.as_deployment(live.get("LeaderWorkerSet"))
+        or disaggregation.as_deployment(*(live.get(k) for k in manifests.ROLE_DEPLOYMENTS))
+    )
     return workload, await _apply_routing(ctx, owner, parsed, caps)
 
 
@@ -378,6 +385,10 @@ async def _capabilities_or_none(ctx: Context) -> Capabilities:
 async def _read_deployment(ctx: Context, owner: Owner) -> dict[str, Any] | None:
     try:
         found = await ctx.kube.get("Deployment", owner.namespace, owner.name)
+        if found is None:  # spec.disaggregation's two, if any
+            role_names = [disaggregation.deployment_name(owner, r) for r in ("prefill", "decode")]
+            roles = [await ctx.kube.get("Deployment", owner.namespace, n) for n in role_names]
+            found = disaggregation.as_deployment(*roles)
         if found is None and await ctx.kube.serves("LeaderWorkerSet"):
             lws = await ctx.kube.get("LeaderWorkerSet", owner.namespace, owner.name)
             return parallel.as_deployment(lws)

@@ -13,6 +13,7 @@ import copy
 from typing import Any
 
 from .. import names
+from . import disaggregation
 from .children import AUTOSCALING, MONITORING, NETWORK_POLICY, ROUTER, ROUTING, SERVICE
 from .lora import LORA, SERVED_NAME_RULE
 from .model_uri import uri_schema
@@ -247,7 +248,9 @@ SPEC = {
         "networkPolicy": NETWORK_POLICY,
         "routing": ROUTING,
         "router": ROUTER,
+        "disaggregation": disaggregation.schema(),
     },
+    "x-kubernetes-validations": copy.deepcopy(disaggregation.RULES),
 }
 
 CONDITION = {

@@ -16,7 +16,7 @@ import jsonschema
 
 from tokenline.fetch import parse_uri
 
-from . import definition, extra_args, lora, model_uri
+from . import definition, disaggregation, extra_args, lora, model_uri
 
 Spec = dict[str, Any]
 
@@ -65,6 +65,7 @@ def _check_rules(spec: Spec) -> list[str]:
     served = _served_name_if_valid(spec["model"])
     if served is not None:  # else the model's own problems say why
         problems.extend(extra_args.problems(spec["engine"].get("extraArgs") or [], served))
+    problems.extend(disaggregation.problems(spec))
     policy = spec["networkPolicy"]
     for field in ("apiFrom", "metricsFrom", "kvEventsFrom"):
         for index, peer in enumerate(policy.get(field) or []):
@@ -184,7 +185,11 @@ def served_model_name(spec: Spec) -> str:
 
 
 def desired_replicas(spec: Spec) -> int:
-    """Replicas the operator asks for; with an autoscaler, the floor it starts from."""
+    """Replicas the operator asks for; with an autoscaler, the floor it starts from; with
+    spec.disaggregation, the prefill and decode pods together."""
+    if disaggregation.enabled(spec):
+        roles = spec["disaggregation"]
+        return int(roles["prefill"]["replicas"]) + int(roles["decode"]["replicas"])
     if spec["autoscaling"]["enabled"]:
         return int(spec["autoscaling"]["minReplicas"])
     return int(spec["replicas"])

@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from .. import names
+from ..crd import disaggregation
 from ..crd.spec import Spec
 from ..objects import (
     Capabilities,
@@ -39,6 +40,7 @@ from ..objects import (
 )
 from ..pods import router
 from ..pods.deployment import PICKER_METRICS_STALENESS_S, PICKER_REFRESH_METRICS_INTERVAL_S
+from . import picker_config
 from .network import network_peer
 from .picker_config import endpoint_picker_config
 
@@ -103,7 +105,12 @@ def child_name(owner: Owner, kind: str) -> str:
 
 
 def picker_image(spec: Spec) -> str:
-    """llm-d's inference scheduler when it routes on KV-cache events, else the upstream EPP."""
+    """llm-d's inference scheduler when it routes prefill and decode apart or on KV-cache
+    events, else the upstream EPP (a pooling pool's too: its body-blind parser is upstream's)."""
+    if picker_config.pooling(spec):
+        return _picker_settings(spec)["image"]
+    if disaggregation.enabled(spec):
+        return spec["disaggregation"]["pickerImage"]
     if router.precise_routing(spec):
         return spec["router"]["kvEvents"]["pickerImage"]
     return _picker_settings(spec)["image"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import names
+from ..crd import disaggregation
 from ..crd.spec import Spec, tls_enabled
 from ..objects import Manifest, Owner, metadata, picker_selector, selector_labels
 from ..pods import parallel, router
@@ -62,10 +63,13 @@ def network_peer(peer: dict[str, Any]) -> dict[str, Any]:
 
 
 def _serving(owner: Owner, spec: Spec) -> dict[str, str]:
-    """The pods that serve the api: all of them, or a multi-node group's leaders."""
+    """The pods that serve the api: all of them, a multi-node group's leaders, or with
+    spec.disaggregation the decode pods (a prefill pod answers only a decode pod's sidecar)."""
     selected = selector_labels(owner.name)
     if parallel.multi_node(spec):
         selected[parallel.LABEL_ROLE] = "leader"
+    if disaggregation.enabled(spec):
+        selected[names.LABEL_LLMD_ROLE] = "decode"
     return selected
 
 
@@ -97,9 +101,11 @@ def network_policy(owner: Owner, spec: Spec, routing: bool = False) -> Manifest:
         if subscribers:  # a rule without peers would admit everyone
             ports = _ports(*names.KV_EVENTS_PORT_NAMES)
             ingress.append({"from": subscribers, "ports": ports})
-    if parallel.multi_node(spec):
+    if parallel.multi_node(spec) or disaggregation.enabled(spec):
         # the ranks of a group meet at the leader's rendezvous port, then talk over ports
-        # NCCL picks: every port, between this service's own pods only
+        # NCCL picks; a decode pod's sidecar calls a prefill pod's api, and its scheduler the
+        # NIXL side channel, then reads KV blocks over ports UCX picks: every port, between
+        # this service's own pods only
         ingress.append({"from": [{"podSelector": _selector(selector_labels(owner.name))}]})
     metrics_peers = [network_peer(p) for p in policy["metricsFrom"]]
     # A rule without peers would admit everyone: an empty metricsFrom adds no rule.

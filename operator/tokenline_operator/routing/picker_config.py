@@ -3,6 +3,11 @@ each pod's api port under our names, and how it scores pods: queue depth, KV cac
 prefix affinity, the prefix scorer either the upstream approximate one or, with
 ``spec.router.kvEvents`` and sha256_cbor block names, llm-d's precise-prefix-cache-scorer fed
 by the pods' KV-cache events (see :mod:`tokenline_operator.pods.router`).
+
+Two more shapes: with ``spec.disaggregation`` llm-d's P/D profiles (a decode pod always, a
+prefill pod when the prompt's uncached part is long enough), and with ``spec.model.runner:
+pooling`` a picker that reads no request body, so /rerank and /score, which the OpenAI parser
+does not know, are routed as well as /v1/embeddings (:func:`pooling_picker_config`).
 :mod:`inference_pool` mounts it into the picker.
 """
 
@@ -13,6 +18,7 @@ from typing import Any
 from tokenline.settings import BY_FLAG
 
 from .. import names
+from ..crd import disaggregation
 from ..crd.spec import Spec, tls_enabled
 from ..pods import lora, router
 
@@ -87,6 +93,105 @@ def precise_prefix_cache_scorer(spec: Spec) -> dict[str, Any]:
     }
 
 
+def pooling(spec: Spec) -> bool:
+    """Whether the pods pool (spec.model.runner: pooling); auto is read as generation, since
+    only the checkpoint, inside the pods, says which it is."""
+    return spec["model"].get("runner") == "pooling"
+
+
+#: The upstream parser that reads no body: the OpenAI parser refuses /rerank and /score
+#: (it reads any unknown path as /v1/completions, which needs a prompt).
+PASSTHROUGH_PARSER = "passthrough-parser"
+
+
+def pooling_picker_config(spec: Spec) -> dict[str, Any]:
+    """A pooling pool's picker: queue depth and KV cache use only. No prefix scorer (it
+    hashes the parsed prompt, which a body-blind parser does not give it), no LoRA affinity
+    (it reads the parsed model name); pooling requests are short-lived prefills, which queue
+    depth balances well."""
+    return {
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
+        "kind": "EndpointPickerConfig",
+        "plugins": [
+            {"type": "queue-scorer"},
+            {"type": "kv-cache-utilization-scorer"},
+            {"type": PASSTHROUGH_PARSER},
+            *_metrics_plugins(spec),
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [
+                    {"pluginRef": "queue-scorer", "weight": 2},
+                    {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+                ],
+            }
+        ],
+        "parser": {"pluginRef": PASSTHROUGH_PARSER},
+    }
+
+
+#: llm-d's P/D plugins (llm-d-inference-scheduler names.LLMD_PICKER_VERSION).
+PD_HEADERS_HANDLER = "disagg-headers-handler"
+PD_PROFILE_HANDLER = "disagg-profile-handler"
+PD_DECIDER = "prefix-based-pd-decider"
+PD_FILTERS = {"prefill": "prefill-filter", "decode": "decode-filter"}
+
+
+def pd_picker_config(spec: Spec) -> dict[str, Any]:
+    """llm-d's P/D configuration: the profile handler runs the decode profile (decode-filter:
+    pods labelled llm-d.ai/role=decode), then asks the decider whether the prompt's uncached
+    part on that pod reaches ``nonCachedTokens``; if so the prefill profile (prefill-filter)
+    picks a prefill pod, which the headers handler names in ``x-prefiller-host-port`` for
+    the decode pod's sidecar. The decider reads the approximate prefix scorer's match (the
+    prepareDataPlugins gate runs it before the profiles), so that is the prefix scorer here
+    whatever ``router.kvEvents`` says. Each profile scores as the default one does."""
+    prefix = {
+        "type": "prefix-cache-scorer",
+        "parameters": {"autoTune": True, "blockSizeTokens": DEFAULT_BLOCK_SIZE_TOKENS},
+    }
+    refs = [
+        {"pluginRef": "queue-scorer", "weight": 2},
+        {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+        {"pluginRef": prefix["type"], "weight": 3},
+    ]
+    if lora.enabled(spec):
+        refs.append({"pluginRef": LORA_SCORER, "weight": LORA_SCORER_WEIGHT})
+    profiles = [
+        {
+            "name": role,
+            "plugins": [
+                {"pluginRef": PD_FILTERS[role]},
+                {"pluginRef": "max-score-picker"},
+                # copies: a shared node would be written to the YAML as an alias
+                *(dict(ref) for ref in refs),
+            ],
+        }
+        for role in names.LLMD_ROLES
+    ]
+    return {
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
+        "kind": "EndpointPickerConfig",
+        "featureGates": ["prepareDataPlugins"],
+        "plugins": [
+            {"type": PD_HEADERS_HANDLER},
+            {"type": "queue-scorer"},
+            {"type": "kv-cache-utilization-scorer"},
+            prefix,
+            *([{"type": LORA_SCORER}] if lora.enabled(spec) else []),
+            *({"type": PD_FILTERS[role]} for role in names.LLMD_ROLES),
+            {"type": "max-score-picker"},
+            {
+                "type": PD_DECIDER,
+                "parameters": {"nonCachedTokens": spec["disaggregation"]["nonCachedTokens"]},
+            },
+            {"type": PD_PROFILE_HANDLER, "parameters": {"deciders": {"prefill": PD_DECIDER}}},
+            *_metrics_plugins(spec),
+        ],
+        "schedulingProfiles": profiles,
+    }
+
+
 def endpoint_picker_config(spec: Spec) -> dict[str, Any]:
     """The EndpointPickerConfig: our metric names, queue + KV + prefix-aware scoring.
 
@@ -94,8 +199,13 @@ def endpoint_picker_config(spec: Spec) -> dict[str, Any]:
     or with ``router.kvEvents`` and sha256_cbor block names llm-d's precise one (from the
     pods' KV-cache events). The weights are the upstream chart's and llm-d's guide's, the same
     for both: queue 2, KV cache use 2, prefix 3; with ``spec.model.lora`` the upstream
-    lora-affinity-scorer too (weight 2), fed by ``vllm:lora_requests_info``.
+    lora-affinity-scorer too (weight 2), fed by ``vllm:lora_requests_info``. A pooling pool
+    and a disaggregated one have configurations of their own.
     """
+    if pooling(spec):
+        return pooling_picker_config(spec)
+    if disaggregation.enabled(spec):
+        return pd_picker_config(spec)
     if router.precise_routing(spec):
         prefix: dict[str, Any] = precise_prefix_cache_scorer(spec)
     else:

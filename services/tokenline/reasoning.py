@@ -1,9 +1,11 @@
-"""Thinking kept apart from the answer: which generated tokens are reasoning, by token id.
+"""Thinking kept apart from the answer: which generated tokens are reasoning.
 
-Reasoning models write their thinking between ``<think>`` and ``</think>``, which their
-tokenizers hold as single tokens. The split is made here, on token ids, before any text is
-decoded, so it holds whether or not the markers decode to text, and the markers themselves
-never reach either channel. vLLM's parser names:
+Reasoning models write their thinking between ``<think>`` and ``</think>``. Where their
+tokenizers hold both as single tokens (Qwen3's, DeepSeek-R1's), the split is made here, on
+token ids, before any text is decoded, so it holds whether or not the markers decode to text,
+and the markers themselves never reach either channel. Where they do not, the markers are text
+the model spells in pieces, and the detokenizer splits the decoded text instead
+(detokenizer/text_split.py), as vLLM's parsers do. vLLM's parser names:
 
 - ``qwen3``: the answer is plain text unless the output opens ``<think>`` first, or the prompt
   left a ``<think>`` open (templates of thinking-only models end the prompt with it); a prompt
@@ -14,13 +16,18 @@ never reach either channel. vLLM's parser names:
 
 Two stages follow the same split, each with a `ReasoningSplit` a request: the detokenizer, to
 send the thinking and the answer apart, and the scheduler, for a request whose answer follows a
-grammar, which must hold from the first token of the answer and not before. No I/O: tests drive
-it directly.
+grammar, which must hold from the first token of the answer and not before. With text markers
+that first token cannot be told exactly (the token that ends ``</think>`` may begin the answer
+too), so such a request is refused unless its prompt already closed the block. No I/O: tests
+drive it directly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenline.scheduler.refusals import InvalidRequest
 
 PARSERS = ("qwen3", "deepseek_r1")
 START, END = "<think>", "</think>"
@@ -31,17 +38,59 @@ THOUGHT, MARKER, ANSWER = "thought", "marker", "answer"
 @dataclass(frozen=True)
 class ReasoningFormat:
     name: str
-    start_id: int
-    end_id: int
+    start_id: int | None  # None: the markers are not single tokens, and split as text
+    end_id: int | None
     #: the output is reasoning from its first token (deepseek_r1), not only after ``<think>``
     opens_at_start: bool
+    #: text markers: the `tokenizers.Tokenizer` that reads the prompt's end as text
+    tokenizer: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def by_text(self) -> bool:
+        return self.start_id is None or self.end_id is None
+
+    def prompt_state(self, prompt: list[int]) -> bool | None:
+        """Whether the prompt's end leaves a block open (True), closed (False), or has none."""
+        tail = prompt[-PROMPT_WINDOW:]
+        if not self.by_text:
+            for token_id in reversed(tail):
+                if token_id == self.end_id:
+                    return False
+                if token_id == self.start_id:
+                    return True
+            return None
+        return text_state(self.tokenizer.decode(tail, skip_special_tokens=False))
+
+
+def text_state(text: str) -> bool | None:
+    """`ReasoningFormat.prompt_state` of a prompt's end read as text."""
+    opened, closed = text.rfind(START), text.rfind(END)
+    if opened < 0 and closed < 0:
+        return None
+    return opened > closed
+
+
+class MarkersAreText(InvalidRequest):
+    """A request whose answer follows a grammar, on a model whose reasoning markers are text:
+    where the answer starts cannot be told token by token, so the grammar cannot start there."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            f"this model's reasoning markers {START} and {END} are not single tokens of its "
+            "vocabulary, so the token where its answer starts cannot be told exactly, and a "
+            "response_format or tool grammar must hold from exactly there. Send the request "
+            "without response_format and tools (or with tool_choice none), or with "
+            'chat_template_kwargs that switch thinking off (e.g. {"enable_thinking": false}) '
+            "where the chat template closes the block, or serve the model with "
+            "--reasoning-parser none",
+            param="response_format",
+        )
 
 
 def reasoning_format(name: str, tokenizer) -> ReasoningFormat | None:
     """The parser ``name`` over ``tokenizer`` (a `tokenizers.Tokenizer`); None for ``none``.
 
-    Raises ValueError when the markers are not single tokens of this vocabulary: a split made
-    on text the model may spell in pieces would put thinking in the answer unnoticed.
+    Markers that are not single tokens of this vocabulary give a format split on text.
     """
     if name == "none":
         return None
@@ -49,15 +98,10 @@ def reasoning_format(name: str, tokenizer) -> ReasoningFormat | None:
         raise ValueError(
             f"unknown reasoning parser {name!r}; use one of none, {', '.join(PARSERS)}"
         )
-    ids = {marker: tokenizer.token_to_id(marker) for marker in (START, END)}
-    missing = [marker for marker, token_id in ids.items() if token_id is None]
-    if missing:
-        raise ValueError(
-            f"--reasoning-parser {name} needs {' and '.join(missing)} as single tokens of the "
-            "model's vocabulary, and this tokenizer has none; this model does not think in "
-            "that format: start without --reasoning-parser (or with none)"
-        )
-    return ReasoningFormat(name, ids[START], ids[END], opens_at_start=name == "deepseek_r1")
+    start_id, end_id = tokenizer.token_to_id(START), tokenizer.token_to_id(END)
+    if start_id is None or end_id is None:  # text: both markers are read from the text
+        start_id = end_id = None
+    return ReasoningFormat(name, start_id, end_id, name == "deepseek_r1", tokenizer)
 
 
 def parser_for(setting: str, hf_tokenizer) -> tuple[str, ReasoningFormat | None]:
@@ -67,19 +111,24 @@ def parser_for(setting: str, hf_tokenizer) -> tuple[str, ReasoningFormat | None]
     name = setting
     if name == "auto":
         template = getattr(hf_tokenizer, "chat_template", None)
-        name = detect(template if isinstance(template, str) else None, tokenizer)
+        name = detect(template if isinstance(template, str) else None)
     return name, reasoning_format(name, tokenizer)
 
 
-def detect(template: str | None, tokenizer) -> str:
-    """``auto``: the parser the chat template and vocabulary show, or ``none``."""
+def detect(template: str | None) -> str:
+    """``auto``: the parser the chat template shows, or ``none``."""
     if not template or START not in template or END not in template:
-        return "none"
-    if tokenizer.token_to_id(START) is None or tokenizer.token_to_id(END) is None:
         return "none"
     # Qwen3's template switches thinking with enable_thinking and lets the model open the
     # block; DeepSeek-R1's opens it itself at the generation prompt.
     return "qwen3" if "enable_thinking" in template else "deepseek_r1"
+
+
+def starts_thinking(fmt: ReasoningFormat, prompt: list[int]) -> bool:
+    """Whether the output after ``prompt`` starts inside a block (else it may open one, for
+    a format that lets the model open it, or it is an answer)."""
+    opened = fmt.prompt_state(prompt)
+    return fmt.opens_at_start if opened is None else opened
 
 
 @dataclass
@@ -90,16 +139,20 @@ class Segment:
 
 
 class ReasoningSplit:
-    """One request's reasoning state, fed its generated ids in order."""
+    """One request's reasoning state, fed its generated ids in order.
+
+    A format whose markers are text is split by id only where the prompt closed the block,
+    so that every token is answer; otherwise it raises `MarkersAreText` (the scheduler's
+    grammar is the one user of an id split for such a format; the detokenizer splits their
+    text)."""
 
     def __init__(self, fmt: ReasoningFormat, prompt: list[int]) -> None:
         self.fmt = fmt
-        tail = prompt[-PROMPT_WINDOW:]
-        opened = _open_in_prompt(fmt, tail)
-        if opened is None:  # the prompt says nothing: the format's own default
-            opened = fmt.opens_at_start
-        self.reasoning = opened  # the next token is thinking
-        self.ended = opened is False and fmt.end_id in tail
+        state = fmt.prompt_state(prompt)
+        if fmt.by_text and state is not False:
+            raise MarkersAreText()
+        self.reasoning = fmt.opens_at_start if state is None else state  # the next is thinking
+        self.ended = state is False
         self._first = True
 
     @property
@@ -133,13 +186,3 @@ def _add(out: list[Segment], reasoning: bool, token_id: int | None) -> None:
     if token_id is not None:
         out[-1].token_ids.append(token_id)
     out[-1].tokens += 1
-
-
-def _open_in_prompt(fmt: ReasoningFormat, tail: list[int]) -> bool | None:
-    """Whether the prompt's end leaves a block open (True), closed (False), or has none."""
-    for token_id in reversed(tail):
-        if token_id == fmt.end_id:
-            return False
-        if token_id == fmt.start_id:
-            return True
-    return None

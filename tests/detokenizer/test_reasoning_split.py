@@ -74,21 +74,20 @@ def test_only_the_output_s_first_token_may_open_a_block(thinking):
     assert r1.reasoning and not r1.may_open  # already thinking: nothing to open
 
 
-def test_a_format_the_vocabulary_cannot_hold_is_refused(thinking, tokenizer):
-    with pytest.raises(ValueError, match="<think> and </think> as single tokens"):
-        reasoning_format("qwen3", tokenizer)  # the plain tiny model has no markers
+def test_a_vocabulary_without_the_markers_gets_a_split_on_text(thinking, tokenizer):
+    by_text = reasoning_format("qwen3", tokenizer)  # the plain tiny model has no markers
+    assert by_text.by_text and not reasoning_format("qwen3", thinking).by_text
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         reasoning_format("granite", thinking)
     assert reasoning_format("none", thinking) is None
 
 
-def test_auto_reads_the_template_and_the_vocabulary(thinking, tokenizer):
-    assert detect(TEMPLATE, thinking) == "qwen3"
+def test_auto_reads_the_template_alone():
+    assert detect(TEMPLATE) == "qwen3"
     r1 = "{{ bos }}{% if add_generation_prompt %}<think>\n{% endif %}{{ c.split('</think>') }}"
-    assert detect(r1, thinking) == "deepseek_r1"
-    assert detect(TEMPLATE, tokenizer) == "none"  # markers in the template, not the vocabulary
-    assert detect(tiny_model.CHAT_TEMPLATE, thinking) == "none"
-    assert detect(None, thinking) == "none"
+    assert detect(r1) == "deepseek_r1"
+    assert detect(tiny_model.CHAT_TEMPLATE) == "none"
+    assert detect(None) == "none"
 
 
 class Ring:

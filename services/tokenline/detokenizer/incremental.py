@@ -44,13 +44,24 @@ class IncrementalDecoder:
 
     def feed(self, token_ids: list[int]) -> str:
         """Text that is now safe to emit. Sets ``stopped`` when a stop string matched."""
+        return self.emit(self.decode(token_ids))
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text these ids add, as decoded: no stop string looked for yet (`emit` does)."""
+        text = ""
         for token_id in token_ids:
             if token_id in self._hidden:
                 continue
             self._recent = [*self._recent[1 - RECENT :], token_id]
             piece = self._stream.step(self._tokenizer, token_id)
             if piece:
-                self._text += piece
+                text += piece
+        return text
+
+    def emit(self, text: str) -> str:
+        """Of the decoded text so far and ``text``, what is now safe to emit (not a possible
+        stop string's start). Sets ``stopped`` when a stop string matched."""
+        self._text += text
         if self._stop:
             cut = min((i for i in (self._text.find(s) for s in self._stop) if i >= 0), default=-1)
             if cut >= 0:

@@ -20,6 +20,7 @@ import msgspec
 from tokenline import protocol
 from tokenline.bounded import ExpiringSet
 from tokenline.detokenizer.incremental import IncrementalDecoder
+from tokenline.detokenizer.text_split import TextSplit
 from tokenline.detokenizer.token_text import TokenTexts
 from tokenline.ledger import LEAK_GRACE_S
 from tokenline.lifecycle import Drain
@@ -43,7 +44,7 @@ class _Live:
     cached_tokens: int = 0
     echo_ids: list[int] | None = None  # the prompt to echo, until the first reply takes it
     deadline: float = float("inf")  # monotonic; past it the scheduler ends the uid itself
-    split: ReasoningSplit | None = None  # chat with a reasoning parser
+    split: ReasoningSplit | TextSplit | None = None  # chat with a reasoning parser
     thinking: bool = False  # which channel the decoder's held-back text belongs to
     skip_special_tokens: bool = True  # False: special tokens (but control ones) are text
 
@@ -110,7 +111,8 @@ class DetokenizerStage(StepFreeHandler):
                 skip_special_tokens=message.skip_special_tokens,
             )
             if message.reasoning and self.reasoning is not None:
-                self.live[message.uid].split = ReasoningSplit(self.reasoning, message.prompt_tail)
+                split = TextSplit if self.reasoning.by_text else ReasoningSplit
+                self.live[message.uid].split = split(self.reasoning, message.prompt_tail)
             return []
         if isinstance(message, protocol.TokenizerAnswer | protocol.LoraAnswer):
             # the tokenizer's or the scheduler's answer to an api call: no uid held here
@@ -156,6 +158,8 @@ class DetokenizerStage(StepFreeHandler):
         if stop_string:
             finish = "stop"
         elif finish is not None:
+            if isinstance(live.split, TextSplit):
+                self._channel_texts(live, texts, live.split.finish())
             texts[live.thinking] += live.decoder.flush()
         # prompt_tokens on every reply: a stream with continuous usage reports it from the start
         reply = protocol.Reply(
@@ -196,6 +200,13 @@ class DetokenizerStage(StepFreeHandler):
         if live.split is None:
             texts[False] = live.decoder.feed(token_ids)
             return texts, 0
+        if isinstance(live.split, TextSplit):
+            before = live.split.reasoning_tokens
+            for token_id in token_ids:
+                self._channel_texts(live, texts, live.split.feed(live.decoder.decode([token_id])))
+                if live.decoder.stopped:
+                    break
+            return texts, live.split.reasoning_tokens - before
         reasoning_tokens = 0
         for segment in live.split.segments(token_ids):
             if segment.reasoning != live.thinking:
@@ -206,6 +217,18 @@ class DetokenizerStage(StepFreeHandler):
             if segment.reasoning:
                 reasoning_tokens += segment.tokens
         return texts, reasoning_tokens
+
+    @staticmethod
+    def _channel_texts(live: _Live, texts: dict[bool, str], pieces: list[tuple[bool, str]]) -> None:
+        """Decoded text, split on text markers, through the stop strings into its channels;
+        what is held back as a possible stop string goes out when the channel changes."""
+        for reasoning, text in pieces:
+            if live.decoder.stopped:
+                return
+            if reasoning != live.thinking:
+                texts[live.thinking] += live.decoder.emit("") + live.decoder.flush()
+                live.thinking = reasoning
+            texts[reasoning] += live.decoder.emit(text)
 
     def _prompt_fields(self, reply: protocol.Reply, live: _Live, out: protocol.TokenOutput) -> None:
         """The prompt as echo and prompt logprobs report it; both come with the first reply

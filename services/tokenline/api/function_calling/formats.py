@@ -27,6 +27,7 @@ from tokenline.api.function_calling.marked_streams import (
     Qwen3CoderStream,
 )
 from tokenline.api.function_calling.parsers import (
+    CallsFirst,
     HermesStream,
     Llama3JsonStream,
     Parsed,
@@ -68,6 +69,9 @@ class ToolCallFormat:
     # since text never becomes a special token, and the reply is decoded with special tokens
     # kept so the parser sees them. Empty: every marker is text.
     special_markers: tuple[tuple[str, int], ...] = ()
+    # The reply is calls from its first character or an answer with none (tools in auto
+    # beside a JSON response_format): a marker inside the answer is its text, not a call.
+    calls_first: bool = False
 
     def for_vocabulary(self, special_tokens: Mapping[str, int]) -> ToolCallFormat:
         """This format for a model whose special added tokens are ``special_tokens`` (text to
@@ -106,9 +110,12 @@ class ToolCallFormat:
         return any(marker in text for marker, _ in self.special_markers)
 
     def stream(self) -> ToolCallStream:
-        if self.schemas is not None:
-            return self.stream_type(schemas=self.schemas)
-        return self.stream_type()
+        stream = (
+            self.stream_type() if self.schemas is None else self.stream_type(schemas=self.schemas)
+        )
+        if self.calls_first and self.trigger is not None:
+            return CallsFirst(stream, self.trigger)
+        return stream
 
     def bound(self, schemas: dict[str, Any]) -> ToolCallFormat:
         """This format for a request whose functions have these parameter schemas."""
@@ -152,8 +159,13 @@ class ToolCallFormat:
             start = "start: FREE | calls | EMPTY"
             text = [f"FREE: /{self.text_start}(.|\\n)*/", 'EMPTY: ""']
             return ["%llguidance {}", start, *text, self.call_rules(names_and_arguments, parallel)]
+        text = "TEXT: /(.|\\n)*/"
         if self._special(self.trigger):
             trigger = f"trigger: TEXT {self._literal(self.trigger)}"
+            # Spelled out in text tokens the marker decodes as the token does, and the parser
+            # would read a call the grammar never held to its schema: free text never holds it.
+            spelled = "".join(f"\\x{{{ord(c):x}}}" for c in self.trigger)
+            text += f" & ~/(.|\\n)*{spelled}(.|\\n)*/"
         else:
             trigger = f"trigger[lazy]: TEXT {_lark_string(self.trigger)}"
         if self.calls_open:  # one list of calls, after free text
@@ -161,7 +173,7 @@ class ToolCallFormat:
             return [
                 "%llguidance {}",
                 "start: TEXT | block",
-                "TEXT: /(.|\\n)*/",
+                text,
                 trigger,
                 f"block: trigger {rest} {self._body(parallel)} {self._literal(self.calls_close)}",
                 *self._call_alternatives(names_and_arguments, "", self.call_head),
@@ -170,7 +182,7 @@ class ToolCallFormat:
         rules = [
             "%llguidance {}",
             "start: (call)* TEXT" if parallel else "start: TEXT | call",
-            "TEXT: /(.|\\n)*/",
+            text,
             trigger,
         ]
         return rules + self._call_alternatives(names_and_arguments, "trigger ", rest)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jsonschema
@@ -255,7 +255,7 @@ def plan_tools(
     if schema is None:  # auto: free text, in which any call is one of the declared
         return ToolPlan(shown, _checked_lark(_text_or_calls_lark(tools, fmt, parallel)), fmt)
     lark = _calls_lark(tools, fmt, parallel, answer=schema)  # auto: calls or the JSON answer
-    return ToolPlan(shown, _checked_lark(lark), fmt)
+    return ToolPlan(shown, _checked_lark(lark), replace(fmt, calls_first=True))
 
 
 def refuse_deprecated(functions: object, function_call: object) -> None:

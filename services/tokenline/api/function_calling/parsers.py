@@ -111,6 +111,39 @@ class ToolCallStream:
         return Parsed(content if content or not calls else None, calls)
 
 
+@dataclass
+class CallsFirst(ToolCallStream):
+    """A reply that is calls from its first character (``opening`` first) or else an answer
+    that holds none, as the grammar of tools in auto beside a JSON ``response_format`` makes
+    it: a marker inside the answer (in a JSON string) is the answer's text, never a call."""
+
+    inner: ToolCallStream
+    opening: str
+    _pending: str = ""
+    _mode: str = ""  # "" undecided, "calls" or "answer"
+
+    def feed(self, text: str) -> list[Delta]:
+        if self._mode == "calls":
+            return self.inner.feed(text)
+        if self._mode == "answer":
+            return [Content(text)] if text else []
+        self._pending += text
+        if self.opening.startswith(self._pending):
+            return []  # still possibly the opening
+        pending, self._pending = self._pending, ""
+        if pending.startswith(self.opening):
+            self._mode = "calls"
+            return self.inner.feed(pending)
+        self._mode = "answer"
+        return [Content(pending)]
+
+    def finish(self) -> list[Delta]:
+        if self._mode == "answer":
+            return []
+        pending, self._pending, self._mode = self._pending, "", "calls"
+        return self.inner.feed(pending) + self.inner.finish()
+
+
 # A call's head as templates and the grammar write it: name first, then the arguments object.
 _STREAMABLE_HEAD = re.compile(
     r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]{1,64})"\s*,\s*"arguments"\s*:\s*(?=\{)'

@@ -25,6 +25,9 @@ $(VENV)/.base: pyproject.toml
 
 $(VENV)/.test: $(VENV)/.base
 	$(PY) -m pip install -q -e '.[test,bench]'
+	# NIXL moves KV between prefill and decode pods (--kv-transfer-config). Its wheel names an
+	# unpinned torch, which would pull a CUDA build: its own libraries are all it needs here.
+	$(PY) -m pip install -q --no-deps "nixl-cu12==1.5.1"
 	touch $@
 
 serve: $(VENV)/.base

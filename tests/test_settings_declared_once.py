@@ -76,6 +76,7 @@ TEXT_SAMPLES = {
     "SpeculativeConfigText": '{"method": "ngram", "num_speculative_tokens": 3}',
     "TenantWeightsText": "team-a=1,team-b=3",
     "PoolerConfigText": '{"pooling_type": "MEAN", "normalize": false}',
+    "KVTransferConfigText": '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}',
 }
 
 

@@ -11,6 +11,7 @@ from tokenline import model_source, tiny_model
 from tokenline.model_source import ModelSource
 from tokenline.scheduler.engine import Engine, EngineLimits
 from tokenline.scheduler.grammar import GrammarCompiler
+from tokenline.scheduler.kv_transfer.config import KVTransferConfig
 from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 from tokenline.scheduler.speculative import config as speculative_config
 from tokenline.scheduler.waiting import Scheduling
@@ -72,7 +73,8 @@ def make_engine(
     """An engine over the tiny model on the CPU in float32; ``kv_blocks`` sizes a tiny pool.
 
     ``dense_decode=False`` runs decode attention the way a GPU does (gathered from the pool);
-    ``speculative`` is a --speculative-config JSON."""
+    ``speculative`` is a --speculative-config JSON; ``kv_transfer`` makes it a prefill or a
+    decode pod's engine."""
 
     def make(
         kv_blocks: int | None = None,
@@ -87,13 +89,15 @@ def make_engine(
         attention_backend: str = "auto",
         speculative: str | None = None,
         scheduling: Scheduling = Scheduling(),
+        kv_transfer: KVTransferConfig | None = None,
+        dtype: str = "float32",
     ) -> Engine:
         memory = kv_blocks * bytes_per_block if kv_blocks is not None else kv_cache_memory
         runner = ModelRunner(
             tiny_source,
             RunnerOptions(
                 device="cpu",
-                dtype="float32",
+                dtype=dtype,
                 kv_cache_memory=memory,
                 dense_decode=dense_decode,
                 attention_backend=attention_backend,
@@ -112,6 +116,7 @@ def make_engine(
             grammars=compiler,
             speculative=speculative_config.parse(speculative),
             scheduling=scheduling,
+            kv_transfer=kv_transfer,
         )
 
     return make

@@ -8,17 +8,25 @@ from __future__ import annotations
 import time
 from collections import Counter
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 from tokenline.protocol import SamplingParams, TokenOutput
 from tokenline.reasoning import ReasoningFormat, ReasoningSplit
 from tokenline.scheduler import prompt_logprobs
 from tokenline.scheduler.grammar import GrammarCompiler, GrammarError
 from tokenline.scheduler.kv_cache import BlockPool
+from tokenline.scheduler.kv_transfer.config import KVTransferConfig
+from tokenline.scheduler.kv_transfer.transfers import check_kv_transfer, transfers_for
+from tokenline.scheduler.limits import DEADLINE_MARGIN_S, EngineLimits
 from tokenline.scheduler.lora.options import LoraOptions, lora_slots
 from tokenline.scheduler.lora.slots import LoraSlots
 from tokenline.scheduler.policy import BatchPolicy, Chunk, StepOutput
-from tokenline.scheduler.refusals import InvalidRequest, KVCacheTooSmall, UnknownModel
+from tokenline.scheduler.refusals import (
+    InvalidRequest,
+    KVCacheTooSmall,
+    KVLoadFailed,
+    UnknownModel,
+    check_sampling,
+)
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.scheduler.sampler import plain_sampling, sample_with_logprobs
 from tokenline.scheduler.sequence import Sequence
@@ -27,25 +35,6 @@ from tokenline.scheduler.speculative.verify import Acceptance, emitted
 from tokenline.scheduler.step_inputs import long_tensor, to_device
 from tokenline.scheduler.step_times import StepTimes, lap
 from tokenline.scheduler.waiting import Scheduling
-from tokenline.settings import BY_FLAG
-
-
-@dataclass
-class EngineLimits:
-    max_model_len: int
-    max_num_seqs: int = BY_FLAG["max-num-seqs"].default
-    max_num_batched_tokens: int = 2048
-
-
-DEADLINE_MARGIN_S = 2.0
-
-
-def default_token_budget(device_type: str) -> int:
-    """Per-step token budget: large steps feed a GPU. On CPU a step's time grows with its
-    tokens (prefill is compute-bound), and a request that arrives waits for the step in
-    flight: 128-token steps measured both faster and kinder to time-to-first-token than 256
-    (benchmarks/README.md)."""
-    return 2048 if device_type == "cuda" else 128
 
 
 class Engine:
@@ -80,6 +69,7 @@ class Engine:
         reasoning: ReasoningFormat | None = None,
         speculative: SpeculativeConfig | None = None,
         scheduling: Scheduling = Scheduling(),
+        kv_transfer: KVTransferConfig | None = None,
     ) -> None:
         self.runner = runner
         self.reasoning = reasoning
@@ -92,6 +82,8 @@ class Engine:
         # takes them with take_rejected() and reports each as the request's error
         self._rejected: list[tuple[str, InvalidRequest]] = []
         self.pool = BlockPool(runner.num_blocks, runner.block_size, caching=prefix_caching)
+        # prefill/decode disaggregation (kv_transfer/): prompts' KV lent to or read from others
+        self.transfers = transfers_for(self.pool, runner, kv_transfer)
         # LoRA (None: off): adapters by name, in host memory and in the runner's device slots
         self.loras: LoraSlots | None = None
         if lora is not None:
@@ -139,25 +131,12 @@ class Engine:
                 f"the prompt needs {len(prompt_ids)} tokens of KV cache but the pool holds "
                 f"{(self.pool.num_blocks - 1) * self.pool.block_size}; raise --kv-cache-memory"
             )
-        last = self.runner.vocab_size - 1
-        token_ids = (  # (field, its token ids, how the error names the bad ones)
-            ("stop_token_ids", sampling.stop_token_ids, lambda b: f"stop_token_ids {b} are"),
-            ("logit_bias", sampling.logit_bias, lambda b: f"logit_bias names token ids {b[:8]}"),
-        )
-        for param, ids, names in token_ids:
-            bad = [i for i in ids if not 0 <= i <= last]
-            if bad:
-                message = f"{names(bad)} outside the vocabulary (0..{last})"
-                raise InvalidRequest(message, param=param)
-        if sampling.grammar is not None and self.grammars is None:
-            raise InvalidRequest(
-                f"{self.grammar_refusal}; send the request without response_format or tools",
-                param="response_format",
-            )
+        check_sampling(sampling, self.runner.vocab_size, self.grammar_refusal)
         if sampling.prompt_logprobs is not None:
             reason = prompt_logprobs.refusal(len(prompt_ids), sampling.prompt_logprobs)
             if reason is not None:
                 raise InvalidRequest(reason, param="logprobs")
+        check_kv_transfer(self.transfers, sampling)
         # A request never grows past the whole KV pool: one that outgrew it could only preempt
         # itself forever. (The tokenizer stage fills max_tokens in and holds it to the context
         # length; the policy ends a sequence at the context whatever a caller asked.)
@@ -187,8 +166,25 @@ class Engine:
             if seq.matcher is None:
                 self.compiling[uid] = (seq, self.grammars.submit(sampling.grammar))
                 return seq
-        self.policy.add(seq)
+        self._join(seq)
         return seq
+
+    def _join(self, seq: Sequence) -> None:
+        """Into the batch policy, unless its prompt's KV is to be read from a prefill pod."""
+        if self.transfers is None or not self.transfers.waits(seq):
+            self.policy.add(seq)
+
+    def _admit_transferred(self) -> None:
+        """Requests whose KV was read join the policy; failed reads recompute or end."""
+        ready, failed = self.transfers.between_steps()
+        for seq in ready:
+            self.policy.add(seq)
+        for seq, failure in failed:
+            if self.transfers.config.failure_policy == "recompute":
+                seq.cached_tokens = None  # counted at admission, as any prompt's
+                self.policy.add(seq)
+            else:
+                self._rejected.append((seq.uid, KVLoadFailed(f"{failure}; retry the request")))
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar is built join the scheduler; failed ones are rejected."""
@@ -207,7 +203,7 @@ class Engine:
                 missing = UnknownModel(f"The model `{seq.lora}` does not exist.")
                 self._rejected.append((uid, missing))
                 continue
-            self.policy.add(seq)
+            self._join(seq)
 
     def take_rejected(self) -> list[tuple[str, InvalidRequest]]:
         rejected, self._rejected = self._rejected, []
@@ -219,6 +215,8 @@ class Engine:
         if seq is None and uid in self.compiling:
             seq, future = self.compiling.pop(uid)
             future.cancel()
+        if self.transfers is not None:  # a read in flight, or blocks held for admission
+            seq = self.transfers.drop(uid) or seq
         if seq is not None:
             self._finished.append(self._terminal(seq, [], finish_reason))
         return seq
@@ -231,6 +229,8 @@ class Engine:
 
     def has_work(self) -> bool:
         if any(future.done() for _, future in self.compiling.values()):
+            return True
+        if self.transfers is not None and self.transfers.ready():
             return True
         return self.policy.has_work() or bool(self._finished)
 
@@ -254,11 +254,16 @@ class Engine:
         policy = self.policy
         running = {s.lora for s in policy.running if s.lora}
         waiting = {s.lora for s in policy.waiting if s.lora}
-        waiting |= {s.lora for s, _ in self.compiling.values() if s.lora}
+        waiting |= {s.lora for s in self._outside() if s.lora}
         return sorted(running), sorted(waiting)
 
     def holds(self, uid: str) -> bool:
-        return uid in self.policy.by_uid or uid in self.compiling
+        return uid in self.policy.by_uid or any(s.uid == uid for s in self._outside())
+
+    def _outside(self) -> list[Sequence]:
+        """Sequences held outside the policy: a grammar being built, KV being read."""
+        held = [seq for seq, _ in self.compiling.values()]
+        return held + (self.transfers.waiting() if self.transfers is not None else [])
 
     # ── one step ───────────────────────────────────────────────────────────────────────────────
     def step(self) -> list[TokenOutput]:
@@ -268,6 +273,8 @@ class Engine:
         started = time.perf_counter()
         if self.compiling:
             self._admit_compiled()
+        if self.transfers is not None:
+            self._admit_transferred()
         chunks = self.policy.schedule()
         self.step_uids = [c.seq.uid for c in chunks]
         computed: list[TokenOutput] = []
@@ -286,16 +293,17 @@ class Engine:
         compiling = self.compiling.pop(uid, None)
         if compiling is not None:
             compiling[1].cancel()
-        return self.policy.remove(uid) is not None or compiling is not None
+        reading = self.transfers.drop(uid) if self.transfers is not None else None
+        return self.policy.remove(uid) is not None or compiling is not None or reading is not None
 
     def held_uids(self) -> list[str]:
-        return list(self.policy.by_uid) + list(self.compiling)
+        return list(self.policy.by_uid) + [seq.uid for seq in self._outside()]
 
     def counts(self) -> dict[str, int]:
         """Sequences waiting, running and paused right now."""
         policy = self.policy
         return {
-            "waiting": len(policy.waiting) + len(self.compiling),
+            "waiting": len(policy.waiting) + len(self._outside()),
             "running": len(policy.running),
             "paused": len(policy.paused),
         }
@@ -336,6 +344,8 @@ class Engine:
         step = StepOutput(
             chunks=chunks, sampled=sampled, read_only=read_only, prompt_logprobs=scored
         )
+        if self.transfers is not None:  # before the policy frees the blocks of those that end
+            self.transfers.lend_computed(samplers)
         now = time.monotonic()
         for update in self.policy.update_from_output(step):
             seq = update.seq
@@ -346,6 +356,8 @@ class Engine:
                 out = self._terminal(seq, token_ids, update.finish_reason)
                 if update.finish_reason == "error":
                     out.error_code = "grammar_error"
+                if self.transfers is not None:
+                    out.kv_transfer = self.transfers.params(seq.uid)
             else:
                 out = TokenOutput(uid=seq.uid, token_ids=token_ids)
             if logprob_of and token_ids:
@@ -379,9 +391,10 @@ class Engine:
         whose abort never arrived, so it waits a little longer than the api does.
         """
         now = time.monotonic() if now is None else now
-        held = list(self.policy.by_uid.items())
-        held += [(uid, seq) for uid, (seq, _) in self.compiling.items()]
+        held = list(self.policy.by_uid.items()) + [(s.uid, s) for s in self._outside()]
         late = [uid for uid, seq in held if now > seq.deadline + DEADLINE_MARGIN_S]
         for uid in late:
             self.abort(uid)
+        if self.transfers is not None:
+            self.transfers.expire(now)
         return late

@@ -183,15 +183,46 @@ class BlockPool:
 
         Tail first, so that under pressure a chain loses its end before its start: a chain is
         only reachable from its first block."""
-        for block in reversed(seq.block_table):
+        self.drop(seq.block_table)
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+
+    def drop(self, blocks: list[int]) -> None:
+        """Drop one reference to each of ``blocks``, last first."""
+        for block in reversed(blocks):
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 if self._name[block] is not None:
                     self._evictable[block] = None
                 else:
                     self._free.append(block)
-        seq.block_table = []
-        seq.num_registered_blocks = 0
+
+    # ── blocks held outside a sequence (prefill/decode disaggregation, kv_transfer/) ──────────
+    def retain(self, blocks: list[int]) -> None:
+        """One more reference to each of ``blocks`` (all held already): a remote reader's,
+        kept until `drop`."""
+        for block in blocks:
+            self._refs[block] += 1
+
+    def take(self, count: int) -> list[int]:
+        """``count`` blocks for K/V written from elsewhere, one reference each; the caller
+        checked ``num_free``."""
+        return [self._allocate() for _ in range(count)]
+
+    def adopt(self, seq: Sequence, index: int, block: int) -> None:
+        """``block`` holds the K/V of ``seq``'s ``index``-th block, read from another pool:
+        cached under its name, so admission finds it as a prefix hit. A name cached already
+        (computed here meanwhile) keeps its block; this one stays unnamed."""
+        name = self._block_name(seq, index)
+        if not self.caching or name in self._by_name:
+            return
+        self._by_name[name] = block
+        self._name[block] = name
+        if self.events is not None:
+            parent = seq.block_hashes[index - 1] if index else None
+            bs = self.block_size
+            tokens = seq.token_slice(index * bs, (index + 1) * bs)
+            self.events.append((STORED, [name], parent, tokens, seq.lora or None))
 
     def _allocate(self) -> int:
         if self._free:

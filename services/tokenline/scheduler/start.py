@@ -13,9 +13,11 @@ from tokenline.lifecycle import Drain
 from tokenline.metrics import serve_metrics
 from tokenline.model_source import ModelSource, resolve
 from tokenline.reasoning import parser_for
-from tokenline.scheduler.engine import Engine, EngineLimits, default_token_budget
+from tokenline.scheduler.engine import Engine
 from tokenline.scheduler.grammar import GrammarCompiler
 from tokenline.scheduler.kv_events import attach
+from tokenline.scheduler.kv_transfer import config as kv_transfer
+from tokenline.scheduler.limits import EngineLimits, default_token_budget
 from tokenline.scheduler.lora.adapters import LoraError
 from tokenline.scheduler.lora.options import LoraOptions
 from tokenline.scheduler.lora_config import LoraConfigWatcher
@@ -87,6 +89,7 @@ def run(settings: Settings) -> int:
             settings.scheduling_policy,
             parse_weights(settings.tenant_weights) if settings.tenant_weights else None,
         ),
+        kv_transfer=kv_transfer_config(settings),
     )
     lora_changes = start_loras(settings, engine)
     kv_events = attach(settings, engine.pool, runner.device.type)
@@ -100,6 +103,17 @@ def run(settings: Settings) -> int:
     stage = SchedulerStage(engine, settings.model_name, kv_events, lora_changes)
     serve_stage(stage, ring, drain)
     return 0
+
+
+def kv_transfer_config(settings: Settings) -> kv_transfer.KVTransferConfig | None:
+    """--kv-transfer-config, where this scheduler can honour it."""
+    config = kv_transfer.config_of(settings.kv_transfer_config)
+    if config is not None and settings.tensor_parallel_size > 1:
+        raise SystemExit(
+            "--kv-transfer-config with --tensor-parallel-size above 1 is not served yet: each "
+            "rank holds its own share of the KV heads; run prefill and decode pods at TP 1"
+        )
+    return config
 
 
 def seed_sampling(seed: int | None) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from tokenline.scheduler.kv_transfer import config as kv_transfer
 from tokenline.scheduler.speculative import config as speculative
 from tokenline.scheduler.waiting import parse_weights
 from tokenline.settings.declaration import (
@@ -218,6 +219,36 @@ ENGINE: tuple[Setting, ...] = (
         metavar="JSON",
     ),
 )
+
+
+class KVTransferConfigText(str):
+    """vLLM's ``--kv-transfer-config`` JSON, checked when it is read, kept as its text."""
+
+    def __new__(cls, value: str) -> KVTransferConfigText:
+        try:
+            kv_transfer.parse(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return super().__new__(cls, value)
+
+
+# Prefill/decode disaggregation (scheduler/kv_transfer/): the operator sets it per role.
+KV_TRANSFER: tuple[Setting, ...] = (
+    Setting(
+        "kv-transfer-config",
+        KVTransferConfigText,
+        help='prefill/decode disaggregation, vLLM\'s JSON: {"kv_connector": "NixlConnector", '
+        '"kv_role": "kv_producer"} lends the KV of prompts asked with kv_transfer_params '
+        '{"do_remote_decode": true} to decode pods; "kv_consumer" reads it from the prefill '
+        "pod a request names instead of computing the prompt (kv_both: either); "
+        '"kv_load_failure_policy": "fail" (default) or "recompute" for a read that fails. The '
+        "side channel listens on VLLM_NIXL_SIDE_CHANNEL_HOST:VLLM_NIXL_SIDE_CHANNEL_PORT "
+        "(127.0.0.1:5600)",
+        stages=SCHEDULER,
+        metavar="JSON",
+    ),
+)
+ENGINE += KV_TRANSFER
 
 
 class TenantWeightsText(str):

@@ -1,0 +1,149 @@
+"""The KV pool as NIXL sees it: one registered region, read block by block by a remote agent.
+
+The runner's pool is one tensor ``(layers, slots, 2 * kv_heads, head_dim)``, so a block of a
+layer is one contiguous run of ``block_size`` slots: a read is a list of (address, length)
+pairs, one a layer and run of consecutive blocks, from the remote pool into this one. NIXL's
+UCX backend moves host memory over TCP or shared memory and device memory over RDMA/NVLink;
+the scheduler never waits on it (pulls.py runs reads on a worker thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class KVLayout(msgspec.Struct, kw_only=True):
+    """What two pods must agree on before one reads the other's blocks, and where they lie."""
+
+    model: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int  # this rank's
+    head_dim: int
+    tp_size: int
+    num_slots: int = 0  # the pool's slots (addresses are computed from it)
+    base: int = 0  # the pool's address in its owner's memory
+    device_id: int = 0
+
+    def mismatch(self, other: KVLayout) -> str:
+        """Why a pool laid out as ``other`` cannot be read into this one; "" when it can."""
+        for name in ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim"):
+            ours, theirs = getattr(self, name), getattr(other, name)
+            if ours != theirs:
+                return f"{name} differs: {theirs} there, {ours} here"
+        if self.tp_size != other.tp_size:
+            return f"tensor parallel size differs: {other.tp_size} there, {self.tp_size} here"
+        return ""
+
+    @property
+    def row_bytes(self) -> int:
+        element = torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
+        return 2 * self.num_kv_heads * self.head_dim * element
+
+    def block_runs(self, blocks: list[int], peer: list[int]) -> list[tuple[int, int, int]]:
+        """``(first block, first peer block, count)`` runs where both sides are consecutive."""
+        runs: list[tuple[int, int, int]] = []
+        for ours, theirs in zip(blocks, peer, strict=True):
+            if runs and runs[-1][0] + runs[-1][2] == ours and runs[-1][1] + runs[-1][2] == theirs:
+                first, peer_first, count = runs[-1]
+                runs[-1] = (first, peer_first, count + 1)
+            else:
+                runs.append((ours, theirs, 1))
+        return runs
+
+    def descriptors(self, runs: list[tuple[int, int, int]], side: int) -> np.ndarray:
+        """NIXL's (address, length, device) rows of ``runs``' blocks on ``side`` (0: first
+        element of each run, 1: second), every layer."""
+        row, bs = self.row_bytes, self.block_size
+        rows = []
+        for layer in range(self.num_layers):
+            layer_base = self.base + layer * self.num_slots * row
+            for run in runs:
+                rows.append((layer_base + run[side] * bs * row, run[2] * bs * row, self.device_id))
+        return np.array(rows, dtype=np.uint64).reshape(-1, 3)
+
+
+_DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16)}
+
+
+def nixl_module():
+    """NIXL's Python API: the ``nixl`` package (GPU nodes) or the CUDA-variant wheel that
+    holds it (``nixl-cu12``, installed without its CUDA dependencies on CPU nodes)."""
+    for name in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
+        try:
+            return __import__(name, fromlist=["nixl_agent"])
+        except ImportError:
+            continue
+    raise SystemExit(
+        "--kv-transfer-config: NIXL is not installed; pip install nixl (on CPU nodes "
+        "`pip install --no-deps nixl-cu12`)"
+    )
+
+
+class NixlLink:
+    """This pod's NIXL agent over its KV pool."""
+
+    def __init__(self, name: str, kv_cache: torch.Tensor, layout: KVLayout) -> None:
+        api = nixl_module()
+        self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        self.mem = "VRAM" if kv_cache.is_cuda else "DRAM"
+        device = kv_cache.device.index or 0
+        nbytes = kv_cache.numel() * kv_cache.element_size()
+        self.agent.register_memory([(kv_cache.data_ptr(), nbytes, device, "")], self.mem)
+        self.kv_cache = kv_cache  # kept alive as long as it is registered
+        self.layout = msgspec.structs.replace(
+            layout, num_slots=kv_cache.shape[1], base=kv_cache.data_ptr(), device_id=device
+        )
+        self.metadata: bytes = self.agent.get_agent_metadata()
+        self._peers: dict[bytes, str] = {}  # remote metadata -> its agent's name
+
+    def read(
+        self,
+        peer_metadata: bytes,
+        peer: KVLayout,
+        peer_blocks: list[int],
+        blocks: list[int],
+        timeout_s: float,
+    ) -> int:
+        """Copy the peer's blocks into ours; returns the bytes read. Raises TimeoutError or
+        RuntimeError (the transfer failed)."""
+        name = self._peers.get(peer_metadata)
+        if name is None:
+            name = self._peers[peer_metadata] = self.agent.add_remote_agent(peer_metadata)
+        runs = self.layout.block_runs(blocks, peer_blocks)
+        local = self.agent.get_xfer_descs(self.layout.descriptors(runs, 0), self.mem)
+        remote = self.agent.get_xfer_descs(peer.descriptors(runs, 1), self.mem)
+        handle = self.agent.initialize_xfer("READ", local, remote, name)
+        try:
+            state = self.agent.transfer(handle)
+            deadline = time.monotonic() + timeout_s
+            while state not in ("DONE", "ERR"):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"reading {len(blocks)} KV blocks took over {timeout_s:g} s")
+                time.sleep(0.0005)
+                state = self.agent.check_xfer_state(handle)
+            if state == "ERR":
+                raise RuntimeError(f"NIXL failed to read {len(blocks)} KV blocks")
+        finally:
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception:  # a transfer that cannot be cancelled: NIXL logs it
+                log.warning("a KV read's NIXL handle could not be released")
+        return len(blocks) * self.layout.block_size * self.layout.row_bytes * self.layout.num_layers
+
+    def forget(self, peer_metadata: bytes) -> None:
+        """Drop a peer (it refused, or a read from it failed): the next read connects anew."""
+        name = self._peers.pop(peer_metadata, None)
+        if name is not None:
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception:
+                pass

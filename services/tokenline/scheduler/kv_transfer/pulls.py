@@ -1,0 +1,193 @@
+"""The decode pod's side: a request whose prompt a prefill pod computed reads that KV instead
+of computing it, and never holds the decode loop up while it does.
+
+On arrival the request's prompt is looked up in the local prefix cache; the full blocks it
+lacks are taken from the pool and read from the prefill pod's on a worker thread (NIXL, after
+a side-channel handshake that checks the two pools agree). Meanwhile the request waits here,
+outside the batch, as one whose grammar is being built does. Once read, the blocks are cached
+under their names and the request joins the batch policy, which admits it like any other: the
+blocks are prefix hits, so only the last, partial block is computed here. This pod holds a
+reference to the blocks until the request is admitted, so nothing evicts them in between.
+
+A read that fails (an unreachable or dead prefill pod, a refused handshake, a transfer error or
+timeout) gives the request back for a local prefill (``recompute``) or ends it with
+``kv_load_failed`` (``fail``); either way its blocks go back, and the prefill pod is told to
+let go of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tokenline.protocol import KVTransferParams
+from tokenline.scheduler.kv_cache import BlockPool
+from tokenline.scheduler.kv_transfer.config import KVTransferConfig
+from tokenline.scheduler.kv_transfer.link import NixlLink
+from tokenline.scheduler.kv_transfer.side_channel import SideChannelClient, Welcome
+from tokenline.scheduler.sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+HELLO_TIMEOUT_S = 5.0
+
+
+class PullFailed(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # the failures metric's label
+
+
+@dataclass(eq=False)
+class _Pull:
+    seq: Sequence
+    params: KVTransferParams
+    first_index: int  # the first block of the prompt read (those before were cached here)
+    blocks: list[int]  # this pool's blocks the read fills (empty until there is room)
+    future: Future | None = None
+    started: float = 0.0
+    dropped: bool = False  # aborted while the read ran: its blocks go back once it ends
+
+
+class Pulls:
+    def __init__(self, pool: BlockPool, config: KVTransferConfig, link: NixlLink) -> None:
+        self.pool = pool
+        self.config = config
+        self.link = link
+        self._client = SideChannelClient()  # used by the worker thread only
+        self._welcomes: dict[tuple[str, int], Welcome] = {}  # the worker's too
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
+        self.pending: dict[str, _Pull] = {}  # waiting for room or for the read
+        self._admitting: dict[str, _Pull] = {}  # read, in the policy, blocks still held here
+        # since the stage last took them: bytes read, seconds per read, failures by reason
+        self.bytes_read = 0
+        self.seconds: list[float] = []
+        self.failures: Counter[str] = Counter()
+
+    # ── arrival ───────────────────────────────────────────────────────────────────────────────
+    def arrive(self, seq: Sequence, params: KVTransferParams) -> bool:
+        """True: ``seq`` waits here for its read; False: nothing to read, it joins at once."""
+        bs = self.pool.block_size
+        wanted = min(len(params.remote_block_ids), (len(seq.prompt_ids) - 1) // bs)
+        cached = len(self.pool.lookup(seq)) if not seq.scores_prompt else wanted
+        if cached >= wanted:  # all here already (or every position must be computed anyway)
+            self._release_remote(params, 0)
+            return False
+        seq.cached_tokens = cached * bs  # the prompt tokens this pod had, not those it reads
+        self.pending[seq.uid] = _Pull(seq, params, cached, [])
+        self._start(self.pending[seq.uid], wanted)
+        return True
+
+    def _start(self, pull: _Pull, wanted: int | None = None) -> None:
+        bs = self.pool.block_size
+        if wanted is None:
+            wanted = min(len(pull.params.remote_block_ids), (len(pull.seq.prompt_ids) - 1) // bs)
+        count = wanted - pull.first_index
+        if self.pool.num_free < count + self.pool.blocks_for(bs):  # room for the rest too
+            return  # retried each step until blocks free up
+        pull.blocks = self.pool.take(count)
+        peer_blocks = pull.params.remote_block_ids[pull.first_index : wanted]
+        pull.started = time.monotonic()
+        pull.future = self._worker.submit(self._read, pull.params, peer_blocks, pull.blocks)
+
+    # ── the worker thread ─────────────────────────────────────────────────────────────────────
+    def _read(self, params: KVTransferParams, peer_blocks: list[int], blocks: list[int]) -> int:
+        host, port = params.remote_host or "", int(params.remote_port or 0)
+        welcome = self._welcomes.get((host, port))
+        try:
+            if welcome is None:
+                try:
+                    welcome = self._client.hello(host, port, self.link.layout, HELLO_TIMEOUT_S)
+                except TimeoutError as exc:
+                    raise PullFailed("unreachable", str(exc)) from None
+                mismatch = welcome.refusal or self.link.layout.mismatch(welcome.layout)
+                if mismatch:
+                    raise PullFailed("refused", f"the prefill pod's KV does not fit: {mismatch}")
+                self._welcomes[host, port] = welcome
+            try:
+                timeout = self.config.pull_timeout_s
+                peer = welcome.layout
+                read = self.link.read(welcome.metadata, peer, peer_blocks, blocks, timeout)
+            except TimeoutError as exc:
+                raise PullFailed("timeout", str(exc)) from None
+            except Exception as exc:  # NIXL's errors: a dead or restarted peer
+                raise PullFailed("transfer", f"reading the prompt's KV failed: {exc}") from None
+        except PullFailed:
+            self._welcomes.pop((host, port), None)
+            if welcome is not None:
+                self.link.forget(welcome.metadata)
+            self._client.release(host, port, params.remote_request_id or "", 0)
+            raise
+        self._client.release(host, port, params.remote_request_id or "", read)
+        return read
+
+    def _release_remote(self, params: KVTransferParams, bytes_read: int) -> None:
+        host, port = params.remote_host or "", int(params.remote_port or 0)
+        request = params.remote_request_id or ""
+        self._worker.submit(self._client.release, host, port, request, bytes_read)
+
+    # ── between steps ─────────────────────────────────────────────────────────────────────────
+    def poll(self) -> tuple[list[Sequence], list[tuple[Sequence, PullFailed]]]:
+        """Requests read (to join the policy) and requests whose read failed."""
+        for uid, pull in list(self._admitting.items()):
+            if pull.seq.status is not Status.WAITING:  # admitted (sharing them) or gone
+                self.pool.drop(pull.blocks)
+                del self._admitting[uid]
+        ready: list[Sequence] = []
+        failed: list[tuple[Sequence, PullFailed]] = []
+        for uid, pull in list(self.pending.items()):
+            if pull.future is None:
+                self._start(pull)
+                continue
+            if not pull.future.done():
+                continue
+            del self.pending[uid]
+            error = pull.future.exception()
+            if pull.dropped:
+                self.pool.drop(pull.blocks)
+                continue
+            if error is not None:
+                self.pool.drop(pull.blocks)
+                failure = error
+                if not isinstance(error, PullFailed):
+                    failure = PullFailed("transfer", str(error))
+                self.failures[failure.reason] += 1
+                log.warning("%s: %s", uid, failure)
+                failed.append((pull.seq, failure))
+                continue
+            self.bytes_read += pull.future.result()
+            self.seconds.append(time.monotonic() - pull.started)
+            for offset, block in enumerate(pull.blocks):
+                self.pool.adopt(pull.seq, pull.first_index + offset, block)
+            self._admitting[uid] = pull
+            ready.append(pull.seq)
+        return ready, failed
+
+    def drop(self, uid: str) -> Sequence | None:
+        """An abort: the request is forgotten here; a read in flight ends first."""
+        pull = self._admitting.pop(uid, None)
+        if pull is not None:
+            self.pool.drop(pull.blocks)
+            return None  # the policy holds the sequence itself
+        pull = self.pending.pop(uid, None)
+        if pull is None:
+            return None
+        if pull.future is None:
+            self._release_remote(pull.params, 0)
+        elif pull.future.done():
+            self.pool.drop(pull.blocks)
+        else:  # NIXL still writes into its blocks: they go back when it is done
+            pull.dropped = True
+            self.pending[f"{uid}#dropped"] = pull
+        return pull.seq
+
+    def uids(self) -> list[str]:
+        return [uid for uid, pull in self.pending.items() if not pull.dropped]
+
+    def busy(self) -> bool:
+        return bool(self.pending or self._admitting)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,128 @@
+"""The side channel beside NIXL (vLLM's): a decode pod asks a prefill pod for its NIXL agent and
+pool layout, and tells it when it has read a request's blocks, so they can go back.
+
+The prefill pod answers on a ZeroMQ ROUTER socket from a thread of its own; it only reads the
+layout it was given and queues the releases, which the scheduler applies between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+
+import msgspec
+import zmq
+
+from tokenline.scheduler.kv_transfer.link import KVLayout
+
+log = logging.getLogger(__name__)
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    layout: KVLayout  # the reader's, checked against the owner's
+
+
+class Welcome(msgspec.Struct, tag="welcome"):
+    metadata: bytes  # the owner's NIXL agent
+    layout: KVLayout
+    refusal: str = ""  # why the reader cannot read here; "" when it can
+
+
+class Release(msgspec.Struct, tag="release"):
+    request_id: str
+    bytes_read: int = 0  # 0: released unread (the reader gave up or had them cached)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Hello | Welcome | Release)
+
+
+class SideChannelServer:
+    """The owner's end: answers hellos, queues releases for ``take_releases``."""
+
+    def __init__(self, host: str, port: int, metadata: bytes, layout: KVLayout) -> None:
+        self.metadata = metadata
+        self.layout = layout
+        self._releases: deque[Release] = deque()
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(f"tcp://{host}:{port or '*'}")  # 0: a port of the system's choice
+        self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kv-side-channel", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            peer, payload = self._socket.recv_multipart()
+            try:
+                message = _decoder.decode(payload)
+            except msgspec.DecodeError:
+                log.warning("kv side channel: a message that is not ours; ignored")
+                continue
+            if isinstance(message, Hello):
+                refusal = self.layout.mismatch(message.layout)
+                if refusal:
+                    log.warning("kv side channel: a reader refused: %s", refusal)
+                reply = Welcome(self.metadata, self.layout, refusal)
+                self._socket.send_multipart([peer, _encoder.encode(reply)])
+            elif isinstance(message, Release):
+                self._releases.append(message)
+
+    def take_releases(self) -> list[Release]:
+        taken = []
+        while self._releases:
+            taken.append(self._releases.popleft())
+        return taken
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._socket.close()
+
+
+class SideChannelClient:
+    """The reader's end, used from one worker thread: one socket per owner."""
+
+    def __init__(self) -> None:
+        self._context = zmq.Context.instance()
+        self._sockets: dict[tuple[str, int], zmq.Socket] = {}
+
+    def _socket(self, host: str, port: int) -> zmq.Socket:
+        socket = self._sockets.get((host, port))
+        if socket is None:
+            socket = self._context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 1000)
+            socket.connect(f"tcp://{host}:{port}")
+            self._sockets[host, port] = socket
+        return socket
+
+    def hello(self, host: str, port: int, layout: KVLayout, timeout_s: float) -> Welcome:
+        socket = self._socket(host, port)
+        socket.send(_encoder.encode(Hello(layout)))
+        if not socket.poll(int(timeout_s * 1000)):
+            self.drop(host, port)  # a late answer must not be read as the next one's
+            raise TimeoutError(f"the prefill pod at {host}:{port} is silent after {timeout_s:g} s")
+        reply = _decoder.decode(socket.recv())
+        if not isinstance(reply, Welcome):
+            raise RuntimeError(f"the prefill pod at {host}:{port} answered out of turn")
+        return reply
+
+    def release(self, host: str, port: int, request_id: str, bytes_read: int) -> None:
+        self._socket(host, port).send(_encoder.encode(Release(request_id, bytes_read)))
+
+    def drop(self, host: str, port: int) -> None:
+        socket = self._sockets.pop((host, port), None)
+        if socket is not None:
+            socket.close(linger=0)
+
+    def close(self) -> None:
+        for socket in self._sockets.values():
+            socket.close()
+        self._sockets.clear()

@@ -67,6 +67,13 @@ TENANT_METRICS = {
 }
 # Issue 28: exported by rank 0 with --tensor-parallel-size above 1 only.
 TENSOR_PARALLEL_METRICS = {"tokenline_collective_seconds", "tokenline_tp_rank_step_seconds"}
+# Issue 49: exported by schedulers with --kv-transfer-config only (prefill and decode pods).
+KV_TRANSFER_METRICS = {
+    "tokenline_kv_transfer_bytes_total",
+    "tokenline_kv_transfer_seconds",
+    "tokenline_kv_transfer_failures_total",
+    "tokenline_kv_blocks_held_for_transfer",
+}
 HISTOGRAM_SERIES = re.compile(r"_(bucket|sum|count)$")
 
 

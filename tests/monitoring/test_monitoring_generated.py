@@ -18,6 +18,7 @@ from monitoring_support import (
     CONTRACT_METRICS,
     DASHBOARDS_DIR,
     FILTERS,
+    KV_TRANSFER_METRICS,
     LORA_INFO_METRIC,
     LORA_METRICS,
     STEP_METRICS,
@@ -96,7 +97,12 @@ def test_every_query_uses_the_datasource_variable_and_all_filters():
 
 def test_dashboards_read_every_contract_metric_and_nothing_else():
     known = (
-        CONTRACT_METRICS | LORA_METRICS | STEP_METRICS | TENSOR_PARALLEL_METRICS | TENANT_METRICS
+        CONTRACT_METRICS
+        | LORA_METRICS
+        | STEP_METRICS
+        | TENSOR_PARALLEL_METRICS
+        | TENANT_METRICS
+        | KV_TRANSFER_METRICS
     )
     used: dict[str, set[str]] = {}
     for uid, dashboard in load_dashboards().items():
@@ -164,6 +170,25 @@ def test_tenant_and_speculation_panels_sit_in_their_own_rows():
         "Acceptance rate",
         "Accepted by position/s",
     ]
+
+
+def test_kv_transfer_panels_sit_in_their_own_row_and_break_down_as_exported():
+    assert row_panels("Prefill / decode disaggregation") == [
+        "KV transfer bytes/s",
+        "KV pull time p50 / p99",
+        "KV transfer failures/s",
+        "KV blocks held for transfer",
+    ]
+    panels = {p["title"]: p for p in load_dashboards()["tokenline-overview"]["panels"]}
+    (sent,) = panels["KV transfer bytes/s"]["targets"]
+    assert "sum by (direction)" in sent["expr"] and sent["legendFormat"] == "{{direction}}"
+    (failed,) = panels["KV transfer failures/s"]["targets"]
+    assert "sum by (reason)" in failed["expr"]
+    pulls = panels["KV pull time p50 / p99"]["targets"]
+    assert [t["legendFormat"] for t in pulls] == ["p50", "p99"]
+    assert all("tokenline_kv_transfer_seconds_bucket" in t["expr"] for t in pulls)
+    (held,) = panels["KV blocks held for transfer"]["targets"]
+    assert metric_names(held["expr"]) == {"tokenline_kv_blocks_held_for_transfer"}
 
 
 @pytest.mark.parametrize(

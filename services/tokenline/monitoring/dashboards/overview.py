@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as dash
 
+from tokenline.monitoring.dashboards.kv_transfer import kv_transfer_panels
 from tokenline.monitoring.dashboards.panels import (
     PanelSpec,
     Query,
@@ -170,6 +171,7 @@ def overview() -> dash.Dashboard:
             ("LoRA adapters", lora_panels()),
             ("Tenants and priorities", tenant_panels()),
             ("Speculative decoding", speculation_panels()),
+            ("Prefill / decode disaggregation", kv_transfer_panels()),
         ],
     )
 

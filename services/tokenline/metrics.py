@@ -190,6 +190,27 @@ SPEC_ACCEPTED_PER_POSITION = Counter(
     "Proposed tokens kept, by position among a step's proposals (0: the first).",
     ["model_name", "position"],
 )
+# Prefill/decode disaggregation (scheduler/kv_transfer/): prompts' KV lent and read over NIXL.
+KV_TRANSFER_BYTES = Counter(
+    "tokenline_kv_transfer_bytes",
+    "Prompt KV moved between prefill and decode pods: sent (read from this pod's loans) or "
+    "received (read by this pod).",
+    ["direction"],
+)
+KV_TRANSFER_SECONDS = Histogram(
+    "tokenline_kv_transfer_seconds",
+    "Time a decode request waited for its prompt's KV, handshake included, per read.",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+KV_TRANSFER_FAILURES = Counter(
+    "tokenline_kv_transfer_failures",
+    "Prompt KV reads that failed, by reason (unreachable, refused, timeout, transfer).",
+    ["reason"],
+)
+KV_BLOCKS_HELD_FOR_TRANSFER = Gauge(
+    "tokenline_kv_blocks_held_for_transfer",
+    "KV blocks a prefill pod keeps for decode pods to read (until read or the lease ends).",
+)
 GRAMMAR_COMPILE_TIME = Histogram(
     "tokenline_grammar_compile_seconds",
     "Time to build a new grammar's matcher (response_format, tools), off the step loop.",

@@ -179,6 +179,7 @@ class DetokenizerStage(StepFreeHandler):
         if finish is not None:
             reply.stop_string = stop_string and out.finish_reason is None
             reply.cached_tokens = live.cached_tokens
+            reply.kv_transfer = out.kv_transfer  # a prefill pod's answer to the decode pod
             reply.tokenizer_s = live.tokenizer_s
             reply.queue_s = live.queue_s
             reply.scheduler_s = out.scheduler_s

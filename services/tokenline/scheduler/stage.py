@@ -15,7 +15,11 @@ from tokenline import protocol
 from tokenline.bounded import ExpiringSet
 from tokenline.metrics import (
     BUFFER_DEPTH,
+    KV_BLOCKS_HELD_FOR_TRANSFER,
     KV_CACHE_USAGE,
+    KV_TRANSFER_BYTES,
+    KV_TRANSFER_FAILURES,
+    KV_TRANSFER_SECONDS,
     LATE_REPLIES,
     LORA_ADAPTERS,
     LORA_GENERATED_TOKENS,
@@ -97,6 +101,7 @@ class SchedulerStage:
         self._prefix_queries = PREFIX_CACHE_QUERIES.labels(model=model_name)
         self._prefix_hits = PREFIX_CACHE_HITS.labels(model=model_name)
         self._prefix_counted = (0, 0)
+        self._bytes_sent_counted = 0
         self._phases = {phase: STEP_PHASE_TIME.labels(phase=phase) for phase in STEP_PHASES}
         self._depth = {
             b: BUFFER_DEPTH.labels(stage="scheduler", buffer=b)
@@ -195,6 +200,8 @@ class SchedulerStage:
             self._count_acceptance()
         if self._tenants is not None:
             self._tenants.after_step()
+        if self.engine.transfers is not None:
+            self._count_transfers()
         sent: list[msgspec.Struct] = [
             self._failed(uid, exc) for uid, exc in self.engine.take_rejected()
         ]
@@ -215,6 +222,26 @@ class SchedulerStage:
         SPEC_ACCEPTED_TOKENS.labels(model_name=model).inc(taken.accepted_tokens)
         for position, count in enumerate(taken.accepted_per_position):
             SPEC_ACCEPTED_PER_POSITION.labels(model_name=model, position=str(position)).inc(count)
+
+    def _count_transfers(self) -> None:
+        transfers = self.engine.transfers
+        sent = transfers.bytes_sent
+        KV_TRANSFER_BYTES.labels(direction="sent").inc(sent - self._bytes_sent_counted)
+        self._bytes_sent_counted = sent
+        if transfers.lending is not None:
+            KV_BLOCKS_HELD_FOR_TRANSFER.set(transfers.lending.held_blocks)
+        pulls = transfers.pulls
+        if pulls is None:
+            return
+        if pulls.bytes_read:
+            KV_TRANSFER_BYTES.labels(direction="received").inc(pulls.bytes_read)
+            pulls.bytes_read = 0
+        for seconds in pulls.seconds:
+            KV_TRANSFER_SECONDS.observe(seconds)
+        pulls.seconds.clear()
+        for reason, count in pulls.failures.items():
+            KV_TRANSFER_FAILURES.labels(reason=reason).inc(count)
+        pulls.failures.clear()
 
     def _failed(self, uid: str, exc: InvalidRequest) -> protocol.Failed:
         return protocol.Failed(
@@ -273,7 +300,11 @@ class SchedulerStage:
     def poll_ms(self) -> int:
         """How long the loop may wait for messages when there is no step to run: a grammar
         being built on a worker thread is picked up within this."""
-        return 2 if self.engine.compiling else 50
+        return 2 if self.engine.compiling or self._reading() else 50
+
+    def _reading(self) -> bool:
+        transfers = self.engine.transfers
+        return transfers is not None and transfers.in_flight()
 
     def step_uids(self) -> list[str]:
         return list(self.engine.step_uids)
@@ -328,6 +359,8 @@ class SchedulerStage:
         self._prefix_queries.inc(queries - self._prefix_counted[0])
         self._prefix_hits.inc(hits - self._prefix_counted[1])
         self._prefix_counted = (queries, hits)
+        if self.engine.transfers is not None:  # leases run out while no step runs too
+            self._count_transfers()
         if self.engine.loras is not None:
             if self.lora_changes is not None:
                 self._apply_lora_changes()

@@ -41,6 +41,7 @@ class KVTransfers:
             self.lending = Lending(pool, config, host, port)
             log.info("kv transfer: lending prompts' KV, side channel at %s", self.server.address)
         self.pulls = Pulls(pool, config, self.link) if config.consumes else None
+        self.bytes_sent = 0  # read from this pod's loans, as the readers said, since start
 
     def check(self, sampling: SamplingParams) -> None:
         """Refuse what this pod's role cannot do, naming the flag that would."""
@@ -94,6 +95,9 @@ class KVTransfers:
             return []
         return [self.pulls.pending[uid].seq for uid in self.pulls.uids()]
 
+    def in_flight(self) -> bool:
+        return self.pulls is not None and bool(self.pulls.pending)
+
     def ready(self) -> bool:
         """A read has ended (or waits for room): the next step takes it up."""
         if self.pulls is None:
@@ -105,6 +109,7 @@ class KVTransfers:
         if self.lending is not None and self.server is not None:
             for release in self.server.take_releases():
                 self.lending.give_back(release.request_id)
+                self.bytes_sent += release.bytes_read
 
     def expire(self, now: float) -> None:
         """Loans released or past their lease go back, also while no step runs."""

@@ -6,6 +6,7 @@ profiles, the refusals, and nothing changed without the field."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate.utils as kv
@@ -323,3 +324,16 @@ def test_a_generating_pool_keeps_the_openai_parser_and_prefix_affinity(runner):
     config = picker_config(model={"name": "Qwen/Qwen3-0.6B", "runner": runner})
     assert "parser" not in config
     assert "prefix-cache-scorer" in {p["type"] for p in config["plugins"]}
+
+
+def test_the_example_makes_both_roles_and_llm_ds_picker():
+    example = Path(__file__).resolve().parents[2] / "examples" / "disaggregation.yaml"
+    (service,) = [d for d in yaml.safe_load_all(example.read_text()) if d]
+    assert service["kind"] == names.KIND and service["apiVersion"] == names.API_VERSION
+    parsed = spec.parse(service["metadata"]["name"], service["spec"], default_image="x")
+    built = manifests.children(OWNER, parsed, ROUTED)
+    assert {"PrefillDeployment", "DecodeDeployment"} <= built.keys()
+    decode = container(built["DecodeDeployment"], "scheduler")
+    assert decode["resources"]["limits"]["nvidia.com/gpu"] == 2
+    plugins = {p["type"]: p.get("parameters") for p in picker_config(**service["spec"])["plugins"]}
+    assert plugins["prefix-based-pd-decider"] == {"nonCachedTokens": 256}

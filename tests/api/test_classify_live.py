@@ -88,9 +88,13 @@ def test_a_classifier_of_several_labels_is_no_cross_encoder(classify_stack):
     assert reply.status_code == 400
     assert "one label; this classifier has 3 (negative, neutral, positive)" in reply.text
     assert classify_stack.metric("scheduler", "tokenline_live_uids", stage="scheduler") == 0
+    card = httpx.get(f"{classify_stack.api_url}/v1/models", timeout=60).json()["data"][0]
+    assert (card["runner"], card["task"]) == ("pooling", "classify")
 
 
 def test_classify_on_a_generating_model_is_a_400_naming_the_mismatch(stack):
     reply = httpx.post(f"{stack.api_url}/classify", json={"input": "hello"}, timeout=60)
     assert reply.status_code == 400
     assert "--runner generate" in reply.json()["error"]["message"]
+    card = httpx.get(f"{stack.api_url}/v1/models", timeout=60).json()["data"][0]
+    assert card["runner"] == "generate" and "task" not in card

@@ -97,6 +97,12 @@ def test_an_input_past_the_positions_is_a_400_naming_the_limit(client, embed_sta
     assert embed_stack.metric("scheduler", "tokenline_live_uids", stage="scheduler") == 0
 
 
+def test_models_say_the_runner_and_the_code_that_runs_it(client):
+    (card,) = client.models.list().data
+    assert (card.id, card.architecture, card.model_impl) == (NAME, "BertModel", "transformers")
+    assert (card.runner, card.task) == ("pooling", "embed")
+
+
 def test_classify_on_an_embedding_model_is_a_400_naming_the_mismatch(embed_stack):
     reply = httpx.post(f"{embed_stack.api_url}/classify", json={"input": "x"}, timeout=60)
     assert reply.status_code == 400

@@ -19,6 +19,10 @@ class Models(Endpoint):
                 if card["parent"] is None:  # each of the base model's names
                     card["architecture"] = scheduler.architecture
                     card["model_impl"] = scheduler.model_impl
+                    # vLLM's --runner, and what a pooling model computes (--convert)
+                    card["runner"] = "generate" if scheduler.pooling is None else "pooling"
+                    if scheduler.pooling is not None:
+                        card["task"] = scheduler.pooling.task
         return cards
 
     def list(self) -> dict:

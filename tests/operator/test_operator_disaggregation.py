@@ -6,18 +6,22 @@ profiles, the refusals, and nothing changed without the field."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import kubernetes_validate.utils as kv
 import pytest
 import yaml
 from pod_security import hardening_violations, restricted_violations
 
+from tokenline.cli import build_parser, settings_from
 from tokenline_operator import names
 from tokenline_operator.controller import manifests
 from tokenline_operator.crd import definition, spec
 from tokenline_operator.objects import Capabilities, Owner
+from tokenline_operator.pods import config
 from tokenline_operator.pods import disaggregation as pd
 from tokenline_operator.routing import inference_pool
 
@@ -337,3 +341,35 @@ def test_the_example_makes_both_roles_and_llm_ds_picker():
     assert decode["resources"]["limits"]["nvidia.com/gpu"] == 2
     plugins = {p["type"]: p.get("parameters") for p in picker_config(**service["spec"])["plugins"]}
     assert plugins["prefix-based-pd-decider"] == {"nonCachedTokens": 256}
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_each_roles_stage_containers_parse_with_the_real_cli(role):
+    """The kubelet's view of each container (ConfigMap keys, literal values) read by the
+    stages' own parser: the KV role, the role's tensor parallelism, the api's moved port."""
+    parsed = parse(engine={"gpus": 1}, disaggregation=PD)
+    data = config.config_map(OWNER, parsed)["data"]
+    stages = [c for c in pod(pd.role_deployment(OWNER, parsed, role))["containers"]]
+    seen = set()
+    for c in stages:
+        if c["name"] == pd.SIDECAR_CONTAINER:
+            continue
+        variables = {}
+        for item in c["env"]:
+            source = item.get("valueFrom", {})
+            if "configMapKeyRef" in source:
+                variables[item["name"]] = data[source["configMapKeyRef"]["key"]]
+            elif "value" in item:
+                variables[item["name"]] = item["value"]
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("TOKENLINE_")}
+        with mock.patch.dict(os.environ, {**clean, **variables}, clear=True):
+            settings = settings_from(build_parser().parse_args(c["args"]))
+        seen.add(c["args"][0])
+        if c["args"][0] == "scheduler":
+            kv_config = json.loads(settings.kv_transfer_config)
+            assert kv_config["kv_role"] == pd.KV_ROLES[role]
+            assert settings.tensor_parallel_size == (2 if role == "prefill" else 1)
+        if c["args"][0] == "api":
+            port = names.SIDECAR_TARGET_PORT if role == "decode" else names.API_PORT
+            assert settings.port == port
+    assert seen == set(names.STAGES)

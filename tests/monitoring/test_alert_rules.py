@@ -47,6 +47,7 @@ def test_issue_alerts_exist():
         "TokenlineErrorRatioHigh",
         "TokenlineKVCacheSaturated",
         "TokenlineWaitingQueueGrowing",
+        "TokenlineKVTransferFailing",
     }
     leaked = next(rule for rule in alert_rules() if rule["alert"] == "TokenlineLeakedUids")
     assert leaked["for"] == "5m"

@@ -18,6 +18,8 @@ KV_CACHE_SATURATED_RATIO = 0.95
 KV_CACHE_FOR = "10m"
 WAITING_QUEUE_MIN = 10
 WAITING_QUEUE_FOR = "10m"
+KV_TRANSFER_FAILURE_RATIO = 0.05
+KV_TRANSFER_FOR = "10m"
 WINDOW = "5m"
 
 _WHERE = "{{ $labels.namespace }}/{{ $labels.inferenceservice }}"
@@ -124,6 +126,24 @@ def waiting_queue_growing() -> dict[str, object]:
     )
 
 
+def kv_transfer_failing() -> dict[str, object]:
+    """Decode pods' KV reads failing (issue 49): each failed read is prefilled again locally
+    or fails its request, so P/D costs more than it saves. Reads that succeed are the pull
+    histogram's observations; failed ones are counted by reason only."""
+    failed = _per_service("sum", _rate("tokenline_kv_transfer_failures_total"))
+    succeeded = _per_service("sum", _rate("tokenline_kv_transfer_seconds_count"))
+    return _alert(
+        "TokenlineKVTransferFailing",
+        f"{failed} / ({failed} + {succeeded}) > {KV_TRANSFER_FAILURE_RATIO}",
+        KV_TRANSFER_FOR,
+        "warning",
+        "tokenline decode pods cannot read prefill pods' KV",
+        f"{{{{ $value | humanizePercentage }}}} of KV reads on {_WHERE} fail (threshold "
+        f"{KV_TRANSFER_FAILURE_RATIO:.0%}): decode pods prefill those prompts again or fail "
+        "them. See tokenline_kv_transfer_failures_total by reason.",
+    )
+
+
 def rules() -> dict[str, object]:
     """The rules file as a mapping, ready for YAML."""
     return {
@@ -137,6 +157,7 @@ def rules() -> dict[str, object]:
                     error_ratio_high(),
                     kv_cache_saturated(),
                     waiting_queue_growing(),
+                    kv_transfer_failing(),
                 ],
             }
         ]

@@ -53,7 +53,16 @@ REPLIES = [
     (MISTRAL, '[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g[ARGS]{"city": "Oslo"}', None, [F, G]),
     (MISTRAL, '[TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS]{"x": 1}', None, [F]),
     (MISTRAL, "no calls [here]", "no calls [here]", []),
-    (MISTRAL, '[TOOL_CALLS][{"name": "f", "arguments": {"x": "]', None, []),  # cut off
+    # cut off once the arguments began: a call as far as written (finish_reason says length)
+    (
+        MISTRAL,
+        '[TOOL_CALLS][{"name": "f", "arguments": {"x": "]',
+        None,
+        [ParsedCall("f", '{"x": "]')],
+    ),
+    (MISTRAL, '[TOOL_CALLS]f[ARGS]{"x": [1', None, [ParsedCall("f", '{"x": [1')]),
+    (MISTRAL, '[TOOL_CALLS][{"name": "f", "argu', None, []),  # cut off before: dropped
+    (MISTRAL, '[TOOL_CALLS][{"arguments": {"x": 1}, "name": "f"}]', None, [F]),  # whole
     (MISTRAL, "[TOOL_CALLS]not a call", "not a call", []),  # the marker alone is dropped
     (PYTHONIC, '[f(x=1), g(city="Oslo")]', None, [F, G]),
     (PYTHONIC, "<|python_start|>[f(x=1)]<|python_end|>", None, [F]),
@@ -82,7 +91,19 @@ REPLIES = [
         "Sure.",
         [F, G],
     ),
-    (DEEPSEEK_V3, "<｜tool▁calls▁begin｜>" + DS_CALL.format("f", '{"x": 1'), None, []),
+    (
+        DEEPSEEK_V3,
+        "<｜tool▁calls▁begin｜>" + DS_CALL.format("f", '{"x": 1').split("\n```<")[0],
+        None,
+        [ParsedCall("f", '{"x": 1')],
+    ),  # cut off once the arguments began
+    (
+        DEEPSEEK_V3,
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```js",
+        None,
+        [],
+    ),
+    (DEEPSEEK_V3, "<｜tool▁calls▁begin｜>" + DS_CALL.format("f", "[1]"), None, []),  # no object
     (DEEPSEEK_V3, "plain", "plain", []),
 ]
 TYPED = {"f": {"properties": {"x": {"type": "integer"}}}, "g": SCHEMAS["get_weather"]}

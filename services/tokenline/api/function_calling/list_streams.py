@@ -2,9 +2,13 @@
 (and its newer ``[TOOL_CALLS]name[ARGS]{...}`` form) and the pythonic form of Llama 3.2/4
 (``[get_weather(city="Paris"), other(x=1)]``).
 
-Each call is handed out whole once it closes. As everywhere in function_calling, markup is
-never content, a call cut off before it closes is dropped (``finish_reason`` says ``length``)
-and a reply splits the same way in any pieces.
+A Mistral call written as its templates and the grammar write it (``{"name": ..., "arguments":
+{...}}``, or ``NAME[ARGS]{...}``) streams as a Hermes one does: its name once known, its
+arguments' JSON text as it is generated, then its end; cut off once its arguments have begun,
+it stays a call as far as it was written (``finish_reason`` says ``length``). Other calls (a
+pythonic one, a JSON item written arguments first) are handed out whole once they close, and
+dropped if cut off before. As everywhere in function_calling, markup is never content and a
+reply splits the same way in any pieces.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from dataclasses import dataclass, field
 
 from tokenline.api.function_calling.marked_streams import MarkedStream
 from tokenline.api.function_calling.parsers import (
+    _STREAMABLE_HEAD,
     Call,
+    CallStart,
     Content,
     Delta,
     ParsedCall,
@@ -43,8 +49,8 @@ class MistralStream(MarkedStream):
     OPEN = MISTRAL_TRIGGER
     _form: str = ""  # "list" or "named" once the block shows which
     _scanner: _ObjectScanner | None = None
-    _name: str = ""
     _seen: int = 0  # how much of the object in _pending the scanner has read
+    _item_rest: bool = False  # the scanner skips what follows a streamed call's arguments
 
     def feed(self, text: str) -> list[Delta]:
         self._pending += text
@@ -83,16 +89,29 @@ class MistralStream(MarkedStream):
             self._form = "list" if head.startswith("[") else "named"
             self._pending = head[1:] if self._form == "list" else head
             return [], True
+        if self._streaming is not None:
+            deltas = self._stream_arguments()
+            if self._streaming is not None:
+                return deltas, False  # every piece taken; the arguments go on
+            self._skipping = False
+            if self._form == "named":  # the next call comes after its own [TOOL_CALLS]
+                self._leave(self._pending)
+            else:  # the rest of the list item, after its arguments
+                self._scanner, self._seen, self._item_rest = _ObjectScanner(depth=1), 0, True
+            return deltas, True
         if self._scanner is not None:  # inside an object: wait for it to close
+            head = None if self._item_rest else _STREAMABLE_HEAD.match(body)
+            if head is not None:
+                return self._start_streaming(head.group(1), body[head.end() :]), True
             self._seen += self._scanner.take(body[self._seen :])
             if not self._scanner.closed:
                 return [], False
             whole, self._pending = body[: self._seen], body[self._seen :]
             self._scanner = None
-            deltas = self._emit([self._object_call(whole)])
-            if self._form == "named":  # the next call comes after its own [TOOL_CALLS]
-                self._leave(self._pending)
-            return deltas, True
+            if self._item_rest:
+                self._item_rest = False
+                return [], True
+            return self._emit([self._object_call(whole)]), True
         if self._form == "named":
             match = _MISTRAL_NAMED.match(body)
             if match is None:  # no name: not a call, and the marker is dropped
@@ -104,9 +123,7 @@ class MistralStream(MarkedStream):
                     return [], False  # the name, its id or [ARGS] is still being written
                 self._leave(body)  # a word after the marker, not a call: the text goes on
                 return [], True
-            self._name, self._pending = match.group(1), rest
-            self._scanner, self._seen = _ObjectScanner(), 0
-            return [], True
+            return self._start_streaming(match.group(1), rest), True
         head = body.lstrip()  # the list form, between its items
         if not head:
             return [], False
@@ -122,21 +139,24 @@ class MistralStream(MarkedStream):
         self._pending, self._scanner, self._seen = head, _ObjectScanner(), 0
         return [], True
 
+    def _start_streaming(self, name: str, rest: str) -> list[Delta]:
+        self._scanner, self._pending = None, rest
+        self._streaming = (name, _ObjectScanner(), [])
+        return [CallStart(self._calls, name)]
+
     def _object_call(self, text: str) -> ParsedCall | None:
         try:
             value = json.loads(text)
         except ValueError:
             return None
-        if self._form == "named":
-            if not isinstance(value, dict):
-                return None
-            value = {"name": self._name, "arguments": value}
         return _as_call(value, ("arguments", "parameters"))
 
     def finish(self) -> list[Delta]:
-        if self._in_block:  # a cut-off call is dropped; what closed has been handed out
+        if self._in_block:  # cut off: a streaming call as written; one not begun is dropped
+            out = self._end_streamed() if self._streaming is not None else []
             self._pending, self._in_block, self._scanner = "", False, None
-            return []
+            self._item_rest = self._skipping = False
+            return out
         return super().finish()
 
 

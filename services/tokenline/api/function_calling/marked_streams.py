@@ -2,12 +2,15 @@
 ``<｜tool▁calls▁begin｜>`` block and Qwen3-Coder's ``<tool_call><function=...>`` XML.
 
 They share `MarkedStream`: content streams until a block opens (an end of a piece that may be
-the opening marker's start is held until the next piece settles it), each call is handed out
-whole once its own closing markup has arrived, and the block's closing marker returns to
-content. As in parsers.py, markup is never content, whitespace next to a call belongs to the
-markup, and a call cut off before its closing markup is dropped (``finish_reason`` says
-``length``). A reply splits the same way in any pieces: every decision waits until the text
-settles it.
+the opening marker's start is held until the next piece settles it), and the block's closing
+marker returns to content. A DeepSeek-V3 call written as its template and the grammar write it
+(the name, then a fenced JSON object) streams as a Hermes one does: its name once known, its
+arguments' JSON text as it is generated, then its end; a call cut off once its arguments have
+begun stays a call, as far as it was written (``finish_reason`` says ``length``). Any other
+call (Qwen3-Coder's, one whose arguments are no object) is handed out whole once its own
+closing markup has arrived, and dropped if cut off before it. As in parsers.py, markup is never
+content and whitespace next to a call belongs to the markup. A reply splits the same way in
+any pieces: every decision waits until the text settles it.
 """
 
 from __future__ import annotations
@@ -18,12 +21,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenline.api.function_calling.parsers import (
+    ArgumentsPiece,
     Call,
+    CallEnd,
+    CallStart,
     Content,
     Delta,
     ParsedCall,
     ToolCallStream,
     _held_prefix,
+    _ObjectScanner,
 )
 
 
@@ -34,6 +41,7 @@ class MarkedStream(ToolCallStream):
     OPEN = ""
     CLOSE = ""
     CALL_START = ""  # what begins one call inside the block
+    CALL_END = ""  # what ends a call whose arguments were streamed
 
     _pending: str = ""
     _in_block: bool = False
@@ -41,6 +49,33 @@ class MarkedStream(ToolCallStream):
     _after_block: bool = False
     _calls: int = 0
     _calls_before_block: int = 0
+    # the call whose arguments are streaming: its name, scanner and the arguments so far
+    _streaming: tuple[str, _ObjectScanner, list[str]] | None = None
+    _skipping: bool = False  # a streamed call's arguments closed; its own markup follows
+
+    def _head(self, body: str) -> re.Match | None:
+        """A streamable call's head at the start of ``body`` (its name in group 1), whose
+        arguments object starts right after it; None: none (yet)."""
+        return None
+
+    def _stream_arguments(self) -> list[Delta]:
+        _, scanner, pieces = self._streaming
+        size = scanner.take(self._pending)
+        piece, self._pending = self._pending[:size], self._pending[size:]
+        out: list[Delta] = []
+        if piece:
+            pieces.append(piece)
+            out.append(ArgumentsPiece(self._calls, piece))
+        if scanner.closed:
+            out += self._end_streamed()
+            self._skipping = True
+        return out
+
+    def _end_streamed(self) -> list[Delta]:
+        name, _, pieces = self._streaming
+        self._streaming = None
+        self._calls += 1
+        return [CallEnd(self._calls - 1, ParsedCall(name, "".join(pieces)))]
 
     def _take_calls(self, body: str) -> tuple[list[ParsedCall | None], int]:
         """The calls complete at the start of ``body`` (None for one that holds no call) and
@@ -75,7 +110,30 @@ class MarkedStream(ToolCallStream):
         self._pending += text
         out: list[Delta] = []
         while True:
+            if self._streaming is not None:
+                out += self._stream_arguments()
+                if self._streaming is not None:
+                    return out
+                continue
+            if self._skipping:  # the rest of a streamed call's markup: never content
+                end = self._pending.find(self.CALL_END)
+                close = self._pending.find(self.CLOSE)
+                if end < 0 and close < 0:
+                    return out
+                self._skipping = False
+                if end < 0 or 0 <= close < end:  # the block ends with the call unclosed
+                    self._pending = self._pending[close + len(self.CLOSE) :]
+                    self._close_block()
+                    continue
+                self._pending = self._pending[end + len(self.CALL_END) :]
+                continue
             if self._in_block:
+                head = self._head(self._pending)
+                if head is not None:
+                    self._pending = self._pending[head.end() :]
+                    self._streaming = (head.group(1), _ObjectScanner(), [])
+                    out.append(CallStart(self._calls, head.group(1)))
+                    continue
                 calls, used = self._take_calls(self._pending)
                 self._pending = self._pending[used:]
                 out += self._emit(calls)
@@ -102,6 +160,9 @@ class MarkedStream(ToolCallStream):
             return out + self._content(ready)
 
     def finish(self) -> list[Delta]:
+        if self._streaming is not None or self._skipping:  # cut off: the call as written
+            self._pending, self._in_block, self._skipping = "", False, False
+            return self._end_streamed() if self._streaming is not None else []
         pending, self._pending = self._pending, ""
         if self._in_block:  # an unclosed block: its whole calls count, a cut-off one does not
             self._in_block = False
@@ -136,6 +197,14 @@ _DEEPSEEK_CALL = re.compile(
     + re.escape(DEEPSEEK_CALL_END),
     re.DOTALL,
 )
+# As the template and the grammar write a call: its arguments an object right after the fence
+_DEEPSEEK_HEAD = re.compile(
+    r"\s*"
+    + re.escape(DEEPSEEK_CALL_BEGIN)
+    + r"\s*\w+\s*"
+    + re.escape(DEEPSEEK_SEP)
+    + r"\s*([A-Za-z0-9_.-]{1,64})\s*```(?:json)?\s*(?=\{)"
+)
 
 
 @dataclass
@@ -147,6 +216,10 @@ class DeepSeekV3Stream(MarkedStream):
     OPEN = DEEPSEEK_CALLS_BEGIN
     CLOSE = DEEPSEEK_CALLS_END
     CALL_START = DEEPSEEK_CALL_BEGIN
+    CALL_END = DEEPSEEK_CALL_END
+
+    def _head(self, body: str) -> re.Match | None:
+        return _DEEPSEEK_HEAD.match(body)
 
     def _take_calls(self, body: str) -> tuple[list[ParsedCall | None], int]:
         calls: list[ParsedCall | None] = []

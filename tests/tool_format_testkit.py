@@ -16,6 +16,14 @@ from pathlib import Path
 import jsonschema
 import openai
 
+from tokenline.api.function_calling.marked_streams import (
+    DEEPSEEK_CALL_BEGIN,
+    DEEPSEEK_CALL_END,
+    DEEPSEEK_CALLS_BEGIN,
+    DEEPSEEK_CALLS_END,
+    DEEPSEEK_SEP,
+)
+
 _TURNS = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' and message['tool_calls'] %}<|assistant|>\n"
@@ -67,11 +75,21 @@ TEMPLATES = {
         "{% if not loop.last %}\n{% endif %}{% endfor %}<｜tool▁calls▁end｜>",
     ),
 }
-# (markers, whether they are special tokens). DeepSeek's stay text: as added (non-special)
-# tokens, llguidance (as the scheduler built its tokenizer) fast-forwarded a grammar literal
-# into the added token's id and then refused it; the scheduler now reads them as text, but
-# this variant has not been switched back.
-MARKERS: dict[str, tuple[list[str], bool]] = {"mistral": (["[TOOL_CALLS]"], True)}
+# (markers, whether they are special tokens): Mistral's [TOOL_CALLS] is special, DeepSeek-V3's
+# five call markers are added tokens that decode to text, as in their tokenizers
+MARKERS: dict[str, tuple[list[str], bool]] = {
+    "mistral": (["[TOOL_CALLS]"], True),
+    "deepseek_v3": (
+        [
+            DEEPSEEK_CALLS_BEGIN,
+            DEEPSEEK_CALLS_END,
+            DEEPSEEK_CALL_BEGIN,
+            DEEPSEEK_CALL_END,
+            DEEPSEEK_SEP,
+        ],
+        False,
+    ),
+}
 
 
 def write_format_model(tiny_dir: Path, out: Path, name: str) -> Path:

@@ -66,7 +66,15 @@ _PRIORITY = t(TENANTS, "test_priority_and_tenant_reach_the_ring") + t(
     TENANTS, "test_priority_is_refused_under_fcfs_and_bounded"
 )
 
+DISAGGREGATION = "test_disaggregation_live.py"
+_KV_TRANSFER = t(DISAGGREGATION, "test_disaggregated_output_is_one_stacks") + t(
+    DISAGGREGATION, "test_kv_transfer_params_on_a_plain_stack_are_refused"
+)
+
 EXERCISED: dict[str, tuple[str, ...]] = {
+    "ChatCompletionRequest.kv_transfer_params": _KV_TRANSFER,
+    "CompletionRequest.kv_transfer_params": _KV_TRANSFER,
+    "responses.ResponsesRequest.kv_transfer_params": _KV_TRANSFER,
     "ChatCompletionRequest.priority": _PRIORITY,
     "CompletionRequest.priority": _PRIORITY,
     "responses.ResponsesRequest.priority": _PRIORITY,

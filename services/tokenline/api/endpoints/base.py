@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -98,6 +99,15 @@ class Endpoint:
         names the field whose answer follows a grammar (None: free text)."""
         self.check_model(body.model)
         check_request(body, self.settings)
+        kv_transfer = body.kv_transfer
+        if kv_transfer is not None and (
+            body.n > 1 or (kv_transfer.do_remote_decode and body.stream)
+        ):
+            raise invalid(
+                "kv_transfer_params",
+                "kv_transfer_params serve one choice, and a prefill (do_remote_decode) answers "
+                "whole: send n 1, and stream false with do_remote_decode",
+            )
         if body.priority and self.settings.scheduling_policy != "priority":
             raise invalid(
                 "priority",
@@ -157,7 +167,10 @@ class Endpoint:
             if failed:
                 return ended_with(failed[0].finish_reason).response()
             headers = {"X-Tokenline-Timings": _timings_header(ex)}
-            return JSONResponse(answer.whole(ex, meta), headers=headers)
+            whole = answer.whole(ex, meta)
+            if ex.kv_transfer is not None:  # vLLM's top-level field, for llm-d's sidecar
+                whole["kv_transfer_params"] = msgspec.to_builtins(ex.kv_transfer)
+            return JSONResponse(whole, headers=headers)
         finally:
             if not handed_over:
                 close()

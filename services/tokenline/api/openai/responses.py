@@ -110,6 +110,7 @@ class ResponsesRequest(BaseModel):
     truncation: str | None = None
     # vLLM's: lower runs earlier, with --scheduling-policy priority
     priority: int | None = Field(default=None, ge=-INT32_MAX, le=INT32_MAX)
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's (llm-d's sidecar): as chat's
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
     background: bool | None = None
@@ -379,7 +380,7 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         "tool_choice": _tool_choice_of(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls is not False,
     }
-    for field in ("temperature", "top_p", "priority"):
+    for field in ("temperature", "top_p", "priority", "kv_transfer_params"):
         if getattr(body, field) is not None:
             chat[field] = getattr(body, field)
     effort = (body.reasoning or {}).get("effort")

@@ -7,6 +7,7 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -18,7 +19,7 @@ from pydantic import (
     field_validator,
 )
 
-from tokenline.protocol import SamplingParams
+from tokenline.protocol import KVTransferParams, SamplingParams
 
 # Hard bounds: what the wire format and the stages can carry. The operator's tighter limits
 # (--max-n, --max-tokens-limit, ...) are checked after parsing, in api/openai/limits.py.
@@ -129,6 +130,9 @@ class SamplingFields(BaseModel):
     service_tier: Literal["auto", "default"] | None = None
     # vLLM's: lower runs earlier, under --scheduling-policy priority (refused under fcfs)
     priority: int = Field(default=0, ge=-INT32_MAX, le=INT32_MAX)
+    # vLLM's (NixlConnector's keys), as llm-d's routing sidecar sends them: passed to the
+    # scheduler, which refuses them unless it runs with --kv-transfer-config
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("store")
     @classmethod
@@ -136,6 +140,22 @@ class SamplingFields(BaseModel):
         if value:
             raise ValueError("this server stores no completions; leave store out or false")
         return value
+
+    @field_validator("kv_transfer_params")
+    @classmethod
+    def _kv_transfer_fields(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # vLLM's key names; keys of other connectors are ignored, as NixlConnector does
+        if value is not None:
+            try:
+                msgspec.convert(value, KVTransferParams)
+            except msgspec.ValidationError as exc:
+                raise ValueError(f"kv_transfer_params: {exc}") from None
+        return value
+
+    @property
+    def kv_transfer(self) -> KVTransferParams | None:
+        params = self.kv_transfer_params
+        return None if params is None else msgspec.convert(params, KVTransferParams)
 
     @field_validator("stop")
     @classmethod
@@ -177,6 +197,7 @@ class SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty,
             logprobs=self.wanted_logprobs(),
             logit_bias=self.logit_bias,
+            kv_transfer=self.kv_transfer,
         )
 
     @property

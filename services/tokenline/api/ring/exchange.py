@@ -17,7 +17,7 @@ from typing import Protocol
 import msgspec
 
 from tokenline.api.http.errors import ApiError, ended_with
-from tokenline.protocol import LogprobEntry, Reply
+from tokenline.protocol import KVTransferParams, LogprobEntry, Reply
 
 HIGH_WATER = 64
 LOW_WATER = 16
@@ -51,6 +51,8 @@ class Exchange:
     # Prompt tokens served from the prefix cache: the fewest any choice found, since choices
     # admitted together share one prompt but cannot share what none has computed yet.
     cached_tokens: int = 0
+    # a prefill pod's answer (do_remote_decode): where the decode pod reads the prompt's KV
+    kv_transfer: KVTransferParams | None = None
     error: ApiError | None = None  # set when the request ends in an error or an abort
     abort_reason: str | None = None
     paused: bool = False
@@ -105,6 +107,8 @@ class Exchange:
                 if len(ended) == 1
                 else min(self.cached_tokens, reply.cached_tokens)
             )
+            if reply.kv_transfer is not None:
+                self.kv_transfer = reply.kv_transfer
             for key in ("tokenizer_s", "queue_s", "scheduler_s", "detokenizer_s"):
                 self.timings[key] = max(self.timings.get(key, 0.0), getattr(reply, key))
         self._buffer.append((choice.index, reply))

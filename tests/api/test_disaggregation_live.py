@@ -1,0 +1,174 @@
+"""Prefill and decode on two stacks, in llm-d's contract, driven as its routing sidecar drives
+them: the client's body goes to the prefill stack with ``kv_transfer_params: {do_remote_decode:
+true}``, ``stream: false`` and one token; the prefill stack's ``kv_transfer_params`` go with the
+original body to the decode stack, which reads the prompt's KV over NIXL and answers. Greedy
+output is the shared single stack's, token for token, on chat, completions and Responses,
+streamed and not; a prefill stack that dies makes the decode request fail within seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+import uuid
+from unittest import mock
+
+import httpx
+import pytest
+from conftest import free_port_block
+
+pytest.importorskip("nixl_cu12._api", reason="NIXL is installed by `make .venv/.test`")
+
+PRODUCER = '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}'
+CONSUMER = '{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}'
+STORY = (
+    "Once upon a time a small robot lived in a lighthouse by the sea. Every night it climbed "
+    "the stairs, polished the great lamp and watched the ships pass. One stormy evening"
+)
+
+
+def launch_prefill(launch_stack):
+    port = free_port_block(1)
+    with mock.patch.dict(os.environ, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}):
+        return launch_stack("tiny", "--kv-transfer-config", PRODUCER, "--request-timeout", "60")
+
+
+@pytest.fixture(scope="module")
+def prefill(launch_stack):
+    stack = launch_prefill(launch_stack)
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def decode(launch_stack):
+    stack = launch_stack("tiny", "--kv-transfer-config", CONSUMER, "--request-timeout", "60")
+    yield stack
+    stack.stop()
+
+
+def prefill_body(path: str, body: dict) -> dict:
+    """What the sidecar sends the prefill pod."""
+    sent = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    sent.pop("stream_options", None)
+    if path == "/v1/responses":
+        sent["max_output_tokens"] = 1
+    else:
+        sent["max_tokens"] = 1
+        sent.pop("max_completion_tokens", None)
+    return sent
+
+
+def disaggregated(prefill, decode, path: str, body: dict) -> httpx.Response:
+    """The routing sidecar's two calls; returns the decode stack's answer."""
+    request_id = str(uuid.uuid4())
+    headers = {"x-request-id": request_id}
+    first = httpx.post(
+        prefill.api_url + path, json=prefill_body(path, body), headers=headers, timeout=60
+    )
+    assert first.status_code == 200, first.text
+    params = first.json()["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["remote_block_ids"]
+    return httpx.post(
+        decode.api_url + path,
+        json={**body, "kv_transfer_params": params},
+        headers=headers,
+        timeout=60,
+    )
+
+
+def text_of(path: str, response: httpx.Response, stream: bool) -> str:
+    if not stream:
+        data = response.json()
+        if path == "/v1/chat/completions":
+            return data["choices"][0]["message"]["content"]
+        if path == "/v1/completions":
+            return data["choices"][0]["text"]
+        return data["output"][-1]["content"][0]["text"]
+    pieces = []
+    for line in response.text.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if path == "/v1/chat/completions":
+            pieces += [c["delta"].get("content") or "" for c in event["choices"]]
+        elif path == "/v1/completions":
+            pieces += [c["text"] for c in event["choices"]]
+        elif event.get("type") == "response.output_text.delta":
+            pieces.append(event["delta"])
+    return "".join(pieces)
+
+
+def body_for(path: str, stream: bool) -> dict:
+    body: dict = {"model": "tiny", "temperature": 0, "stream": stream}
+    if path == "/v1/chat/completions":
+        body |= {"messages": [{"role": "user", "content": STORY}], "max_tokens": 16}
+    elif path == "/v1/completions":
+        body |= {"prompt": STORY, "max_tokens": 16}
+    else:
+        body |= {"input": STORY, "max_output_tokens": 16}
+    return body
+
+
+def metric(stack, stage: str, name: str) -> float:
+    text = urllib.request.urlopen(stack.metrics_urls[stage], timeout=10).read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
+    return sum(values)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_disaggregated_output_is_one_stacks(stack, prefill, decode, path, stream) -> None:
+    body = body_for(path, stream)
+    alone = httpx.post(stack.api_url + path, json=body, timeout=60)
+    assert alone.status_code == 200, alone.text
+    answer = disaggregated(prefill, decode, path, body)
+    assert answer.status_code == 200, answer.text
+    assert text_of(path, answer, stream) == text_of(path, alone, stream)
+    if not stream:
+        assert "kv_transfer_params" not in answer.json()  # only a prefill pod answers them
+
+
+def test_the_kv_was_read_and_every_loan_released(prefill, decode) -> None:
+    received = 'tokenline_kv_transfer_bytes_total{direction="received"}'
+    before = metric(decode, "scheduler", received)
+    body = body_for("/v1/completions", False) | {"prompt": STORY + " the keeper woke up."}
+    assert disaggregated(prefill, decode, "/v1/completions", body).status_code == 200
+    assert metric(decode, "scheduler", received) > before
+    deadline = time.monotonic() + 10
+    while metric(prefill, "scheduler", "tokenline_kv_blocks_held_for_transfer") > 0:
+        assert time.monotonic() < deadline, "the prefill stack still holds lent blocks"
+        time.sleep(0.2)
+
+
+def test_kv_transfer_params_on_a_plain_stack_are_refused(stack) -> None:
+    body = body_for("/v1/completions", False) | {"kv_transfer_params": {"do_remote_decode": True}}
+    answer = httpx.post(stack.api_url + "/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 400
+    assert "--kv-transfer-config" in answer.json()["error"]["message"]
+
+
+def test_a_dead_prefill_stack_fails_the_decode_request_fast(launch_stack, decode) -> None:
+    doomed = launch_prefill(launch_stack)
+    path = "/v1/completions"
+    body = body_for(path, False) | {"prompt": STORY + " a ship ran aground."}
+    try:
+        first = httpx.post(doomed.api_url + path, json=prefill_body(path, body), timeout=60)
+        params = first.json()["kv_transfer_params"]
+    finally:
+        doomed.stop()
+    started = time.monotonic()
+    answer = httpx.post(
+        decode.api_url + path, json={**body, "kv_transfer_params": params}, timeout=60
+    )
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "kv_load_failed"
+    assert time.monotonic() - started < 15
+    # the decode stack took nothing with it: its next request is served
+    assert disaggregated_alone(decode).status_code == 200
+
+
+def disaggregated_alone(decode) -> httpx.Response:
+    return httpx.post(decode.api_url + "/v1/completions", json=body_for("/v1/completions", False))

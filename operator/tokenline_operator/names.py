@@ -122,8 +122,11 @@ LLMD_PICKER_IMAGE = f"ghcr.io/llm-d/llm-d-inference-scheduler:{LLMD_PICKER_VERSI
 # sidecar on each decode pod, which asks the prefill pod first and hands its KV to the api.
 LABEL_LLMD_ROLE = "llm-d.ai/role"
 LLMD_ROLES = ("prefill", "decode")
-#: The routing sidecar ships with the inference scheduler's release; its flags follow it.
-ROUTING_SIDECAR_IMAGE = f"ghcr.io/llm-d/llm-d-routing-sidecar:{LLMD_PICKER_VERSION}"
+#: The llm-d release of the P/D picker and the routing sidecar (one release ships both): the
+#: first whose sidecar also disaggregates /v1/responses; their flags and configuration follow it.
+LLMD_PD_VERSION = "v0.8.0"
+LLMD_PD_PICKER_IMAGE = f"ghcr.io/llm-d/llm-d-inference-scheduler:{LLMD_PD_VERSION}"
+ROUTING_SIDECAR_IMAGE = f"ghcr.io/llm-d/llm-d-routing-sidecar:{LLMD_PD_VERSION}"
 #: The decode pod's api port behind the sidecar (the sidecar takes API_PORT); llm-d's
 #: guides use the same, and it stays clear of the stages' metrics ports (API_PORT + 1..3).
 SIDECAR_TARGET_PORT = 8200

@@ -204,7 +204,7 @@ def test_the_picker_runs_llm_ds_disaggregation_profiles():
         assert {"queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer"} <= set(refs)
         assert set(refs) <= plugins.keys()  # every reference names a plugin
     assert "&id" not in inference_pool.picker_config_text(parse(disaggregation=PD))
-    assert inference_pool.picker_image(parse(disaggregation=PD)) == names.LLMD_PICKER_IMAGE
+    assert inference_pool.picker_image(parse(disaggregation=PD)) == names.LLMD_PD_PICKER_IMAGE
     other = parse(disaggregation={**PD, "pickerImage": "example.com/epp:1"})
     assert inference_pool.picker_image(other) == "example.com/epp:1"
     defaults = {p["type"]: p.get("parameters") for p in picker_config(disaggregation={})["plugins"]}
@@ -256,7 +256,7 @@ def test_the_crd_carries_the_same_rules_and_its_defaults_are_llm_ds():
     assert parsed["disaggregation"]["prefill"] == {"replicas": 1}
     assert parsed["disaggregation"]["nonCachedTokens"] == 16
     assert (
-        parsed["disaggregation"]["sidecar"]["image"] == "ghcr.io/llm-d/llm-d-routing-sidecar:v0.7.0"
+        parsed["disaggregation"]["sidecar"]["image"] == "ghcr.io/llm-d/llm-d-routing-sidecar:v0.8.0"
     )
     assert spec.desired_replicas(parse(disaggregation=PD)) == 5
     with pytest.raises(spec.SpecError, match="tensorParallelSize"):

@@ -88,7 +88,7 @@ async def test_prefill_and_decode_deployments_under_one_pool_then_back_to_one(cl
         p["type"] for p in config["plugins"]
     }
     epp = stored(cluster, DEPLOYMENTS, "chat-epp")
-    assert epp["spec"]["template"]["spec"]["containers"][0]["image"] == names.LLMD_PICKER_IMAGE
+    assert epp["spec"]["template"]["spec"]["containers"][0]["image"] == names.LLMD_PD_PICKER_IMAGE
     svc = stored(cluster, "v1/services")
     assert svc["spec"]["selector"][names.LABEL_LLMD_ROLE] == "decode"
 

@@ -89,7 +89,7 @@ DISAGGREGATION: dict[str, Any] = {
             "default": {},
             "properties": {
                 "image": string(
-                    f"The sidecar image (its flags follow {names.LLMD_PICKER_VERSION}).",
+                    f"The sidecar image (its flags follow {names.LLMD_PD_VERSION}).",
                     default=names.ROUTING_SIDECAR_IMAGE,
                     minLength=1,
                 ),
@@ -108,8 +108,8 @@ DISAGGREGATION: dict[str, Any] = {
         },
         "pickerImage": string(
             "The picker image (llm-d's inference scheduler: the P/D plugins are its; its "
-            f"configuration follows {names.LLMD_PICKER_VERSION}).",
-            default=names.LLMD_PICKER_IMAGE,
+            f"configuration follows {names.LLMD_PD_VERSION}).",
+            default=names.LLMD_PD_PICKER_IMAGE,
             minLength=1,
         ),
     },

@@ -131,7 +131,7 @@ def pooling_picker_config(spec: Spec) -> dict[str, Any]:
     }
 
 
-#: llm-d's P/D plugins (llm-d-inference-scheduler names.LLMD_PICKER_VERSION).
+#: llm-d's P/D plugins (llm-d-inference-scheduler names.LLMD_PD_VERSION).
 PD_HEADERS_HANDLER = "disagg-headers-handler"
 PD_PROFILE_HANDLER = "disagg-profile-handler"
 PD_DECIDER = "prefix-based-pd-decider"

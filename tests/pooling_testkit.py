@@ -19,7 +19,33 @@ CONFIG = dict(
     head_dim=16,
     max_position_embeddings=512,
 )
-ST_MODES = {"LAST": "pooling_mode_lasttoken", "MEAN": "pooling_mode_mean_tokens"}
+ST_MODES = {
+    "LAST": "pooling_mode_lasttoken",
+    "MEAN": "pooling_mode_mean_tokens",
+    "CLS": "pooling_mode_cls_token",
+}
+
+
+def write_sentence_transformers_files(
+    out: Path, mode: str, normalize: bool, dimension: int, max_seq_length: int
+) -> None:
+    """sentence-transformers' files beside a saved model: ``modules.json`` (Transformer,
+    Pooling, Normalize when ``normalize``), ``1_Pooling/config.json`` asking ``mode`` (LAST,
+    MEAN or CLS) and ``sentence_bert_config.json``."""
+    kinds = ["Transformer", "Pooling"] + (["Normalize"] if normalize else [])
+    paths = ["", "1_Pooling", "2_Normalize"]
+    modules = [
+        {"idx": i, "name": str(i), "path": paths[i], "type": f"sentence_transformers.models.{k}"}
+        for i, k in enumerate(kinds)
+    ]
+    for module in modules[1:]:
+        (out / module["path"]).mkdir(exist_ok=True)
+    (out / "modules.json").write_text(json.dumps(modules))
+    pooling = {"word_embedding_dimension": dimension, "pooling_mode_max_tokens": False}
+    pooling |= {value: key == mode for key, value in ST_MODES.items()}
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    config = {"max_seq_length": max_seq_length}
+    (out / "sentence_bert_config.json").write_text(json.dumps(config))
 
 
 def _config(tokenizer, **extra):
@@ -45,32 +71,7 @@ def write_embedder(tiny_dir: Path, out: Path, mode: str = "LAST", normalize: boo
             param.mul_(3.0)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-    ]
-    if normalize:
-        modules.append(
-            {
-                "idx": 2,
-                "name": "2",
-                "path": "2_Normalize",
-                "type": "sentence_transformers.models.Normalize",
-            }
-        )
-        (out / "2_Normalize").mkdir(exist_ok=True)
-    (out / "modules.json").write_text(json.dumps(modules))
-    pooling = {"word_embedding_dimension": CONFIG["hidden_size"]}
-    pooling |= {key: False for key in ("pooling_mode_cls_token", "pooling_mode_max_tokens")}
-    pooling |= {value: key == mode for key, value in ST_MODES.items()}
-    (out / "1_Pooling").mkdir(exist_ok=True)
-    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
-    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512}))
+    write_sentence_transformers_files(out, mode, normalize, CONFIG["hidden_size"], 512)
     return out
 
 
@@ -101,22 +102,29 @@ BERT_CONFIG = dict(
     max_position_embeddings=128,  # short, so that a test can pass the limit cheaply
     type_vocab_size=2,
 )
-_WORDS = (
+BERT_WORDS = (
     "the quick brown fox jumps over lazy dog near river in morning light where does sleep "
     "hello world request queue and a of to is it that for on with as was at by this be"
 ).split()
 
 
-def bert_tokenizer():
+def bert_tokenizer(vocab_size: int | None = None, max_length: int | None = None):
     """A BERT-style WordPiece tokenizer built offline (``tokenizers``): lower-cased, split on
-    punctuation, [CLS] A [SEP] B [SEP] with B's segment 1, unknown words in word pieces."""
+    punctuation, [CLS] A [SEP] B [SEP] with B's segment 1, unknown words in word pieces;
+    grown to ``vocab_size`` pieces (a real model's embedding table) with made-up ones."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import BertTokenizerFast
 
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list("0123456789.,!?'-")
-    vocab = [*specials, *letters, *("##" + c for c in letters), *_WORDS, "##s", "##ing"]
+    vocab = [*specials, *letters, *("##" + c for c in letters), *BERT_WORDS, "##s", "##ing"]
     vocab = list(dict.fromkeys(vocab))
+    alnum = letters[:36]
+    pieces = (f"##{a}{b}{c}" for a in alnum for b in alnum for c in alnum)
+    grown = dict.fromkeys(vocab)
+    while vocab_size and len(grown) < vocab_size:
+        grown.setdefault(next(pieces))
+    vocab = list(grown)
     model = models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]")
     tok = Tokenizer(model)
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
@@ -128,9 +136,8 @@ def bert_tokenizer():
         special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
     )
     tok.decoder = decoders.WordPiece()
-    return BertTokenizerFast(
-        tokenizer_object=tok, model_max_length=BERT_CONFIG["max_position_embeddings"]
-    )
+    limit = max_length or BERT_CONFIG["max_position_embeddings"]
+    return BertTokenizerFast(tokenizer_object=tok, model_max_length=limit)
 
 
 def _bert(model_cls, seed: int, **extra):
@@ -157,34 +164,8 @@ def write_bert_embedder(out: Path, mode: str = "CLS", normalize: bool = True) ->
     model, tokenizer = _bert(BertModel, 3, matryoshka_dimensions=[16, 32, 64])
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-    ]
-    if normalize:
-        modules.append(
-            {
-                "idx": 2,
-                "name": "2",
-                "path": "2_Normalize",
-                "type": "sentence_transformers.models.Normalize",
-            }
-        )
-        (out / "2_Normalize").mkdir(exist_ok=True)
-    (out / "modules.json").write_text(json.dumps(modules))
-    modes = {"CLS": "pooling_mode_cls_token", "MEAN": "pooling_mode_mean_tokens"}
-    pooling = {"word_embedding_dimension": BERT_CONFIG["hidden_size"]}
-    pooling |= {key: False for key in ("pooling_mode_lasttoken", "pooling_mode_max_tokens")}
-    pooling |= {value: key == mode for key, value in modes.items()}
-    (out / "1_Pooling").mkdir(exist_ok=True)
-    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
     limit = BERT_CONFIG["max_position_embeddings"]
-    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": limit}))
+    write_sentence_transformers_files(out, mode, normalize, BERT_CONFIG["hidden_size"], limit)
     return out
 
 

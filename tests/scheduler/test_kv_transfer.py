@@ -300,3 +300,28 @@ def test_the_flag_reads_vllms_keys_and_environment() -> None:
     assert config_of(None) is None
     default = config_of('{"kv_connector": "NixlConnector", "kv_role": "kv_both"}', {})
     assert default.failure_policy == "fail" and default.side_channel_port == 5600
+
+
+def test_a_prefix_cached_on_the_prefill_side_is_lent_too(
+    producer: Engine, consumer: Engine, make_engine, encode
+) -> None:
+    """The prefill engine's second request for a prompt is served from its prefix cache; the
+    blocks it lends are those cached ones, shared, and read as well as fresh ones."""
+    prompt = encode(LONG + " for the second time")
+    prefill(producer, "p-once", prompt)
+    settle(producer, timeout_s=0.2)  # nobody reads the first loan: it stays until its lease
+    producer.transfers.lending.give_back("p-once")
+    hits = producer.prefix_cache_hits
+    params = prefill(producer, "p-twice", prompt)
+    assert (
+        producer.prefix_cache_hits - hits == len(params.remote_block_ids) * producer.pool.block_size
+    )
+    alone = make_engine()
+    alone.add("a", prompt, greedy(MAX_TOKENS))
+    consumer.pool.clear_cache()
+    consumer.add("d-twice", prompt, greedy(MAX_TOKENS, kv_transfer=params))
+    assert tokens(run(consumer, {"d-twice"})["d-twice"]) == tokens(run(alone, {"a"})["a"])
+    settle(producer)
+    assert producer.transfers.lending.held_blocks == 0
+    assert_idle(producer)
+    assert_idle(consumer)

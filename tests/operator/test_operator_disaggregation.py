@@ -303,33 +303,6 @@ def test_the_status_reads_both_roles_as_one_and_nothing_ready_without_a_decode_p
     assert half["status"]["observedGeneration"] < half["metadata"]["generation"]
 
 
-# --- spec.model.runner: pooling (issue 51) ------------------------------------------------
-
-
-@pytest.mark.parametrize("runner", ["pooling"])
-def test_a_pooling_pool_routes_every_pooling_route_without_reading_bodies(runner):
-    config = picker_config(model={"name": "BAAI/bge-small-en-v1.5", "runner": runner})
-    types = [p["type"] for p in config["plugins"]]
-    assert config["parser"] == {"pluginRef": "passthrough-parser"} and "passthrough-parser" in types
-    # the scorers that need the parsed prompt or model are left out, the load scorers stay
-    assert "prefix-cache-scorer" not in types and "lora-affinity-scorer" not in types
-    refs = {r["pluginRef"] for r in config["schedulingProfiles"][0]["plugins"]}
-    assert refs == {"queue-scorer", "kv-cache-utilization-scorer"} and refs <= set(types)
-    assert "core-metrics-extractor" in types  # it still reads each pod's load
-    parsed = parse(model={"name": "BAAI/bge-small-en-v1.5", "runner": runner})
-    assert inference_pool.picker_image(parsed) == names.PICKER_IMAGE
-    assert (
-        manifests.children(OWNER, parsed, ROUTED)["ConfigMap"]["data"]["TOKENLINE_RUNNER"] == runner
-    )
-
-
-@pytest.mark.parametrize("runner", ["generate", "auto"])
-def test_a_generating_pool_keeps_the_openai_parser_and_prefix_affinity(runner):
-    config = picker_config(model={"name": "Qwen/Qwen3-0.6B", "runner": runner})
-    assert "parser" not in config
-    assert "prefix-cache-scorer" in {p["type"] for p in config["plugins"]}
-
-
 def test_the_example_makes_both_roles_and_llm_ds_picker():
     example = Path(__file__).resolve().parents[2] / "examples" / "disaggregation.yaml"
     (service,) = [d for d in yaml.safe_load_all(example.read_text()) if d]

@@ -73,9 +73,9 @@ def children(owner: Owner, spec: Spec, caps: Capabilities) -> dict[str, Manifest
         result |= disaggregation.deployments(
             owner, spec, routing=routing, image_volumes=caps.image_volume
         )
-        # one budget over both roles' pods: voluntary evictions one pod at a time
-        spec = {**spec, "replicas": spec_module.desired_replicas(spec)}
-    if wants_disruption_budget(spec):
+    # with spec.disaggregation, one budget over both roles' pods: evictions one pod at a time
+    pods = {**spec, "replicas": spec_module.desired_replicas(spec)}
+    if wants_disruption_budget(pods):
         result["PodDisruptionBudget"] = pod_disruption_budget(owner, spec)
     if autoscaler == "ScaledObject":
         result["ScaledObject"] = scaled_object(owner, spec)

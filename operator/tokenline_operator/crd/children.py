@@ -163,7 +163,10 @@ ROUTING = {
             "description": (
                 "An InferencePool (Gateway API Inference Extension) over the pods' api port and "
                 "its endpoint picker, which scores pods by queue, KV cache use and prefix "
-                "affinity; route to it with an HTTPRoute whose backendRef is the InferencePool."
+                "affinity; route to it with an HTTPRoute whose backendRef is the InferencePool. "
+                "A pooling model's (model.runner: pooling) picker reads no request body and "
+                "scores by queue and KV cache, so /rerank and /score are routed as well as "
+                "/v1/embeddings; with disaggregation it is llm-d's P/D picker."
             ),
             "default": {},
             "properties": {

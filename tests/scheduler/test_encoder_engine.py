@@ -155,6 +155,14 @@ def test_aborts_pauses_and_deadlines_end_requests_once(embedder):
     assert engine.drop("d") and not engine.has_work()
 
 
+def test_a_head_the_checkpoint_lacks_is_refused_at_start(embedder):
+    source = ModelSource(spec="bert", path=str(embedder))
+    setup = resolve_setup(source, "classify", None)  # a BertModel has no classifier
+    options = RunnerOptions(device="cpu", dtype="float32", torch_threads=1)
+    with pytest.raises(SystemExit, match=r"no weights for classifier\.bias, classifier\.weight"):
+        EncoderRunner(source, options, setup)
+
+
 def test_dtype_follows_the_runner_options(embedder):
     engine = engine_for(embedder)
     half = EncoderRunner(

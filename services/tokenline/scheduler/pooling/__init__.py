@@ -1,5 +1,6 @@
 """The scheduler of a pooling model (``--runner pooling``): embeddings and sequence
-classification scores, computed with the same runner, paged KV cache, chunked prefill and batch
-policy as generation, then pooled instead of decoded (engine.py). ``config.py`` reads what the
-checkpoint asks, ``model.py`` puts the pooling head on a native decoder, ``stage.py`` is the
-ring handler and ``start.py`` the process."""
+classification scores. A decoder is computed with the same runner, paged KV cache, chunked
+prefill and batch policy as generation, then pooled instead of decoded (engine.py, its head
+from model.py); a BERT-style encoder runs each input whole, batched, through transformers'
+module (encoder.py, encoder_engine.py). ``config.py`` reads what the checkpoint asks,
+``stage.py`` is the ring handler and ``start.py`` the process."""

@@ -18,6 +18,7 @@ import os
 import torch
 
 from tokenline.model_source import ModelSource
+from tokenline.scheduler.layers.placement import ModelRefused
 from tokenline.scheduler.pooling.config import PoolingSetup
 from tokenline.scheduler.runner import RunnerOptions, checkpoint_dtype, pick_device, pick_dtype
 
@@ -47,7 +48,10 @@ class EncoderRunner:
         checkpoint = checkpoint_dtype(source) if options.dtype == "auto" else None
         self.dtype = pick_dtype(options.dtype, self.device, checkpoint)
         self.setup = setup
-        self.model = self._load(source)
+        try:
+            self.model = self._load(source)
+        except ModelRefused as exc:
+            raise SystemExit(f"{source.spec}: {exc}") from None
         self.config = self.model.config
         positions = encoder_positions(self.config)
         self.max_model_len = min(options.max_model_len or positions, positions)
@@ -75,12 +79,22 @@ class EncoderRunner:
 
         source.refuse_own_code()
         family = AutoModelForSequenceClassification if self.setup.task == "classify" else AutoModel
-        kwargs = {"revision": source.revision, "dtype": self.dtype}
+        kwargs = {"revision": source.revision, "dtype": self.dtype, "output_loading_info": True}
         try:
-            model = family.from_pretrained(source.path, attn_implementation="sdpa", **kwargs)
+            model, info = family.from_pretrained(source.path, attn_implementation="sdpa", **kwargs)
         except (ValueError, ImportError) as exc:  # a family without SDPA: its own attention
             log.info("%s: no SDPA attention (%s); its default attention runs", source.spec, exc)
-            model = family.from_pretrained(source.path, **kwargs)
+            model, info = family.from_pretrained(source.path, **kwargs)
+        # an embedder never reads BERT's pooler; any other weight made up would serve noise
+        missing = sorted(
+            k for k in info["missing_keys"] if self.setup.task == "classify" or "pooler." not in k
+        )
+        if missing:
+            raise ModelRefused(
+                f"{self.setup.architecture}: the checkpoint has no weights for {', '.join(missing)}"
+                f" (--convert {self.setup.task}: {type(model).__name__}); serve a checkpoint "
+                "that has them, or the task it was trained for"
+            )
         return model.to(self.device).eval()
 
     @property

@@ -6,9 +6,10 @@ Embeddings need an embedding model. Rerank and score take a cross-encoder (a cla
 label: each (query, document) pair read together, its logit through a sigmoid, as
 sentence-transformers' CrossEncoder scores) or an embedding model (the cosine of the two
 texts' embeddings, as vLLM does). Classify takes a classifier: each input's probabilities
-(softmax over the labels; a sigmoid for one label or a multi-label classifier, as vLLM) and its
-most likely label. A pooling request to a generating model, or one the model's task cannot
-answer, is a 400 that names the mismatch.
+(softmax over the labels; a sigmoid for one label or a multi-label classifier; a regression
+head's values as they are, as vLLM reads the config's problem_type) and its most likely
+label. A pooling request to a generating model, or one the model's task cannot answer, is a
+400 that names the mismatch.
 """
 
 from __future__ import annotations
@@ -252,7 +253,10 @@ class Classify(Pooling):
 
 def _probabilities(logits: np.ndarray, problem_type: str) -> np.ndarray:
     """transformers' reading of a classifier's logits: a softmax over single-label classes,
-    each label's own sigmoid for one label or several that may hold at once."""
+    each label's own sigmoid for one label or several that may hold at once, the values
+    themselves for a regression head."""
+    if problem_type == "regression":
+        return logits
     if len(logits) == 1 or problem_type == "multi_label_classification":
         return 0.5 * (1.0 + np.tanh(logits / 2))  # the sigmoid, never overflowing
     shifted = np.exp(logits - logits.max())

@@ -346,3 +346,28 @@ def test_each_roles_stage_containers_parse_with_the_real_cli(role):
             port = names.SIDECAR_TARGET_PORT if role == "decode" else names.API_PORT
             assert settings.port == port
     assert seen == set(names.STAGES)
+
+
+def test_prometheus_scrapes_each_api_once_on_its_own_port():
+    built = manifests.children(
+        OWNER, parse(disaggregation=PD), Capabilities(prometheus_operator=True)
+    )
+    endpoints = built["PodMonitor"]["spec"]["podMetricsEndpoints"]
+    by_port = {e["port"]: e for e in endpoints}
+    # the serving port skips the decode pods' sidecar (it would pass the api's /metrics on
+    # under its own container name, and count them twice): their api is scraped behind it
+    drop = {
+        "sourceLabels": ["__meta_kubernetes_pod_container_name"],
+        "regex": pd.SIDECAR_CONTAINER,
+        "action": "drop",
+    }
+    assert drop in by_port["http"]["relabelings"]
+    assert drop not in by_port[pd.API_PORT_NAME]["relabelings"]
+    ports = {p["name"] for c in pod(built["DecodeDeployment"])["containers"] for p in c["ports"]}
+    assert set(by_port) <= ports
+    metrics_rule = built["NetworkPolicy"]["spec"]["ingress"][-1]
+    assert {"protocol": "TCP", "port": names.SIDECAR_TARGET_PORT} in metrics_rule["ports"]
+    plain = manifests.children(OWNER, parse(), Capabilities(prometheus_operator=True))
+    assert pd.API_PORT_NAME not in {
+        e["port"] for e in plain["PodMonitor"]["spec"]["podMetricsEndpoints"]
+    }

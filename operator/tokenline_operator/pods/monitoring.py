@@ -10,6 +10,7 @@ from typing import Any
 from .. import names
 from ..crd.spec import Spec, tls_enabled
 from ..objects import Manifest, Owner, metadata, selector_labels
+from . import disaggregation
 
 
 def pod_monitor(owner: Owner, spec: Spec) -> Manifest:
@@ -35,6 +36,8 @@ def pod_monitor(owner: Owner, spec: Spec) -> Manifest:
             endpoint["scheme"] = "https"
             endpoint["tlsConfig"] = {"insecureSkipVerify": True}
         endpoints.append(endpoint)
+    if disaggregation.enabled(spec):
+        endpoints.append(_api_behind_sidecar(endpoints[0]))
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
@@ -44,3 +47,17 @@ def pod_monitor(owner: Owner, spec: Spec) -> Manifest:
             "podMetricsEndpoints": endpoints,
         },
     }
+
+
+def _api_behind_sidecar(api: dict[str, Any]) -> dict[str, Any]:
+    """spec.disaggregation: a decode pod's serving port is the routing sidecar's, which passes
+    /metrics on to the api. Scraped there, the api's series would carry the sidecar's
+    container label; scraped there and on the api's own port, they would count twice. So the
+    api endpoint skips the sidecar and a second one scrapes the api behind it."""
+    skip = {
+        "sourceLabels": ["__meta_kubernetes_pod_container_name"],
+        "regex": disaggregation.SIDECAR_CONTAINER,
+        "action": "drop",
+    }
+    api["relabelings"] = [*api["relabelings"], skip]
+    return {**api, "port": disaggregation.API_PORT_NAME, "relabelings": api["relabelings"][:-1]}

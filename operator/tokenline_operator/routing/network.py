@@ -110,8 +110,12 @@ def network_policy(owner: Owner, spec: Spec, routing: bool = False) -> Manifest:
     metrics_peers = [network_peer(p) for p in policy["metricsFrom"]]
     # A rule without peers would admit everyone: an empty metricsFrom adds no rule.
     if metrics_peers:
-        # The api's own /metrics is served on the api port.
-        ports = _ports(names.API_PORT, *names.METRICS_PORTS.values())
+        # The api's own /metrics is served on the api port (a decode pod's api: behind its
+        # sidecar, on the sidecar's target port).
+        api_ports = [names.API_PORT]
+        if disaggregation.enabled(spec):
+            api_ports.append(names.SIDECAR_TARGET_PORT)
+        ports = _ports(*api_ports, *names.METRICS_PORTS.values())
         ingress.append({"from": metrics_peers, "ports": ports})
     return {
         "apiVersion": "networking.k8s.io/v1",

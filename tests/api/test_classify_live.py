@@ -98,3 +98,18 @@ def test_classify_on_a_generating_model_is_a_400_naming_the_mismatch(stack):
     assert "--runner generate" in reply.json()["error"]["message"]
     card = httpx.get(f"{stack.api_url}/v1/models", timeout=60).json()["data"][0]
     assert card["runner"] == "generate" and "task" not in card
+
+
+def test_probabilities_follow_the_problem_type():
+    import torch
+
+    from tokenline.api.endpoints.pooling import _probabilities
+
+    logits = np.array([2.0, -1.0, 0.5])
+    softmax = torch.softmax(torch.tensor(logits), -1).numpy()
+    sigmoid = torch.sigmoid(torch.tensor(logits)).numpy()
+    np.testing.assert_allclose(_probabilities(logits, ""), softmax)
+    np.testing.assert_allclose(_probabilities(logits, "single_label_classification"), softmax)
+    np.testing.assert_allclose(_probabilities(logits, "multi_label_classification"), sigmoid)
+    np.testing.assert_allclose(_probabilities(logits, "regression"), logits)
+    np.testing.assert_allclose(_probabilities(np.array([800.0]), ""), [1.0])  # no overflow

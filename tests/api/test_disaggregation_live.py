@@ -29,22 +29,41 @@ STORY = (
 )
 
 
-def launch_prefill(launch_stack):
-    port = free_port_block(1)
-    with mock.patch.dict(os.environ, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}):
-        return launch_stack("tiny", "--kv-transfer-config", PRODUCER, "--request-timeout", "60")
+ADAPTER = "story-lora"
 
 
 @pytest.fixture(scope="module")
-def prefill(launch_stack):
-    stack = launch_prefill(launch_stack)
+def lora_flags(model_cache, tmp_path_factory) -> tuple[str, ...]:
+    """Both stacks serve one adapter: its blocks are named with it on either side."""
+    from test_lora_e2e import write_adapter
+
+    from tokenline.model_source import resolve
+
+    base = resolve("tiny", cache_dir=str(model_cache)).path
+    adapter = write_adapter(base, tmp_path_factory.mktemp("adapters") / ADAPTER)
+    return ("--enable-lora", "--lora-modules", f"{ADAPTER}={adapter}")
+
+
+def launch_prefill(launch_stack, *flags: str):
+    port = free_port_block(1)
+    with mock.patch.dict(os.environ, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}):
+        return launch_stack(
+            "tiny", "--kv-transfer-config", PRODUCER, "--request-timeout", "60", *flags
+        )
+
+
+@pytest.fixture(scope="module")
+def prefill(launch_stack, lora_flags):
+    stack = launch_prefill(launch_stack, *lora_flags)
     yield stack
     stack.stop()
 
 
 @pytest.fixture(scope="module")
-def decode(launch_stack):
-    stack = launch_stack("tiny", "--kv-transfer-config", CONSUMER, "--request-timeout", "60")
+def decode(launch_stack, lora_flags):
+    stack = launch_stack(
+        "tiny", "--kv-transfer-config", CONSUMER, "--request-timeout", "60", *lora_flags
+    )
     yield stack
     stack.stop()
 
@@ -129,6 +148,20 @@ def test_disaggregated_output_is_one_stacks(stack, prefill, decode, path, stream
     assert text_of(path, answer, stream) == text_of(path, alone, stream)
     if not stream:
         assert "kv_transfer_params" not in answer.json()  # only a prefill pod answers them
+
+
+def test_an_adapters_request_reads_the_adapters_kv(prefill, decode) -> None:
+    """Under a LoRA adapter the prompt's K/V is the adapter's: read across and decoded, the
+    answer is the one the adapter gives on one stack, and not the base model's."""
+    path = "/v1/completions"
+    body = body_for(path, False) | {"prompt": STORY + " the adapter spoke.", "model": ADAPTER}
+    on_one = httpx.post(prefill.api_url + path, json=body, timeout=60)
+    assert on_one.status_code == 200, on_one.text
+    base = httpx.post(prefill.api_url + path, json=body | {"model": "tiny"}, timeout=60)
+    answer = disaggregated(prefill, decode, path, body)
+    assert answer.status_code == 200, answer.text
+    assert text_of(path, answer, False) == text_of(path, on_one, False)
+    assert text_of(path, on_one, False) != text_of(path, base, False)
 
 
 def test_the_kv_was_read_and_every_loan_released(prefill, decode) -> None:

@@ -31,7 +31,9 @@ from tokenline.scheduler.refusals import InvalidRequest
 
 PARSERS = ("qwen3", "deepseek_r1")
 START, END = "<think>", "</think>"
-PROMPT_WINDOW = 8  # the prompt's last ids, where a template opens or closes a block
+# The prompt's last ids, where a template opens or closes a block: what the detokenizer is
+# sent of the prompt (scheduler/stage.py's PROMPT_TAIL), so both stages read the same ids.
+PROMPT_WINDOW = 8
 THOUGHT, MARKER, ANSWER = "thought", "marker", "answer"
 
 
@@ -59,11 +61,12 @@ class ReasoningFormat:
                 if token_id == self.start_id:
                     return True
             return None
-        return text_state(self.tokenizer.decode(tail, skip_special_tokens=False))
+        return _text_state(self.tokenizer.decode(tail, skip_special_tokens=False))
 
 
-def text_state(text: str) -> bool | None:
-    """`ReasoningFormat.prompt_state` of a prompt's end read as text."""
+def _text_state(text: str) -> bool | None:
+    """`ReasoningFormat.prompt_state` of a prompt's end read as text: the last marker in it
+    decides (``</think>`` does not hold ``<think>``, so neither is found inside the other)."""
     opened, closed = text.rfind(START), text.rfind(END)
     if opened < 0 and closed < 0:
         return None
@@ -122,13 +125,6 @@ def detect(template: str | None) -> str:
     # Qwen3's template switches thinking with enable_thinking and lets the model open the
     # block; DeepSeek-R1's opens it itself at the generation prompt.
     return "qwen3" if "enable_thinking" in template else "deepseek_r1"
-
-
-def starts_thinking(fmt: ReasoningFormat, prompt: list[int]) -> bool:
-    """Whether the output after ``prompt`` starts inside a block (else it may open one, for
-    a format that lets the model open it, or it is an answer)."""
-    opened = fmt.prompt_state(prompt)
-    return fmt.opens_at_start if opened is None else opened
 
 
 @dataclass

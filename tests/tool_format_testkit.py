@@ -116,6 +116,19 @@ def write_format_model(tiny_dir: Path, out: Path, name: str) -> Path:
     return out
 
 
+def with_special_marker(tokenizer):
+    """A copy of a transformers tokenizer with Mistral's ``[TOOL_CALLS]`` as a special added
+    token (as in Mistral's Hugging Face tokenizers), and the marker's id."""
+    import copy
+
+    from tokenizers import AddedToken
+
+    tokenizer = copy.deepcopy(tokenizer)
+    marker = AddedToken("[TOOL_CALLS]", special=True, normalized=False)
+    tokenizer.add_special_tokens({"additional_special_tokens": [marker]})
+    return tokenizer, tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+
+
 WEATHER = {
     "type": "function",
     "function": {

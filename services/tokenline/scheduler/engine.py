@@ -30,7 +30,8 @@ from tokenline.scheduler.refusals import (
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.scheduler.sampler import plain_sampling, sample_with_logprobs
 from tokenline.scheduler.sequence import Sequence
-from tokenline.scheduler.speculative.config import SpeculativeConfig, proposer_for
+from tokenline.scheduler.speculative.build import proposer_for
+from tokenline.scheduler.speculative.config import SpeculativeConfig
 from tokenline.scheduler.speculative.verify import Acceptance, emitted
 from tokenline.scheduler.step_inputs import long_tensor, to_device
 from tokenline.scheduler.step_times import StepTimes, lap
@@ -95,7 +96,7 @@ class Engine:
             eos_ids=eos_ids,
             max_model_len=limits.max_model_len,
             loras=self.loras,
-            proposer=proposer_for(speculative),
+            proposer=proposer_for(speculative, runner),
             scheduling=scheduling,
         )
         self.acceptance = Acceptance()  # speculative decoding's, since the stage last took it

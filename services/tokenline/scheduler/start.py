@@ -4,6 +4,7 @@ serves it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -84,7 +85,7 @@ def run(settings: Settings) -> int:
         lora=lora,
         grammar_refusal=refusal,
         reasoning=reasoning,
-        speculative=speculative.parse(settings.speculative_config),
+        speculative=speculative_config(settings),
         scheduling=Scheduling(
             settings.scheduling_policy,
             parse_weights(settings.tenant_weights) if settings.tenant_weights else None,
@@ -103,6 +104,15 @@ def run(settings: Settings) -> int:
     stage = SchedulerStage(engine, settings.model_name, kv_events, lora_changes)
     serve_stage(stage, ring, drain)
     return 0
+
+
+def speculative_config(settings: Settings) -> speculative.SpeculativeConfig | None:
+    """--speculative-config, a draft model's source fetched into the model cache first."""
+    config = speculative.parse(settings.speculative_config)
+    if config is not None and config.model is not None:
+        draft = resolve(config.model, settings.model_cache_dir, chat_template=None)
+        config = dataclasses.replace(config, model=draft.path)
+    return config
 
 
 def kv_transfer_config(settings: Settings) -> kv_transfer.KVTransferConfig | None:

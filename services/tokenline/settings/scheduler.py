@@ -208,8 +208,10 @@ ENGINE: tuple[Setting, ...] = (
         help='speculative decoding, vLLM\'s JSON: {"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4} proposes the tokens that '
         "followed the last earlier occurrence of a sequence's last n tokens (n from "
-        "prompt_lookup_max down to prompt_lookup_min) and checks them in one forward; output "
-        "is the same as without it. Requests with a grammar or penalties take a token per step",
+        "prompt_lookup_max down to prompt_lookup_min) and checks them in one forward; "
+        '{"method": "draft_model", "model": M, "num_speculative_tokens": 4} has a smaller model '
+        "of the same vocabulary guess. Output is the same as without it. Requests with a "
+        "grammar or penalties take a token per step",
         stages=SCHEDULER,
         crd=CrdField(
             "engine.speculative",

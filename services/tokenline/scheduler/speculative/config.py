@@ -10,12 +10,10 @@ import json
 from dataclasses import dataclass
 
 from tokenline.protocol import SamplingParams
-from tokenline.scheduler.speculative.ngram import NgramProposer
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # vLLM's methods that need a model next to the target; refused here with this reason
 NOT_YET = {
-    "draft_model": "a draft model",
     "eagle": "EAGLE heads",
     "eagle3": "EAGLE-3 heads",
     "medusa": "Medusa heads",
@@ -29,6 +27,7 @@ _KEYS = {
     "prompt_lookup_max",
     "disable_by_batch_size",
 }
+_DRAFT_KEYS = {"method", "model", "num_speculative_tokens", "disable_by_batch_size"}
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -40,6 +39,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     # vLLM's: no proposals while more sequences than this run (None: at any batch size)
     disable_by_batch_size: int | None = None
+    model: str | None = None  # draft_model: the draft's path or Hugging Face id
 
 
 def parse(text: str | None) -> SpeculativeConfig | None:
@@ -63,11 +63,18 @@ def parse(text: str | None) -> SpeculativeConfig | None:
         raise ValueError(
             f"--speculative-config method {method!r} is unknown; use one of {list(METHODS)}"
         )
-    unknown = sorted(set(raw) - _KEYS)
+    keys = _DRAFT_KEYS if method == "draft_model" else _KEYS
+    unknown = sorted(set(raw) - keys)
     if unknown:
         raise ValueError(
             f"--speculative-config keys {unknown} are not used by the {method} method; "
-            f"it takes {sorted(_KEYS)}"
+            f"it takes {sorted(keys)}"
+        )
+    model = raw.get("model")
+    if method == "draft_model" and (not isinstance(model, str) or not model):
+        raise ValueError(
+            '--speculative-config method "draft_model" needs "model": the draft model\'s path '
+            "or Hugging Face id (a smaller model with the target's vocabulary)"
         )
     tokens = _count(raw, "num_speculative_tokens", None)
     if tokens is None:
@@ -89,7 +96,7 @@ def parse(text: str | None) -> SpeculativeConfig | None:
     most = _count(raw, "disable_by_batch_size", None)
     if most is not None and most < 1:
         raise ValueError(f"--speculative-config disable_by_batch_size {most}: use 1 or more")
-    return SpeculativeConfig(method, tokens, low, high, most)
+    return SpeculativeConfig(method, tokens, low, high, most, model)
 
 
 def _count(raw: dict, key: str, default: int | None) -> int | None:
@@ -97,17 +104,6 @@ def _count(raw: dict, key: str, default: int | None) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
         raise ValueError(f"--speculative-config {key} must be an integer, not {value!r}")
     return value
-
-
-def proposer_for(config: SpeculativeConfig | None) -> NgramProposer | None:
-    if config is None:
-        return None
-    return NgramProposer(
-        config.num_speculative_tokens,
-        config.prompt_lookup_min,
-        config.prompt_lookup_max,
-        config.disable_by_batch_size,
-    )
 
 
 def speculation_serves(sampling: SamplingParams) -> bool:

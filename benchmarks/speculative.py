@@ -17,6 +17,7 @@ differ where logits tie).
     python benchmarks/real_shapes.py --shape smollm2-135m --out /tmp/smollm2-shape
     python benchmarks/speculative.py --model /tmp/smollm2-shape --streams 1 --rounds 3
     python benchmarks/speculative.py --model /tmp/smollm2-shape --streams 8 --rounds 3
+    python benchmarks/speculative.py --model /tmp/smollm2-shape --streams 1 --draft self
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from tokenline.model_source import resolve
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.engine import Engine, EngineLimits
 from tokenline.scheduler.runner import ModelRunner, RunnerOptions
-from tokenline.scheduler.speculative.config import SpeculativeConfig, proposer_for
+from tokenline.scheduler.speculative.build import proposer_for
+from tokenline.scheduler.speculative.config import SpeculativeConfig
 
 
 class Known:
@@ -85,6 +87,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--draft", help="a draft model's path, or self: the target as its draft")
     parser.add_argument("--torch-threads", type=int)
     parser.add_argument("--dtype", default="auto", help="as the scheduler's --dtype")
     parser.add_argument(
@@ -120,7 +123,8 @@ def main() -> None:
     # n-gram workload: the prompt, its continuation, and the prompt again; a model that
     # repeats itself quotes its own continuation, which n-gram proposals find
     repeats = {u: ids + reference[u][: args.output_len] + ids for u, ids in prompts.items()}
-    ngram = proposer_for(SpeculativeConfig("ngram", k, 2, 4))
+    runner = engine.runner
+    ngram = proposer_for(SpeculativeConfig("ngram", k, 2, 4), runner)
     # mode: (proposer, workload, the mode whose output it must equal)
     modes = {
         "off": (None, prompts, None),
@@ -129,6 +133,12 @@ def main() -> None:
         "off, repeating": (None, repeats, None),
         "ngram, repeating": (ngram, repeats, "off, repeating"),
     }
+    if args.draft:  # the target itself as its draft: every guess right, a draft's costs paid
+        draft = "target" if args.draft == "self" else args.draft
+        config = SpeculativeConfig(
+            "draft_model", k, 0, 0, model=args.model if draft == "target" else draft
+        )
+        modes[f"draft model ({draft})"] = (proposer_for(config, runner), prompts, "off")
     results: dict[str, dict] = {m: {"rates": [], "itl": [], "per_step": []} for m in modes}
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for mode, (proposer, workload, same_as) in modes.items():

@@ -5,6 +5,7 @@ profiles, the refusals, and nothing changed without the field."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -29,7 +30,7 @@ OWNER = Owner(name="chat", namespace="serving", uid="0b9c5a3e-1111-4c1b-9f44-2a4
 ROUTED = Capabilities(inference_pool=True)
 ROLE = names.LABEL_LLMD_ROLE
 PD = {
-    "prefill": {"replicas": 3, "tensorParallelSize": 2, "resources": {"requests": {"cpu": "6"}}},
+    "prefill": {"replicas": 3, "resources": {"requests": {"cpu": "6"}}},
     "decode": {"replicas": 2},
 }
 
@@ -53,6 +54,14 @@ def container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
 
 def env(c: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+
+
+def with_role_tp(parsed: spec.Spec, role: str, size: int) -> spec.Spec:
+    """A role's own tensor parallelism, which the parser refuses until the scheduler serves
+    KV transfer at TP above 1: the builders already make such pods as they will be made."""
+    result = copy.deepcopy(parsed)
+    result["disaggregation"][role]["tensorParallelSize"] = size
+    return result
 
 
 def picker_config(**fields: Any) -> dict[str, Any]:
@@ -133,7 +142,8 @@ def test_schedulers_get_their_kv_role_and_the_side_channel_on_the_pod_ip():
 
 
 def test_each_role_has_its_own_tensor_parallelism_and_scheduler_resources():
-    built = children(engine={"gpus": 1}, disaggregation=PD)
+    parsed = with_role_tp(parse(engine={"gpus": 1}, disaggregation=PD), "prefill", 2)
+    built = manifests.children(OWNER, parsed, ROUTED)
     prefill = container(built["PrefillDeployment"], "scheduler")
     decode = container(built["DecodeDeployment"], "scheduler")
     assert prefill["resources"]["limits"]["nvidia.com/gpu"] == 2
@@ -231,6 +241,7 @@ def test_without_disaggregation_nothing_changes():
     ("fields", "problem"),
     [
         ({"engine": {"nodes": 2, "tensorParallelSize": 2}}, "set engine.nodes to 1"),
+        ({"engine": {"tensorParallelSize": 2}}, "KV transfer with tensor parallelism yet"),
         (
             {"model": {"name": "BAAI/bge-small-en-v1.5", "runner": "pooling"}},
             "a pooling model has no decode",
@@ -251,7 +262,7 @@ def test_combinations_it_cannot_serve_are_refused_with_the_reason(fields, proble
 
 def test_the_crd_carries_the_same_rules_and_its_defaults_are_llm_ds():
     rules = definition.SPEC["x-kubernetes-validations"]
-    assert len(rules) == 4 and all(r["rule"].startswith("!has(self.disaggregation)") for r in rules)
+    assert len(rules) == 6 and all(r["rule"].startswith("!has(self.disaggregation)") for r in rules)
     parsed = parse(disaggregation={})
     assert parsed["disaggregation"]["prefill"] == {"replicas": 1}
     assert parsed["disaggregation"]["nonCachedTokens"] == 16
@@ -261,6 +272,8 @@ def test_the_crd_carries_the_same_rules_and_its_defaults_are_llm_ds():
     assert spec.desired_replicas(parse(disaggregation=PD)) == 5
     with pytest.raises(spec.SpecError, match="tensorParallelSize"):
         parse(disaggregation={"prefill": {"tensorParallelSize": 16}})
+    with pytest.raises(spec.SpecError, match=r"disaggregation\.decode: the scheduler does not"):
+        parse(disaggregation={"decode": {"tensorParallelSize": 2}})
 
 
 @pytest.mark.parametrize("version", ["1.30", kv.latest_version()])
@@ -311,7 +324,7 @@ def test_the_example_makes_both_roles_and_llm_ds_picker():
     built = manifests.children(OWNER, parsed, ROUTED)
     assert {"PrefillDeployment", "DecodeDeployment"} <= built.keys()
     decode = container(built["DecodeDeployment"], "scheduler")
-    assert decode["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert decode["resources"]["limits"]["nvidia.com/gpu"] == 1
     plugins = {p["type"]: p.get("parameters") for p in picker_config(**service["spec"])["plugins"]}
     assert plugins["prefix-based-pd-decider"] == {"nonCachedTokens": 256}
 
@@ -320,7 +333,7 @@ def test_the_example_makes_both_roles_and_llm_ds_picker():
 def test_each_roles_stage_containers_parse_with_the_real_cli(role):
     """The kubelet's view of each container (ConfigMap keys, literal values) read by the
     stages' own parser: the KV role, the role's tensor parallelism, the api's moved port."""
-    parsed = parse(engine={"gpus": 1}, disaggregation=PD)
+    parsed = with_role_tp(parse(engine={"gpus": 1}, disaggregation=PD), "prefill", 2)
     data = config.config_map(OWNER, parsed)["data"]
     stages = [c for c in pod(pd.role_deployment(OWNER, parsed, role))["containers"]]
     seen = set()

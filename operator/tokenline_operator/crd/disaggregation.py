@@ -34,7 +34,8 @@ def _role(which: str, replicas: int) -> dict[str, Any]:
         "properties": {
             "replicas": integer(f"{which.capitalize()} pods.", default=replicas, minimum=1),
             "tensorParallelSize": integer(
-                "GPUs (ranks) of each pod's scheduler; unset: spec.engine.tensorParallelSize.",
+                "GPUs (ranks) of each pod's scheduler; unset: spec.engine.tensorParallelSize. "
+                "1 for now: the scheduler does not serve KV transfer across ranks yet.",
                 minimum=1,
                 maximum=8,
             ),
@@ -137,7 +138,25 @@ RULES: list[dict[str, str]] = [
         "message": "the routing sidecar speaks plain HTTP to the api: terminate TLS at the "
         "Gateway and unset server.tlsSecret",
     },
+    *(
+        {
+            "rule": f"!has(self.disaggregation) || "
+            f"(has(self.disaggregation.{role}.tensorParallelSize) ? "
+            f"self.disaggregation.{role}.tensorParallelSize : "
+            "self.engine.tensorParallelSize) == 1",
+            "message": f"disaggregation.{role}: the scheduler does not serve KV transfer with "
+            "tensor parallelism yet (each rank holds a share of the KV heads): set its "
+            "tensorParallelSize (or engine.tensorParallelSize) to 1",
+        }
+        for role in names.LLMD_ROLES
+    ),
 ]
+
+
+def tensor_parallel_size(spec: dict[str, Any], role: str) -> int:
+    """A role's scheduler ranks: its own tensorParallelSize, else the engine's."""
+    own = spec["disaggregation"][role].get("tensorParallelSize")
+    return int(own if own is not None else spec["engine"]["tensorParallelSize"])
 
 
 def schema() -> dict[str, Any]:
@@ -162,6 +181,7 @@ def problems(spec: dict[str, Any]) -> list[str]:
                 spec["model"].get("runner") == "pooling",
                 spec["autoscaling"]["enabled"],
                 bool(spec["server"].get("tlsSecret")),
+                *(tensor_parallel_size(spec, role) != 1 for role in names.LLMD_ROLES),
             ),
             strict=True,
         )

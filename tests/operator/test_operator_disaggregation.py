@@ -242,6 +242,7 @@ def test_without_disaggregation_nothing_changes():
     [
         ({"engine": {"nodes": 2, "tensorParallelSize": 2}}, "set engine.nodes to 1"),
         ({"engine": {"tensorParallelSize": 2}}, "KV transfer with tensor parallelism yet"),
+        ({"engine": {"prefixCaching": False}}, "set engine.prefixCaching to true"),
         (
             {"model": {"name": "BAAI/bge-small-en-v1.5", "runner": "pooling"}},
             "a pooling model has no decode",
@@ -262,7 +263,7 @@ def test_combinations_it_cannot_serve_are_refused_with_the_reason(fields, proble
 
 def test_the_crd_carries_the_same_rules_and_its_defaults_are_llm_ds():
     rules = definition.SPEC["x-kubernetes-validations"]
-    assert len(rules) == 6 and all(r["rule"].startswith("!has(self.disaggregation)") for r in rules)
+    assert len(rules) == 7 and all(r["rule"].startswith("!has(self.disaggregation)") for r in rules)
     parsed = parse(disaggregation={})
     assert parsed["disaggregation"]["prefill"] == {"replicas": 1}
     assert parsed["disaggregation"]["nonCachedTokens"] == 16

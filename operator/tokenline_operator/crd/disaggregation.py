@@ -138,6 +138,11 @@ RULES: list[dict[str, str]] = [
         "message": "the routing sidecar speaks plain HTTP to the api: terminate TLS at the "
         "Gateway and unset server.tlsSecret",
     },
+    {
+        "rule": "!has(self.disaggregation) || self.engine.prefixCaching",
+        "message": "a decode pod admits the KV it reads as a cached prefix: set "
+        "engine.prefixCaching to true",
+    },
     *(
         {
             "rule": f"!has(self.disaggregation) || "
@@ -181,6 +186,7 @@ def problems(spec: dict[str, Any]) -> list[str]:
                 spec["model"].get("runner") == "pooling",
                 spec["autoscaling"]["enabled"],
                 bool(spec["server"].get("tlsSecret")),
+                not spec["engine"]["prefixCaching"],
                 *(tensor_parallel_size(spec, role) != 1 for role in names.LLMD_ROLES),
             ),
             strict=True,

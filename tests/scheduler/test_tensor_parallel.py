@@ -31,6 +31,7 @@ from tokenline import model_source, tiny_model
 from tokenline.scheduler.engine import Engine, EngineLimits
 from tokenline.scheduler.parallel.worker import start
 from tokenline.scheduler.runner import ModelRunner, RunnerOptions
+from tokenline.scheduler.speculative.config import SpeculativeConfig
 
 MiB = 2**20
 MAX_TOKENS = 12
@@ -131,6 +132,38 @@ def test_tp2_matches_tp1_tokens_and_logits(source, driver, encode, eos_ids):
     assert len(logits) == len(expected_logits)
     for mine, theirs in zip(logits, expected_logits, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("source", ["kv2"], indirect=True)  # above the forward: one family
+def test_tp2_with_speculation_matches_tp1(source, driver, encode, eos_ids):
+    """Verified chunks (several rows a sequence, right and wrong guesses) run on both ranks:
+    TP=2 with speculation gives TP=1's tokens."""
+    single = Engine(ModelRunner(source, SINGLE), LIMITS, eos_ids, True)
+    prompts = {f"s{i}": encode(text) for i, text in enumerate(PROMPTS)}
+    sampling = greedy(MAX_TOKENS, ignore_eos=True)
+    for uid, ids in prompts.items():
+        single.add(uid, ids, sampling)
+    expected = drain(single).tokens
+
+    class Alternating:  # the right continuation on even steps, a wrong one on odd steps
+        calls = 0
+
+        def propose(self, seq, limit):
+            Alternating.calls += 1
+            done = len(seq.output_ids)
+            guess = expected[seq.uid][done : done + min(limit, 3)]
+            return guess if Alternating.calls % 2 else [(t + 1) % 256 for t in guess]
+
+    engine = Engine(
+        driver.runner, LIMITS, eos_ids, True, speculative=SpeculativeConfig("ngram", 3, 1, 3)
+    )
+    engine.policy.proposer = Alternating()
+    for uid, ids in prompts.items():
+        engine.add(uid, ids, sampling)
+    assert drain(engine).tokens == expected
+    taken = engine.acceptance
+    assert 0 < taken.accepted_tokens < taken.draft_tokens
     assert_idle(engine)
 
 

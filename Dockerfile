@@ -54,6 +54,10 @@ RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))
     else \
         pip install --no-cache-dir -r requirements.txt; \
     fi
+# NIXL moves KV between prefill and decode pods (--kv-transfer-config). Its wheel names an
+# unpinned torch, so only its own libraries are installed. The CPU variant (a wheelhouse) has
+# no NIXL: its pods refuse --kv-transfer-config at start, saying so.
+RUN if [ -z "${WHEELS}" ]; then pip install --no-cache-dir --no-deps "nixl-cu12==1.5.1"; fi
 COPY README.md ./
 COPY services ./services
 COPY operator ./operator

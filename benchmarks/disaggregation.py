@@ -35,16 +35,27 @@ PRODUCER = '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}'
 CONSUMER = '{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}'
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(count: int = 1) -> int:
+    """A port P such that P..P+count-1 are free (a stack takes its stages' metrics ports
+    after its api's)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise SystemExit("no block of free ports")
 
 
 @contextmanager
 def stack(model: str, *flags: str, cores: str | None = None, env: dict | None = None):
     """A ``tokenline serve`` of ``model``; yields its base URL."""
-    port = free_port()
+    port = free_port(4)
     argv = [sys.executable, "-m", "tokenline.cli", "serve", "--model", model, "--port", str(port)]
     argv += ["--host", "127.0.0.1", "--ipc-dir", tempfile.mkdtemp(prefix="tl-bench-"), *flags]
     if cores:

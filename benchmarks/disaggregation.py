@@ -20,42 +20,24 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from contextlib import contextmanager
 
 import httpx
+from soak import free_port_block, wait_ready  # this folder's: the same stack handling
 
 PRODUCER = '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}'
 CONSUMER = '{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}'
 
 
-def free_port(count: int = 1) -> int:
-    """A port P such that P..P+count-1 are free (a stack takes its stages' metrics ports
-    after its api's)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise SystemExit("no block of free ports")
-
-
 @contextmanager
 def stack(model: str, *flags: str, cores: str | None = None, env: dict | None = None):
     """A ``tokenline serve`` of ``model``; yields its base URL."""
-    port = free_port(4)
+    port = free_port_block(4)
     argv = [sys.executable, "-m", "tokenline.cli", "serve", "--model", model, "--port", str(port)]
     argv += ["--host", "127.0.0.1", "--ipc-dir", tempfile.mkdtemp(prefix="tl-bench-"), *flags]
     if cores:
@@ -66,18 +48,10 @@ def stack(model: str, *flags: str, cores: str | None = None, env: dict | None = 
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                raise SystemExit(f"tokenline serve exited; see {log.name}")
-            try:
-                if urllib.request.urlopen(url + "/ready", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"tokenline serve not ready after 300 s; see {log.name}")
-            time.sleep(0.5)
+        try:
+            wait_ready(url, 300, process)
+        except RuntimeError as exc:
+            raise SystemExit(f"{exc}; see {log.name}") from None
         yield url
     finally:
         process.terminate()
@@ -174,7 +148,7 @@ def main() -> None:
     for _ in range(args.rounds):
         with stack(args.model, *flags) as mixed:
             results.append({"setup": "mixed", **asyncio.run(measure(args, mixed, None, None))})
-        env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+        env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port_block(1))}
         with (
             stack(
                 args.model,

@@ -114,11 +114,12 @@ class Pulls:
                 raise PullFailed("timeout", str(exc)) from None
             except Exception as exc:  # NIXL's errors: a dead or restarted peer
                 raise PullFailed("transfer", f"reading the prompt's KV failed: {exc}") from None
-        except PullFailed:
+        except PullFailed as failure:
             self._welcomes.pop((host, port), None)
             if welcome is not None:
                 self.link.forget(welcome.metadata)
-            self._client.release(host, port, params.remote_request_id or "", 0)
+            if failure.reason != "unreachable":  # a live peer lets its blocks go at once
+                self._client.release(host, port, params.remote_request_id or "", 0)
             raise
         self._client.release(host, port, params.remote_request_id or "", read)
         return read

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -198,6 +198,9 @@ class ModelRunner:
                 sizes = capture_sizes(graph_sizes, options.max_num_seqs)
                 self.graphs = DecodeGraphs(self, sizes, capture=self.device.type == "cuda")
         self.lora: LoraWeights | None = None  # enable_lora's device slots
+        # EAGLE-3 (speculative/eagle3.py): handed each step's chunks and the model's
+        # auxiliary hidden states after the forward; None (the default): nothing is kept
+        self.aux_sink: Callable[[list[Chunk], torch.Tensor], None] | None = None
         self.lora_shape = ModelShape(self.num_layers, self.model.lora_dims)
         self._compiled = False
         packs = packs_weights(Placement(self.device, self.dtype))
@@ -356,6 +359,9 @@ class ModelRunner:
             self.lora,
         )
         hidden = self.model(step.input_ids, context, rows)
+        if self.aux_sink is not None:
+            self.aux_sink(inputs.chunks, self.model.aux_hidden)
+            self.model.aux_hidden = None  # taken: not held until the next step
         sampling = step.sample_rows.shape[0]
         return self.model.logits(hidden[:sampling]), hidden[sampling:]
 

@@ -60,6 +60,14 @@ class CausalLM(torch.nn.Module):
 
     geometry: Geometry
 
+    # EAGLE-3 (speculative/eagle3.py): a family whose forward can keep the residual stream
+    # entering some layers sets ``captures_aux``; while ``aux_layers`` names layers, its
+    # forward leaves every row's states of them, side by side in layer order, in
+    # ``aux_hidden``. Empty (the default): nothing is kept, the forward runs as ever.
+    captures_aux: ClassVar[bool] = False
+    aux_layers: tuple[int, ...] = ()
+    aux_hidden: torch.Tensor | None = None
+
     @property
     def lora_dims(self) -> dict[str, tuple[int, int]]:
         """The linears a LoRA adapter may target, by PEFT's names: (in, out) features. Empty:

@@ -97,6 +97,7 @@ class LlamaForCausalLM(CausalLM):
     """Llama. Subclasses change the switches (`biases`, `qk_norm`, `window`, `mlp`, `rotary`)."""
 
     rotary = ("llama", "LlamaRotaryEmbedding")
+    captures_aux = True  # EAGLE-3 heads can read its layers (`_layers_keeping_aux`)
 
     def __init__(self, config, place: Placement) -> None:
         super().__init__(config, place)
@@ -168,9 +169,26 @@ class LlamaForCausalLM(CausalLM):
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.at(context.positions, context.max_position)
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, context)
+        if self.aux_layers:
+            h = self._layers_keeping_aux(h, cos, sin, context)
+        else:
+            for layer in self.model.layers:
+                h = layer(h, cos, sin, context)
         return self.model.norm(h.index_select(0, rows))
+
+    def _layers_keeping_aux(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: ForwardContext
+    ) -> torch.Tensor:
+        """The layers, keeping the residual stream entering each of ``aux_layers`` (vLLM's
+        auxiliary hidden states: ``hidden_states + residual`` before that layer) in
+        ``aux_hidden``. A layer returns a new tensor, so the kept ones stay as they were."""
+        kept = []
+        for index, layer in enumerate(self.model.layers):
+            if index in self.aux_layers:
+                kept.append(h)
+            h = layer(h, cos, sin, context)
+        self.aux_hidden = torch.cat(kept, dim=-1)
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -17,12 +17,15 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
+    # null in the sidecar's prefill request, as vLLM's connector writes them
     remote_engine_id: str | None = None
     remote_request_id: str | None = None
-    remote_block_ids: list[int] = []
+    remote_block_ids: list[int] | None = None
     remote_host: str | None = None
     remote_port: int | None = None
     tp_size: int = 1
+    # wall-clock time (epoch s) the prefill pod keeps the blocks until: no read starts later
+    remote_blocks_expiry_time: float | None = None
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -68,9 +68,20 @@ def decode(launch_stack, lora_flags):
     stack.stop()
 
 
+# llm-d's routing sidecar (connector_nixlv2.go) sends the prefill pod exactly these
+SIDECAR_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
 def prefill_body(path: str, body: dict) -> dict:
     """What the sidecar sends the prefill pod."""
-    sent = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    sent = {**body, "stream": False, "kv_transfer_params": SIDECAR_PARAMS}
     sent.pop("stream_options", None)
     if path == "/v1/responses":
         sent["max_output_tokens"] = 1

@@ -325,3 +325,90 @@ def test_a_prefix_cached_on_the_prefill_side_is_lent_too(
     assert producer.transfers.lending.held_blocks == 0
     assert_idle(producer)
     assert_idle(consumer)
+
+
+def test_a_request_that_ends_where_it_is_admitted_leaves_no_block_held(
+    producer: Engine, consumer: Engine, encode
+) -> None:
+    prompt = encode(LONG + " in one token")
+    params = prefill(producer, "p-one", prompt)
+    consumer.pool.clear_cache()
+    consumer.add("d-one", prompt, greedy(1, kv_transfer=params))
+    run(consumer, {"d-one"})
+    consumer.expire()  # housekeeping, with no step to run
+    settle(producer)
+    assert_idle(consumer)
+
+
+def test_a_read_the_lease_would_not_cover_is_not_started(make_engine, encode) -> None:
+    """A lease that ends before a read could finish: the blocks may be another prompt's by
+    then, so the read is refused (here: recomputed) rather than attempted."""
+    prompt = encode(LONG + " too late")
+    lender = make_engine(kv_transfer=producer_config(lease_s=0.5))
+    reader = make_engine(kv_transfer=consumer_config(failure_policy="recompute"))
+    try:
+        params = prefill(lender, "p-late", prompt)
+        assert params.remote_blocks_expiry_time is not None
+        alone = make_engine()
+        alone.add("a", prompt, greedy(4))
+        reader.add("d-late", prompt, greedy(4, kv_transfer=params))
+        assert tokens(run(reader, {"d-late"})["d-late"]) == tokens(run(alone, {"a"})["a"])
+        assert reader.transfers.pulls.failures["expired"] == 1
+        assert_idle(reader)
+    finally:
+        lender.transfers.close()
+        reader.transfers.close()
+
+
+def test_the_side_channel_outlives_messages_that_are_not_its_own(
+    producer: Engine, consumer: Engine, encode
+) -> None:
+    import zmq
+
+    address = producer.transfers.server.address
+    stranger = zmq.Context.instance().socket(zmq.DEALER)
+    stranger.connect(address)
+    stranger.send_multipart([b"one", b"two"])  # three frames at the ROUTER
+    stranger.send(b"not msgpack of ours")
+    stranger.close(linger=1000)
+    time.sleep(0.3)
+    assert producer.transfers.server._thread.is_alive()
+    prompt = encode(LONG + " after the noise")
+    params = prefill(producer, "p-noise", prompt)
+    consumer.pool.clear_cache()
+    consumer.add("d-noise", prompt, greedy(4, kv_transfer=params))
+    assert tokens(run(consumer, {"d-noise"})["d-noise"])
+    settle(producer)
+    assert producer.transfers.lending.held_blocks == 0
+
+
+def test_a_prefill_pod_restarted_at_the_same_address_is_asked_again(
+    make_engine, consumer: Engine, encode
+) -> None:
+    """The decode side caches a pod's agent by address; another engine id there (a restart)
+    makes it shake hands again instead of reading the old agent's memory."""
+    prompt = encode(LONG + " restarted")
+    first = make_engine(kv_transfer=producer_config())
+    port = int(first.transfers.server.address.rsplit(":", 1)[1])
+    params = prefill(first, "p-first-life", prompt)
+    consumer.pool.clear_cache()
+    consumer.add("d-first-life", prompt, greedy(4, kv_transfer=params))
+    run(consumer, {"d-first-life"})
+    first.transfers.close()
+    generator = torch.Generator().manual_seed(3)  # the old pool now holds other K/V
+    first.runner.kv_cache.copy_(torch.randn(first.runner.kv_cache.shape, generator=generator))
+    second = make_engine(
+        kv_transfer=KVTransferConfig(
+            role="kv_producer", engine_id="prefill-2", side_channel_port=port
+        )
+    )
+    try:
+        alone = make_engine()
+        alone.add("a", prompt, greedy(8))
+        params = prefill(second, "p-second-life", prompt)
+        consumer.pool.clear_cache()
+        consumer.add("d-second-life", prompt, greedy(8, kv_transfer=params))
+        got = tokens(run(consumer, {"d-second-life"})["d-second-life"])
+        assert got == tokens(run(alone, {"a"})["a"])
+    finally:
+        second.transfers.close()

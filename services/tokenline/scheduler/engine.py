@@ -23,13 +23,12 @@ from tokenline.scheduler.policy import BatchPolicy, Chunk, StepOutput
 from tokenline.scheduler.refusals import (
     InvalidRequest,
     KVCacheTooSmall,
-    KVLoadFailed,
     UnknownModel,
     check_sampling,
 )
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.scheduler.sampler import plain_sampling, sample_with_logprobs
-from tokenline.scheduler.sequence import Sequence
+from tokenline.scheduler.sequence import Sequence, Status
 from tokenline.scheduler.speculative.build import proposer_for
 from tokenline.scheduler.speculative.config import SpeculativeConfig
 from tokenline.scheduler.speculative.verify import Acceptance, emitted
@@ -170,22 +169,15 @@ class Engine:
         self._join(seq)
         return seq
 
-    def _join(self, seq: Sequence) -> None:
-        """Into the batch policy, unless its prompt's KV is to be read from a prefill pod."""
-        if self.transfers is None or not self.transfers.waits(seq):
+    def _join(self, seq: Sequence, read: bool = False) -> None:
+        """Into the batch policy, unless its prompt's KV is to be read from a prefill pod first
+        (``read``: it has been); an adapter unloaded while it waited outside ends it."""
+        if seq.lora and seq.lora not in self.loras.uris:
+            seq.status = Status.FINISHED
+            missing = UnknownModel(f"The model `{seq.lora}` does not exist.")
+            self._rejected.append((seq.uid, missing))
+        elif read or self.transfers is None or not self.transfers.waits(seq):
             self.policy.add(seq)
-
-    def _admit_transferred(self) -> None:
-        """Requests whose KV was read join the policy; failed reads recompute or end."""
-        ready, failed = self.transfers.between_steps()
-        for seq in ready:
-            self.policy.add(seq)
-        for seq, failure in failed:
-            if self.transfers.config.failure_policy == "recompute":
-                seq.cached_tokens = None  # counted at admission, as any prompt's
-                self.policy.add(seq)
-            else:
-                self._rejected.append((seq.uid, KVLoadFailed(f"{failure}; retry the request")))
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar is built join the scheduler; failed ones are rejected."""
@@ -199,10 +191,6 @@ class Engine:
                     f"the output format cannot be enforced: {exc}", param="response_format"
                 )
                 self._rejected.append((uid, error))
-                continue
-            if seq.lora and seq.lora not in self.loras.uris:  # unloaded while it compiled
-                missing = UnknownModel(f"The model `{seq.lora}` does not exist.")
-                self._rejected.append((uid, missing))
                 continue
             self._join(seq)
 
@@ -274,8 +262,8 @@ class Engine:
         started = time.perf_counter()
         if self.compiling:
             self._admit_compiled()
-        if self.transfers is not None:
-            self._admit_transferred()
+        if self.transfers is not None:  # reads ended: join, recompute or fail
+            self.transfers.admit(self._join, self._rejected)
         chunks = self.policy.schedule()
         self.step_uids = [c.seq.uid for c in chunks]
         computed: list[TokenOutput] = []

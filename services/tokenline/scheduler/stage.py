@@ -371,4 +371,7 @@ class SchedulerStage:
     def shutdown(self) -> list[msgspec.Struct]:
         for uid in self.engine.held_uids():  # drain time is up
             self.engine.abort(uid)
-        return self.step()
+        last = self.step()
+        if self.engine.transfers is not None:  # its side channel and read worker
+            self.engine.transfers.close()
+        return last

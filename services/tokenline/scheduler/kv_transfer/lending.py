@@ -21,7 +21,8 @@ from tokenline.scheduler.sequence import Sequence
 @dataclass
 class _Loan:
     blocks: list[int]
-    expires: float
+    expires: float  # monotonic
+    expires_at: float  # the same, on the wall clock the reader compares with its own
 
 
 class Lending:
@@ -43,7 +44,8 @@ class Lending:
             return
         blocks = seq.block_table[: (len(seq.prompt_ids) - 1) // self.pool.block_size]
         self.pool.retain(blocks)
-        self.loans[seq.uid] = _Loan(blocks, time.monotonic() + self.config.lease_s)
+        lease = self.config.lease_s
+        self.loans[seq.uid] = _Loan(blocks, time.monotonic() + lease, time.time() + lease)
 
     def params(self, uid: str) -> KVTransferParams | None:
         """What the response tells the decode pod (vLLM's keys); None: nothing was lent."""
@@ -58,6 +60,7 @@ class Lending:
             remote_host=self.host,
             remote_port=self.port,
             tp_size=1,
+            remote_blocks_expiry_time=loan.expires_at,
         )
 
     def give_back(self, uid: str) -> bool:

@@ -88,6 +88,10 @@ def nixl_module():
     )
 
 
+class TransferStuck(RuntimeError):
+    """A read that failed and could not be cancelled: NIXL may still write into its blocks."""
+
+
 class NixlLink:
     """This pod's NIXL agent over its KV pool."""
 
@@ -122,6 +126,7 @@ class NixlLink:
         local = self.agent.get_xfer_descs(self.layout.descriptors(runs, 0), self.mem)
         remote = self.agent.get_xfer_descs(peer.descriptors(runs, 1), self.mem)
         handle = self.agent.initialize_xfer("READ", local, remote, name)
+        done = False
         try:
             state = self.agent.transfer(handle)
             deadline = time.monotonic() + timeout_s
@@ -132,11 +137,14 @@ class NixlLink:
                 state = self.agent.check_xfer_state(handle)
             if state == "ERR":
                 raise RuntimeError(f"NIXL failed to read {len(blocks)} KV blocks")
+            done = True
         finally:
             try:
                 self.agent.release_xfer_handle(handle)
-            except Exception:  # a transfer that cannot be cancelled: NIXL logs it
-                log.warning("a KV read's NIXL handle could not be released")
+            except Exception as exc:
+                if not done:  # still in flight, and NIXL could not cancel it
+                    raise TransferStuck(f"a KV read could not be cancelled ({exc})") from None
+                log.warning("a finished KV read's NIXL handle could not be released: %s", exc)
         return len(blocks) * self.layout.block_size * self.layout.row_bytes * self.layout.num_layers
 
     def forget(self, peer_metadata: bytes) -> None:

@@ -26,12 +26,15 @@ from dataclasses import dataclass
 from tokenline.protocol import KVTransferParams
 from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.kv_transfer.config import KVTransferConfig
-from tokenline.scheduler.kv_transfer.link import NixlLink
+from tokenline.scheduler.kv_transfer.link import NixlLink, TransferStuck
 from tokenline.scheduler.kv_transfer.side_channel import SideChannelClient, Welcome
 from tokenline.scheduler.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 5.0
+# After a peer was unreachable, reads from it fail at once for this long, rather than each
+# waiting out a handshake's timeout in the worker's queue in front of other peers' reads.
+UNREACHABLE_MEMORY_S = 10.0
 
 
 class PullFailed(Exception):
@@ -58,6 +61,8 @@ class Pulls:
         self.link = link
         self._client = SideChannelClient()  # used by the worker thread only
         self._welcomes: dict[tuple[str, int], Welcome] = {}  # the worker's too
+        self._unreachable: dict[tuple[str, int], float] = {}  # the worker's too: since when
+        self._dropped = 0  # aborted reads still in flight, named apart in ``pending``
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
         self.pending: dict[str, _Pull] = {}  # waiting for room or for the read
         self._admitting: dict[str, _Pull] = {}  # read, in the policy, blocks still held here
@@ -70,7 +75,7 @@ class Pulls:
     def arrive(self, seq: Sequence, params: KVTransferParams) -> bool:
         """True: ``seq`` waits here for its read; False: nothing to read, it joins at once."""
         bs = self.pool.block_size
-        wanted = min(len(params.remote_block_ids), (len(seq.prompt_ids) - 1) // bs)
+        wanted = min(len(params.remote_block_ids or ()), (len(seq.prompt_ids) - 1) // bs)
         cached = len(self.pool.lookup(seq)) if not seq.scores_prompt else wanted
         if cached >= wanted:  # all here already (or every position must be computed anyway)
             self._release_remote(params, 0)
@@ -83,7 +88,8 @@ class Pulls:
     def _start(self, pull: _Pull, wanted: int | None = None) -> None:
         bs = self.pool.block_size
         if wanted is None:
-            wanted = min(len(pull.params.remote_block_ids), (len(pull.seq.prompt_ids) - 1) // bs)
+            lent = len(pull.params.remote_block_ids or ())
+            wanted = min(lent, (len(pull.seq.prompt_ids) - 1) // bs)
         count = wanted - pull.first_index
         if self.pool.num_free < count + self.pool.blocks_for(bs):  # room for the rest too
             return  # retried each step until blocks free up
@@ -96,20 +102,22 @@ class Pulls:
     def _read(self, params: KVTransferParams, peer_blocks: list[int], blocks: list[int]) -> int:
         host, port = params.remote_host or "", int(params.remote_port or 0)
         welcome = self._welcomes.get((host, port))
+        if welcome is not None and welcome.engine_id != params.remote_engine_id:
+            welcome = None  # another pod (a restart) at the same address: shake hands anew
         try:
             if welcome is None:
-                try:
-                    welcome = self._client.hello(host, port, self.link.layout, HELLO_TIMEOUT_S)
-                except TimeoutError as exc:
-                    raise PullFailed("unreachable", str(exc)) from None
-                mismatch = welcome.refusal or self.link.layout.mismatch(welcome.layout)
-                if mismatch:
-                    raise PullFailed("refused", f"the prefill pod's KV does not fit: {mismatch}")
-                self._welcomes[host, port] = welcome
+                welcome = self._hello(host, port)
+            timeout = self.config.pull_timeout_s
+            expiry = params.remote_blocks_expiry_time
+            if expiry is not None and time.time() + timeout > expiry:
+                raise PullFailed(
+                    "expired", "the prefill pod's lease on the prompt's KV ends before a read would"
+                )
             try:
-                timeout = self.config.pull_timeout_s
                 peer = welcome.layout
                 read = self.link.read(welcome.metadata, peer, peer_blocks, blocks, timeout)
+            except TransferStuck as exc:
+                raise PullFailed("stuck", str(exc)) from None
             except TimeoutError as exc:
                 raise PullFailed("timeout", str(exc)) from None
             except Exception as exc:  # NIXL's errors: a dead or restarted peer
@@ -124,33 +132,61 @@ class Pulls:
         self._client.release(host, port, params.remote_request_id or "", read)
         return read
 
+    def _hello(self, host: str, port: int) -> Welcome:
+        """The peer's agent and layout, checked against ours; raises PullFailed."""
+        since = self._unreachable.get((host, port))
+        if since is not None and time.monotonic() - since < UNREACHABLE_MEMORY_S:
+            raise PullFailed("unreachable", f"the prefill pod at {host}:{port} was unreachable")
+        try:
+            welcome = self._client.hello(host, port, self.link.layout, HELLO_TIMEOUT_S)
+        except TimeoutError as exc:
+            self._unreachable[host, port] = time.monotonic()
+            raise PullFailed("unreachable", str(exc)) from None
+        except Exception as exc:  # an answer that is not ours: not a pod to read from
+            self._client.drop(host, port)
+            raise PullFailed("refused", f"the side channel at {host}:{port}: {exc}") from None
+        self._unreachable.pop((host, port), None)
+        mismatch = welcome.refusal or self.link.layout.mismatch(welcome.layout)
+        if mismatch:
+            raise PullFailed("refused", f"the prefill pod's KV does not fit: {mismatch}")
+        self._welcomes[host, port] = welcome
+        return welcome
+
     def _release_remote(self, params: KVTransferParams, bytes_read: int) -> None:
         host, port = params.remote_host or "", int(params.remote_port or 0)
         request = params.remote_request_id or ""
         self._worker.submit(self._client.release, host, port, request, bytes_read)
 
     # ── between steps ─────────────────────────────────────────────────────────────────────────
-    def poll(self) -> tuple[list[Sequence], list[tuple[Sequence, PullFailed]]]:
-        """Requests read (to join the policy) and requests whose read failed."""
+    def tend(self) -> None:
+        """Blocks held for requests admitted (or gone) since go back; reads that wait for
+        room start when there is some."""
         for uid, pull in list(self._admitting.items()):
             if pull.seq.status is not Status.WAITING:  # admitted (sharing them) or gone
                 self.pool.drop(pull.blocks)
                 del self._admitting[uid]
+        for pull in self.pending.values():
+            if pull.future is None:
+                self._start(pull)
+
+    def poll(self) -> tuple[list[Sequence], list[tuple[Sequence, PullFailed]]]:
+        """Requests read (to join the policy) and requests whose read failed."""
+        self.tend()
         ready: list[Sequence] = []
         failed: list[tuple[Sequence, PullFailed]] = []
         for uid, pull in list(self.pending.items()):
-            if pull.future is None:
-                self._start(pull)
-                continue
-            if not pull.future.done():
+            if pull.future is None or not pull.future.done():
                 continue
             del self.pending[uid]
             error = pull.future.exception()
-            if pull.dropped:
+            if isinstance(error, PullFailed) and error.reason == "stuck":
+                # NIXL may still write into these blocks: they never go back to the pool
+                log.error("%s: %s; %d KV blocks are kept out of use", uid, error, len(pull.blocks))
+            elif pull.dropped or error is not None:
                 self.pool.drop(pull.blocks)
+            if pull.dropped:
                 continue
             if error is not None:
-                self.pool.drop(pull.blocks)
                 failure = error
                 if not isinstance(error, PullFailed):
                     failure = PullFailed("transfer", str(error))
@@ -181,7 +217,8 @@ class Pulls:
             self.pool.drop(pull.blocks)
         else:  # NIXL still writes into its blocks: they go back when it is done
             pull.dropped = True
-            self.pending[f"{uid}#dropped"] = pull
+            self._dropped += 1
+            self.pending[f"{uid}#dropped{self._dropped}"] = pull
         return pull.seq
 
     def uids(self) -> list[str]:

@@ -26,6 +26,7 @@ class Hello(msgspec.Struct, tag="hello"):
 class Welcome(msgspec.Struct, tag="welcome"):
     metadata: bytes  # the owner's NIXL agent
     layout: KVLayout
+    engine_id: str  # the owner's, as its responses name it: a restart shows as another
     refusal: str = ""  # why the reader cannot read here; "" when it can
 
 
@@ -41,9 +42,12 @@ _decoder = msgspec.msgpack.Decoder(Hello | Welcome | Release)
 class SideChannelServer:
     """The owner's end: answers hellos, queues releases for ``take_releases``."""
 
-    def __init__(self, host: str, port: int, metadata: bytes, layout: KVLayout) -> None:
+    def __init__(
+        self, host: str, port: int, metadata: bytes, layout: KVLayout, engine_id: str
+    ) -> None:
         self.metadata = metadata
         self.layout = layout
+        self.engine_id = engine_id
         self._releases: deque[Release] = deque()
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -60,20 +64,25 @@ class SideChannelServer:
         while not self._stop.is_set():
             if not poller.poll(100):
                 continue
-            peer, payload = self._socket.recv_multipart()
-            try:
-                message = _decoder.decode(payload)
-            except msgspec.DecodeError:
-                log.warning("kv side channel: a message that is not ours; ignored")
-                continue
-            if isinstance(message, Hello):
-                refusal = self.layout.mismatch(message.layout)
-                if refusal:
-                    log.warning("kv side channel: a reader refused: %s", refusal)
-                reply = Welcome(self.metadata, self.layout, refusal)
-                self._socket.send_multipart([peer, _encoder.encode(reply)])
-            elif isinstance(message, Release):
-                self._releases.append(message)
+            frames = self._socket.recv_multipart()
+            try:  # nothing a peer sends may end the thread: every reader needs it
+                self._answer(frames)
+            except Exception as exc:
+                log.warning("kv side channel: a message that is not ours (%s); ignored", exc)
+
+    def _answer(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            raise ValueError(f"{len(frames)} frames")
+        peer, payload = frames
+        message = _decoder.decode(payload)
+        if isinstance(message, Hello):
+            refusal = self.layout.mismatch(message.layout)
+            if refusal:
+                log.warning("kv side channel: a reader refused: %s", refusal)
+            reply = Welcome(self.metadata, self.layout, self.engine_id, refusal)
+            self._socket.send_multipart([peer, _encoder.encode(reply)], zmq.NOBLOCK)
+        elif isinstance(message, Release):
+            self._releases.append(message)
 
     def take_releases(self) -> list[Release]:
         taken = []
@@ -115,7 +124,14 @@ class SideChannelClient:
         return reply
 
     def release(self, host: str, port: int, request_id: str, bytes_read: int) -> None:
-        self._socket(host, port).send(_encoder.encode(Release(request_id, bytes_read)))
+        try:  # never waits: a peer that cannot take it lets its blocks go with the lease
+            self._socket(host, port).send(
+                _encoder.encode(Release(request_id, bytes_read)), zmq.NOBLOCK
+            )
+        except zmq.Again:
+            log.warning(
+                "kv side channel: %s:%s takes no release now; its lease frees it", host, port
+            )
 
     def drop(self, host: str, port: int) -> None:
         socket = self._sockets.pop((host, port), None)

@@ -4,6 +4,7 @@ for their KV (pulls.py), which lend theirs (lending.py), and the side channel's 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -15,7 +16,7 @@ from tokenline.scheduler.kv_transfer.link import KVLayout, NixlLink
 from tokenline.scheduler.kv_transfer.pulls import PullFailed, Pulls
 from tokenline.scheduler.kv_transfer.side_channel import SideChannelServer
 from tokenline.scheduler.policy import Chunk
-from tokenline.scheduler.refusals import InvalidRequest
+from tokenline.scheduler.refusals import InvalidRequest, KVLoadFailed
 from tokenline.scheduler.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,9 @@ class KVTransfers:
         self.server: SideChannelServer | None = None
         if config.produces:
             host, port = config.side_channel_host, config.side_channel_port
-            self.server = SideChannelServer(host, port, self.link.metadata, self.link.layout)
+            self.server = SideChannelServer(
+                host, port, self.link.metadata, self.link.layout, config.engine_id
+            )
             port = int(self.server.address.rsplit(":", 1)[1])  # port 0: the one bound
             self.lending = Lending(pool, config, host, port)
             log.info("kv transfer: lending prompts' KV, side channel at %s", self.server.address)
@@ -67,6 +70,23 @@ class KVTransfers:
         if self.pulls is None or params is None or not params.do_remote_prefill:
             return False
         return self.pulls.arrive(seq, params)
+
+    def admit(
+        self,
+        join: Callable[[Sequence, bool], None],
+        rejected: list[tuple[str, InvalidRequest]],
+    ) -> None:
+        """Requests whose KV was read ``join`` the batch (the engine's, ``read`` True); those
+        whose read failed are prefilled here (``recompute``) or refused (``fail``)."""
+        ready, failed = self.between_steps()
+        for seq in ready:
+            join(seq, True)
+        for seq, failure in failed:
+            if self.config.failure_policy == "recompute":
+                seq.cached_tokens = None  # counted at admission, as any prompt's
+                join(seq, True)
+            else:
+                rejected.append((seq.uid, KVLoadFailed(f"{failure}; retry the request")))
 
     def between_steps(self) -> tuple[list[Sequence], list[tuple[Sequence, PullFailed]]]:
         """Releases applied; reads that ended: the sequences to join, those that failed."""
@@ -99,11 +119,10 @@ class KVTransfers:
         return self.pulls is not None and bool(self.pulls.pending)
 
     def ready(self) -> bool:
-        """A read has ended (or waits for room): the next step takes it up."""
+        """A read has ended: the next step takes it up."""
         if self.pulls is None:
             return False
-        pending = self.pulls.pending.values()
-        return any(p.future is None or p.future.done() for p in pending)
+        return any(p.future is not None and p.future.done() for p in self.pulls.pending.values())
 
     def _take_releases(self) -> None:
         if self.lending is not None and self.server is not None:
@@ -112,10 +131,13 @@ class KVTransfers:
                 self.bytes_sent += release.bytes_read
 
     def expire(self, now: float) -> None:
-        """Loans released or past their lease go back, also while no step runs."""
+        """Also while no step runs: loans released or past their lease go back, reads that
+        waited for room start, and blocks held for requests admitted since are let go."""
         if self.lending is not None:
             self._take_releases()
             self.lending.expire(now)
+        if self.pulls is not None:
+            self.pulls.tend()
 
     def close(self) -> None:
         if self.server is not None:

@@ -79,3 +79,29 @@ def test_a_draft_of_another_vocabulary_is_refused(make_engine, tmp_path) -> None
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(SystemExit, match="vocabulary of 77 tokens"):
         make_engine(speculative=draft_config(str(tmp_path)))
+
+
+def test_a_long_prompt_reaches_the_draft_in_bounded_chunks(
+    make_engine, tiny_source, encode, monkeypatch
+) -> None:
+    """The draft catches up on a long context a bounded chunk per step, guessing nothing
+    meanwhile, so no step carries a whole prompt's forward in the draft."""
+    from tokenline.scheduler.speculative.draft import CATCH_UP_TOKENS
+
+    prompt = encode("the keeper of the light " * 60)
+    assert len(prompt) > 2 * CATCH_UP_TOKENS
+    alone = make_engine()
+    alone.add("a", prompt, greedy(MAX_TOKENS))
+    # the draft's pool is a quarter of the target's: room for the whole context
+    engine = make_engine(speculative=draft_config(tiny_source.path), kv_cache_memory=32 * 2**20)
+    fed: list[int] = []
+    forward = engine.policy.proposer.runner.forward
+    monkeypatch.setattr(
+        engine.policy.proposer.runner,
+        "forward",
+        lambda chunks: fed.extend(c.num_tokens for c in chunks) or forward(chunks),
+    )
+    engine.add("s", prompt, greedy(MAX_TOKENS))
+    assert drain(engine).tokens["s"] == drain(alone).tokens["a"]
+    assert max(fed) <= CATCH_UP_TOKENS and sum(fed) >= len(prompt)
+    assert engine.acceptance.accepted_tokens > 0

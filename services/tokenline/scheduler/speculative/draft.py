@@ -27,6 +27,9 @@ from tokenline.scheduler.speculative.config import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 _UNBOUNDED = 1 << 30
+# A sequence's first proposal prefills its whole context in the draft; it is fed this many
+# tokens a step (without guesses until done), so a long prompt never stalls the step.
+CATCH_UP_TOKENS = 256
 _FREE_SAMPLING = SamplingParams()
 
 
@@ -50,7 +53,8 @@ class DraftModelProposer:
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         """Up to ``min(limit, num_tokens)`` greedy guesses of the draft model."""
-        limit = min(limit, self.num_tokens)
+        # within the draft's own context, which may be shorter than the target's
+        limit = min(limit, self.num_tokens, self.runner.max_model_len - seq.num_tokens - 1)
         if limit <= 0:
             return []
         if len(self.drafts) >= self._prune_at:
@@ -59,18 +63,30 @@ class DraftModelProposer:
         guesses: list[int] = []
         copy = draft.seq
         for _ in range(limit):
-            feed = copy.num_uncomputed
-            if not self.pool.can_grow(copy, feed):
-                self.prune()
-                if not self.pool.can_grow(copy, feed):
-                    break  # the draft pool is full of live sequences: fewer guesses
-            self.pool.grow(copy, feed)
-            logits = self.runner.forward([Chunk(copy, copy.num_computed, feed)])
-            copy.num_computed += feed
+            feed = min(copy.num_uncomputed, CATCH_UP_TOKENS)
+            if not self._room(copy, feed):
+                break  # the draft pool is full of live sequences: fewer guesses
+            logits = self._feed(copy, feed)
+            if copy.num_uncomputed:  # still catching up: guesses from the next step on
+                break
             guess = int(logits[0].argmax())
             copy.output_ids.append(guess)
             guesses.append(guess)
         return guesses
+
+    def _room(self, copy: Sequence, count: int) -> bool:
+        if self.pool.can_grow(copy, count):
+            return True
+        self.prune()
+        return self.pool.can_grow(copy, count)
+
+    def _feed(self, copy: Sequence, count: int) -> torch.Tensor:
+        """``count`` more of ``copy``'s tokens through the draft (the caller made room); the
+        logits after the last of them (none for a catch-up chunk that ends before it)."""
+        self.pool.grow(copy, count)
+        logits = self.runner.forward([Chunk(copy, copy.num_computed, count)])
+        copy.num_computed += count
+        return logits
 
     def _synced(self, seq: Sequence) -> _Draft:
         """``seq``'s draft copy, holding its tokens now; the guesses it kept stay computed."""
@@ -112,14 +128,17 @@ def draft_proposer(config: SpeculativeConfig, target: ModelRunner) -> DraftModel
     of a quarter of the target's bytes; refused at start unless it shares the target's
     vocabulary."""
     source = resolve(config.model)  # start.py made it a local directory (fetched if need be)
-    kv_bytes = target.kv_cache.numel() * target.kv_cache.element_size()
+    kv_bytes = target.kv_cache.numel() * target.kv_cache.element_size() // 4
+    if target.device.type == "cuda":  # the target sized its pool first: half of what is left
+        free, _ = torch.cuda.mem_get_info(target.device)
+        kv_bytes = min(kv_bytes, free // 2)
     options = RunnerOptions(
         device=target.device.type,
         dtype=str(target.dtype).removeprefix("torch."),
-        kv_cache_memory=max(kv_bytes // 4, 1 << 20),
+        kv_cache_memory=max(kv_bytes, 1 << 20),
         dense_decode=False,  # its rollbacks rewrite positions a dense row would hold
         torch_threads=torch.get_num_threads(),  # the target's choice, kept
-        max_model_len=target.max_model_len,
+        max_model_len=min(target.max_model_len, source.max_model_len()),
     )
     runner = ModelRunner(source, options)
     if runner.vocab_size != target.vocab_size:

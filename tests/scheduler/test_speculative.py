@@ -44,7 +44,7 @@ def test_config_takes_vllms_keys_and_defaults() -> None:
     [
         ("{", "not JSON"),
         ("[1]", "JSON object"),
-        ('{"method": "eagle3", "model": "x", "num_speculative_tokens": 3}', "EAGLE-3"),
+        ('{"method": "eagle", "model": "x", "num_speculative_tokens": 3}', "EAGLE heads"),
         ('{"method": "draft_model", "num_speculative_tokens": 3}', "needs \"model\""),
         ('{"method": "lookahead", "num_speculative_tokens": 3}', "unknown"),
         ('{"method": "ngram"}', "needs num_speculative_tokens"),

@@ -11,11 +11,10 @@ from dataclasses import dataclass
 
 from tokenline.protocol import SamplingParams
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle3")
 # vLLM's methods that need a model next to the target; refused here with this reason
 NOT_YET = {
     "eagle": "EAGLE heads",
-    "eagle3": "EAGLE-3 heads",
     "medusa": "Medusa heads",
     "mtp": "multi-token-prediction layers",
     "deepseek_mtp": "multi-token-prediction layers",
@@ -29,6 +28,10 @@ _KEYS = {
 }
 _DRAFT_KEYS = {"method", "model", "num_speculative_tokens", "disable_by_batch_size"}
 MAX_SPECULATIVE_TOKENS = 16
+_MODEL_OF = {
+    "draft_model": "the draft model (a smaller model with the target's vocabulary)",
+    "eagle3": "the EAGLE-3 head (trained for the target)",
+}
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     # vLLM's: no proposals while more sequences than this run (None: at any batch size)
     disable_by_batch_size: int | None = None
-    model: str | None = None  # draft_model: the draft's path or Hugging Face id
+    model: str | None = None  # draft_model, eagle3: the draft's or head's path or HF id
 
 
 def parse(text: str | None) -> SpeculativeConfig | None:
@@ -63,7 +66,7 @@ def parse(text: str | None) -> SpeculativeConfig | None:
         raise ValueError(
             f"--speculative-config method {method!r} is unknown; use one of {list(METHODS)}"
         )
-    keys = _DRAFT_KEYS if method == "draft_model" else _KEYS
+    keys = _KEYS if method == "ngram" else _DRAFT_KEYS
     unknown = sorted(set(raw) - keys)
     if unknown:
         raise ValueError(
@@ -71,10 +74,10 @@ def parse(text: str | None) -> SpeculativeConfig | None:
             f"it takes {sorted(keys)}"
         )
     model = raw.get("model")
-    if method == "draft_model" and (not isinstance(model, str) or not model):
+    if method != "ngram" and (not isinstance(model, str) or not model):
         raise ValueError(
-            '--speculative-config method "draft_model" needs "model": the draft model\'s path '
-            "or Hugging Face id (a smaller model with the target's vocabulary)"
+            f'--speculative-config method "{method}" needs "model": {_MODEL_OF[method]}\'s '
+            "path or Hugging Face id"
         )
     tokens = _count(raw, "num_speculative_tokens", None)
     if tokens is None:

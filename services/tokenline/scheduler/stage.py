@@ -144,8 +144,8 @@ class SchedulerStage:
             ]
         if request.pooling is not None:  # the api checks too, from a heartbeat that may lag
             refusal = InvalidRequest(
-                "this model generates text; embeddings, rerank and score need a model served "
-                "with --runner pooling",
+                "this model generates text; embeddings, rerank, score and classify need a "
+                "model served with --runner pooling",
                 param="model",
             )
             return [self._failed(uid, refusal)]

@@ -26,8 +26,11 @@ def write_head(
     own_embedding: bool = False,
     hidden: int | None = None,
     architecture: str = "LlamaForCausalLMEagle3",
+    speculators: bool = False,
 ) -> Path:
-    """A random head for ``target`` (its config.json, as a dict) in a new directory."""
+    """A random head for ``target`` (its config.json, as a dict) in a new directory; in
+    speculators' format (its config, ``layers.0.``, ``norm_before_residual`` on) with
+    ``speculators``."""
     out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     h = hidden or target["hidden_size"]
@@ -41,7 +44,7 @@ def write_head(
     def norm(size: int) -> torch.Tensor:
         return 1 + 0.1 * torch.randn(size, generator=g)
 
-    layer = "midlayer."
+    layer = "layers.0." if speculators else "midlayer."
     tensors = {
         "fc.weight": rand(h, 3 * target["hidden_size"]),
         layer + "input_layernorm.weight": norm(h),
@@ -83,6 +86,15 @@ def write_head(
     }
     if aux is not None:
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux)}
+    if speculators:
+        config = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_config": {"algorithm": "eagle3"},
+            "draft_vocab_size": config.pop("draft_vocab_size"),
+            "eagle_aux_hidden_state_layer_ids": list(aux or ()),
+            "transformer_layer_config": config,
+        }
     (out / "config.json").write_text(json.dumps(config))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
     return out
@@ -99,6 +111,10 @@ class OracleHead(torch.nn.Module):
 
         super().__init__()
         raw = json.loads((path / "config.json").read_text())
+        # speculators' format: its layer's config, and norm_before_residual on by default
+        self.norm_before_residual = raw.get("norm_before_residual", "speculators_model_type" in raw)
+        if "speculators_model_type" in raw:
+            raw = raw["transformer_layer_config"] | {"draft_vocab_size": raw["draft_vocab_size"]}
         self.config = config = transformers.LlamaConfig(**raw)
         h, self.heads, self.kv = (
             config.hidden_size,
@@ -124,14 +140,18 @@ class OracleHead(torch.nn.Module):
         self.d2t = state.pop("d2t", None)
         state.pop("t2d", None)
         self.embed = state.pop("embed_tokens.weight", None)
-        names = {k: k.replace("midlayer.", "").replace("self_attn.", "") for k in state}
+        names = {
+            k: k.replace("midlayer.", "").replace("layers.0.", "").replace("self_attn.", "")
+            for k in state
+        }
         self.load_state_dict({names[k]: v for k, v in state.items()})
         self.vocab = config.vocab_size
 
     def layer(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
-        """speculators' Eagle3DecoderLayer (norm_before_residual false) over rows [1, L, H]."""
-        residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        """speculators' Eagle3DecoderLayer over rows [1, L, H]."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         length = x.shape[1]
         q = self.q_proj(x).view(1, length, self.heads, self.dim).transpose(1, 2)
         k = self.k_proj(x).view(1, length, self.kv, self.dim).transpose(1, 2)

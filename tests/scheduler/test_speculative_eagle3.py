@@ -80,7 +80,9 @@ def recording(proposer) -> list[tuple[list[int], list[int]]]:
     return calls
 
 
-@pytest.mark.parametrize("kind", ["target-embedding", "own-embedding", "favourite", "eager"])
+@pytest.mark.parametrize(
+    "kind", ["target-embedding", "own-embedding", "speculators", "favourite", "eager"]
+)
 def test_the_heads_guesses_are_speculators_given_the_same_hidden_states(
     make_engine, tiny_source, target_config, encode, favourite_head, kind, tmp_path, monkeypatch
 ) -> None:
@@ -97,7 +99,8 @@ def test_the_heads_guesses_are_speculators_given_the_same_hidden_states(
     if kind != "favourite":
         head = write_head(tmp_path / "head", target_config, draft_vocab=300,
                           d2t=d2t - torch.arange(300), seed=7,
-                          own_embedding=kind == "own-embedding")  # fmt: skip
+                          own_embedding=kind == "own-embedding",
+                          speculators=kind == "speculators")  # fmt: skip
     engine = make_engine(speculative=eagle3_config(head, tokens=3), prefix_caching=False)
     calls = recording(engine.policy.proposer)
     bias = BIASED if kind == "favourite" else {}
@@ -203,3 +206,21 @@ def test_a_target_that_keeps_no_hidden_states_is_refused(
     monkeypatch.setattr(LlamaForCausalLM, "captures_aux", False)
     with pytest.raises(SystemExit, match="does not hand its hidden states"):
         make_engine(speculative=eagle3_config(random_head))
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"fc_norm": True}, "does not compute yet"),
+        ({"speculators_model_type": "mlp"}, "not an EAGLE-3 head"),
+    ],
+)
+def test_speculators_heads_it_cannot_compute_are_refused(
+    make_engine, target_config, tmp_path, change, says
+) -> None:
+    head = write_head(tmp_path / "head", target_config, draft_vocab=64,
+                      d2t=torch.zeros(64, dtype=torch.long), speculators=True)  # fmt: skip
+    config = json.loads((head / "config.json").read_text()) | change
+    (head / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit, match=says):
+        make_engine(speculative=eagle3_config(head))

@@ -3,7 +3,8 @@ SpecForge's checkpoints): one Llama decoder layer over the target's hidden state
 the token after each position. Written from vLLM's ``llama_eagle3.py`` and speculators'
 ``Eagle3DecoderLayer``.
 
-The checkpoint: ``config.json`` (a Llama config of one layer, with ``draft_vocab_size`` and
+The checkpoint (speculators' format is read as vLLM reads it, `from_speculators`):
+``config.json`` (a Llama config of one layer, with ``draft_vocab_size`` and
 optionally ``norm_before_residual`` and the target layers it reads,
 ``eagle_aux_hidden_state_layer_ids`` or ``eagle_config``'s) and the tensors ``fc`` ([hidden,
 3 * hidden]: the target's three auxiliary hidden states, side by side, to one),
@@ -38,6 +39,7 @@ from tokenline.scheduler.models.llama import head_dim_of, rotary_module
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 _LAYER = "layers.0."  # vLLM's name for the checkpoints' ``midlayer.``
+_OWN = {"fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight"}
 REQUIRED = ["fc.weight", "norm.weight"] + [
     _LAYER + name + ".weight"
     for name in (
@@ -140,7 +142,11 @@ class Eagle3Head:
         self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
         self.act = ACT2FN[config.hidden_act]
         self.dtype, self.device = dtype, device
-        self.w = {n: t.to(device=device, dtype=dtype) for n, t in tensors.items() if n != "d2t"}
+        self.w = {  # what the head computes with (not t2d, nor speculators' verifier_*)
+            n: t.to(device=device, dtype=dtype)
+            for n, t in tensors.items()
+            if n.startswith(_LAYER) or n in _OWN
+        }
         d2t = tensors.get("d2t")
         self.d2t = None if d2t is None else d2t.to(device=device, dtype=torch.long)
         self.fc = self.w["fc.weight"]
@@ -210,6 +216,30 @@ class Eagle3Head:
         return draft if self.d2t is None else draft + int(self.d2t[draft])
 
 
+def from_speculators(raw: dict) -> dict:
+    """A head config in speculators' format (``speculators_model_type``) as vLLM reads it
+    (its ``update_eagle3``): the layer's Llama config with the EAGLE-3 fields on top, where
+    ``norm_before_residual`` is on unless the config says otherwise."""
+    kind = raw["speculators_model_type"]
+    if kind != "eagle3":
+        raise HeadRefused(f"it is a speculators {kind!r} model, not an EAGLE-3 head")
+    layer = dict(raw.get("transformer_layer_config") or {})
+    if layer.get("model_type", "llama") != "llama":
+        raise HeadRefused(
+            f"its layer is a {layer.get('model_type')} layer; tokenline runs Llama-layer heads"
+        )
+    unread = [key for key in ("norm_before_fc", "fc_norm", "norm_output") if raw.get(key)]
+    if unread:
+        raise HeadRefused(f"it sets {unread}, which tokenline's head does not compute yet")
+    layer["architectures"] = [ARCHITECTURES[0]]
+    layer["draft_vocab_size"] = raw.get("draft_vocab_size")
+    layer["norm_before_residual"] = raw.get("norm_before_residual", True)
+    for key in ("target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
+        if raw.get(key) is not None:
+            layer[key] = raw[key]
+    return layer
+
+
 def load_head(path: str, target) -> Eagle3Head:
     """The EAGLE-3 head at ``path`` for ``target`` (a `ModelRunner`); `HeadRefused` says why
     it cannot serve beside it."""
@@ -220,16 +250,13 @@ def load_head(path: str, target) -> Eagle3Head:
         raw = json.loads((root / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise HeadRefused(f"its config.json cannot be read ({exc})") from None
+    if "speculators_model_type" in raw:
+        raw = from_speculators(raw)
     architecture = (raw.get("architectures") or ["(none)"])[0]
-    if "speculators_config" in raw or "transformer_layer_config" in raw:
-        raise HeadRefused(
-            "it is in speculators' format, which tokenline does not read yet; serve the "
-            f"head in vLLM's {ARCHITECTURES[0]} format (SpecForge's)"
-        )
     if architecture not in ARCHITECTURES:
         raise HeadRefused(
             f"its architecture {architecture} is not an EAGLE-3 head tokenline runs (it runs "
-            f"{', '.join(ARCHITECTURES)})"
+            f"{', '.join(ARCHITECTURES)}, and speculators' eagle3)"
         )
     eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
     if eagle.get("use_aux_hidden_state", True) is False:

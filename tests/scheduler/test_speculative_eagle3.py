@@ -224,3 +224,20 @@ def test_speculators_heads_it_cannot_compute_are_refused(
     (head / "config.json").write_text(json.dumps(config))
     with pytest.raises(SystemExit, match=says):
         make_engine(speculative=eagle3_config(head))
+
+
+def test_sampled_requests_speculate_beside_greedy_ones(
+    make_engine, favourite_head, encode, expected
+) -> None:
+    """Sampled requests (their law is verify.py's, tested with any proposer) speculate in the
+    same batches as greedy ones; the greedy ones keep their tokens, everything is given back."""
+    engine = make_engine(speculative=eagle3_config(favourite_head, tokens=3))
+    for i in range(4):
+        sampling = greedy(MAX_TOKENS, logit_bias=BIASED)
+        sampling.temperature, sampling.seed = 1.0, i
+        engine.add(f"s{i}", encode(PROMPTS[i]), sampling)
+    tokens = run_all(engine, encode)
+    assert {uid: tokens[uid] for uid in expected} == expected
+    assert all(set(tokens[f"s{i}"]) <= set(FAVOURITES) for i in range(4))
+    assert engine.acceptance.accepted_tokens > 0
+    assert_idle(engine)

@@ -81,17 +81,20 @@ def recording(proposer) -> list[tuple[list[int], list[int]]]:
 
 
 @pytest.mark.parametrize(
-    "kind", ["target-embedding", "own-embedding", "speculators", "favourite", "eager"]
+    "kind", ["target-embedding", "own-embedding", "speculators", "pieces", "favourite", "eager"]
 )
 def test_the_heads_guesses_are_speculators_given_the_same_hidden_states(
     make_engine, tiny_source, target_config, encode, favourite_head, kind, tmp_path, monkeypatch
 ) -> None:
-    """``eager``: the head reads the target's rows after every step, not at its proposals."""
+    """``eager``: the head reads the target's rows after every step, not at its proposals;
+    ``pieces``: a prompt's rows reach the head in forwards of 3 rows."""
     import transformers
 
     if kind == "eager":
         monkeypatch.setattr(eagle3, "MAX_WAITING", 0)
         kind = "favourite"
+    if kind == "pieces":
+        monkeypatch.setattr(eagle3, "CATCH_UP_ROWS", 3)
 
     vocab = target_config["vocab_size"]
     d2t = torch.randperm(vocab, generator=torch.Generator().manual_seed(5))[:300].sort().values

@@ -43,6 +43,7 @@ from tokenline.scheduler.step_inputs import long_tensor, to_device
 
 log = logging.getLogger(__name__)
 MAX_WAITING = 256  # target rows a sequence holds before the head reads them unasked
+CATCH_UP_ROWS = 512  # rows of one head forward: its attention mask is rows x context
 
 
 @dataclass(eq=False)
@@ -133,16 +134,17 @@ class Eagle3Proposer:
         cache = state.cache
         cache.truncate(state.base)  # the last proposal's guesses: rolled back
         positions, tokens, hidden = self._new_rows(state, seq)
-        if positions:
-            device = self.head.device
-            out = self.head.forward(
-                to_device(long_tensor(tokens), device),
-                torch.cat(hidden),
-                to_device(long_tensor(positions), device),
-                cache,
-            )
-            state.base = cache.length
-            state.newest = (positions[-1], out[-1:])
+        if not positions:
+            return
+        device = self.head.device
+        ids = to_device(long_tensor(tokens), device)
+        where = to_device(long_tensor(positions), device)
+        hidden_rows = torch.cat(hidden)
+        for at in range(0, len(positions), CATCH_UP_ROWS):  # a long prompt: bounded masks
+            rows = slice(at, at + CATCH_UP_ROWS)
+            out = self.head.forward(ids[rows], hidden_rows[rows], where[rows], cache)
+        state.base = cache.length
+        state.newest = (positions[-1], out[-1:])
 
     def _new_rows(
         self, state: _HeadSeq, seq: Sequence

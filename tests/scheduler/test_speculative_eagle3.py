@@ -244,3 +244,12 @@ def test_sampled_requests_speculate_beside_greedy_ones(
     assert all(set(tokens[f"s{i}"]) <= set(FAVOURITES) for i in range(4))
     assert engine.acceptance.accepted_tokens > 0
     assert_idle(engine)
+
+
+def test_a_gpu_short_of_room_for_the_heads_kv_is_warned_of(
+    make_engine, random_head, monkeypatch, caplog
+) -> None:
+    engine = make_engine(speculative=eagle3_config(random_head))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (0, 0))
+    eagle3._check_room(engine.policy.proposer.head, engine.runner)
+    assert "lower --gpu-memory-utilization" in caplog.text

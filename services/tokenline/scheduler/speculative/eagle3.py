@@ -201,6 +201,8 @@ def eagle3_proposer(config: SpeculativeConfig, target: ModelRunner) -> Eagle3Pro
         # a replayed decode step keeps no hidden states: decode steps run eagerly instead
         log.info("speculative decoding with EAGLE-3: decode steps run without CUDA graphs")
         target.graphs = None
+    if target.device.type == "cuda":
+        _check_room(head, target)
     target.model.aux_layers = head.aux_layers
     target.aux_sink = proposer.observe
     log.info(
@@ -210,3 +212,20 @@ def eagle3_proposer(config: SpeculativeConfig, target: ModelRunner) -> Eagle3Pro
         config.num_speculative_tokens,
     )
     return proposer
+
+
+def _check_room(head: Eagle3Head, target: ModelRunner) -> None:
+    """Warn when the GPU has less free memory than the head's KV takes with the target's pool
+    full (it lives outside the pool: an out-of-memory error would end the step)."""
+    element = torch.tensor([], dtype=head.dtype).element_size()
+    per_token = 2 * head.num_kv_heads * head.head_dim * element
+    worst = target.num_blocks * target.block_size * per_token
+    free, _ = torch.cuda.mem_get_info(target.device)
+    if free < worst:
+        log.warning(
+            "speculative decoding with EAGLE-3: the head's KV takes up to %.2f GiB with the KV "
+            "pool full and %.2f GiB are free; lower --gpu-memory-utilization if steps run "
+            "out of memory",
+            worst / 2**30,
+            free / 2**30,
+        )

@@ -253,3 +253,17 @@ def test_a_gpu_short_of_room_for_the_heads_kv_is_warned_of(
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (0, 0))
     eagle3._check_room(engine.policy.proposer.head, engine.runner)
     assert "lower --gpu-memory-utilization" in caplog.text
+
+
+def test_a_hugging_face_id_is_fetched(make_engine, random_head, monkeypatch) -> None:
+    import huggingface_hub
+
+    asked = []
+
+    def fetch(repo_id, **kw):
+        asked.append(repo_id)
+        return str(random_head)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fetch)
+    engine = make_engine(speculative=eagle3_config(Path("acme/eagle3-head")))
+    assert asked == ["acme/eagle3-head"] and engine.policy.proposer.head.aux_layers == (1, 2, 3)

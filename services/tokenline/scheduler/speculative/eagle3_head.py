@@ -216,6 +216,23 @@ class Eagle3Head:
         return draft if self.d2t is None else draft + int(self.d2t[draft])
 
 
+def local_copy(path: str) -> Path:
+    """The head's directory: ``path`` itself, or a Hugging Face id's files in its cache
+    (start.py has fetched URIs already)."""
+    if Path(path).is_dir():
+        return Path(path)
+    from huggingface_hub import snapshot_download
+
+    try:
+        patterns = ["*.json", "*.safetensors", "*.bin"]
+        return Path(snapshot_download(path, allow_patterns=patterns))
+    except Exception as exc:  # any failure to fetch is the same refusal, with its reason
+        raise HeadRefused(
+            f"it is neither a directory nor a Hugging Face repository that can be fetched "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
+
+
 def from_speculators(raw: dict) -> dict:
     """A head config in speculators' format (``speculators_model_type``) as vLLM reads it
     (its ``update_eagle3``): the layer's Llama config with the EAGLE-3 fields on top, where
@@ -245,7 +262,7 @@ def load_head(path: str, target) -> Eagle3Head:
     it cannot serve beside it."""
     import transformers
 
-    root = Path(path)
+    root = local_copy(path)
     try:
         raw = json.loads((root / "config.json").read_text())
     except (OSError, ValueError) as exc:

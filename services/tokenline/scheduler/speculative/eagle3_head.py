@@ -279,14 +279,16 @@ def load_head(path: str, target) -> Eagle3Head:
     if eagle.get("use_aux_hidden_state", True) is False:
         raise HeadRefused("it reads no auxiliary hidden states (use_aux_hidden_state false)")
     if raw.get("num_hidden_layers", 1) != 1:
-        raise HeadRefused(f"it has {raw['num_hidden_layers']} layers; EAGLE-3 heads have one")
+        raise HeadRefused(
+            f"it has {raw['num_hidden_layers']} layers; tokenline runs EAGLE-3 heads of one"
+        )
     model = target.model
     text = model.text_config
     if not getattr(model, "captures_aux", False) or model.place.tp is not None:
         raise HeadRefused(
             f"the target {model.describe()} does not hand its hidden states to a head (the "
             "native Llama, Mistral, Qwen2, Qwen3 and their MoE modules at tensor parallelism "
-            "1 do)"
+            '1 do); speculate with "ngram" or "draft_model" there'
         )
     target_hidden = int(text.hidden_size)
     fields = {k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
@@ -323,9 +325,11 @@ def load_head(path: str, target) -> Eagle3Head:
     d2t = tensors.get("d2t")
     if d2t is None and draft_vocab != model.vocab_size:
         raise HeadRefused("it has a smaller vocabulary than the target's and no d2t to map it")
-    if d2t is not None and (
+    targets = None if d2t is None else d2t + torch.arange(d2t.shape[0])
+    if targets is not None and (
         d2t.shape[0] != draft_vocab
-        or int((d2t + torch.arange(draft_vocab)).max()) >= model.vocab_size
+        or int(targets.max()) >= model.vocab_size
+        or int(targets.min()) < 0
     ):
         raise HeadRefused("its d2t does not map its draft vocabulary into the target's")
     return Eagle3Head(

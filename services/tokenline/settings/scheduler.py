@@ -210,7 +210,8 @@ ENGINE: tuple[Setting, ...] = (
         "followed the last earlier occurrence of a sequence's last n tokens (n from "
         "prompt_lookup_max down to prompt_lookup_min) and checks them in one forward; "
         '{"method": "draft_model", "model": M, "num_speculative_tokens": 4} has a smaller model '
-        "of the same vocabulary guess. Output is the same as without it. Requests with a "
+        'of the same vocabulary guess, "eagle3" an EAGLE-3 head fed the target\'s hidden '
+        "states. Output is the same as without it. Requests with a "
         "grammar or penalties take a token per step",
         stages=SCHEDULER,
         crd=CrdField(

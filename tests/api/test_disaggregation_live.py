@@ -44,17 +44,13 @@ def lora_flags(model_cache, tmp_path_factory) -> tuple[str, ...]:
     return ("--enable-lora", "--lora-modules", f"{ADAPTER}={adapter}")
 
 
-def launch_prefill(launch_stack, *flags: str):
-    port = free_port_block(1)
-    with mock.patch.dict(os.environ, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}):
-        return launch_stack(
-            "tiny", "--kv-transfer-config", PRODUCER, "--request-timeout", "60", *flags
-        )
-
-
 @pytest.fixture(scope="module")
 def prefill(launch_stack, lora_flags):
-    stack = launch_prefill(launch_stack, *lora_flags)
+    port = free_port_block(1)
+    with mock.patch.dict(os.environ, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}):
+        stack = launch_stack(
+            "tiny", "--kv-transfer-config", PRODUCER, "--request-timeout", "60", *lora_flags
+        )
     yield stack
     stack.stop()
 
@@ -194,15 +190,13 @@ def test_kv_transfer_params_on_a_plain_stack_are_refused(stack) -> None:
     assert "--kv-transfer-config" in answer.json()["error"]["message"]
 
 
-def test_a_dead_prefill_stack_fails_the_decode_request_fast(launch_stack, decode) -> None:
-    doomed = launch_prefill(launch_stack)
+def test_a_dead_prefill_stack_fails_the_decode_request_fast(prefill, decode) -> None:
+    """The module's last test: it stops the prefill stack between the two calls."""
     path = "/v1/completions"
     body = body_for(path, False) | {"prompt": STORY + " a ship ran aground."}
-    try:
-        first = httpx.post(doomed.api_url + path, json=prefill_body(path, body), timeout=60)
-        params = first.json()["kv_transfer_params"]
-    finally:
-        doomed.stop()
+    first = httpx.post(prefill.api_url + path, json=prefill_body(path, body), timeout=60)
+    params = first.json()["kv_transfer_params"]
+    prefill.stop()
     started = time.monotonic()
     answer = httpx.post(
         decode.api_url + path, json={**body, "kv_transfer_params": params}, timeout=60

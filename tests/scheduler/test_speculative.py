@@ -45,7 +45,7 @@ def test_config_takes_vllms_keys_and_defaults() -> None:
         ("{", "not JSON"),
         ("[1]", "JSON object"),
         ('{"method": "eagle", "model": "x", "num_speculative_tokens": 3}', "EAGLE heads"),
-        ('{"method": "draft_model", "num_speculative_tokens": 3}', "needs \"model\""),
+        ('{"method": "draft_model", "num_speculative_tokens": 3}', 'needs "model"'),
         ('{"method": "lookahead", "num_speculative_tokens": 3}', "unknown"),
         ('{"method": "ngram"}', "needs num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "1 to 16"),

@@ -29,6 +29,7 @@ from tokenline.api.function_calling.parsers import (
     ToolCallStream,
     _as_call,
     _held_prefix,
+    _Nesting,
     _ObjectScanner,
 )
 
@@ -192,33 +193,17 @@ def python_call(text: str) -> ParsedCall | None:
 
 
 @dataclass
-class _PythonScanner:
+class _PythonScanner(_Nesting):
     """Where each item of a Python list that arrives in pieces ends."""
 
-    depth: int = 0
-    quote: str = ""
-    escaped: bool = False
+    QUOTES = "\"'"
+    OPENS = "([{"
+    CLOSES = ")]}"
 
     def item_end(self, text: str, start: int) -> tuple[int, bool]:
         """(index after an item that closes in ``text[start:]``, True) or (len, False)."""
-        for i in range(start, len(text)):
-            char = text[i]
-            if self.quote:
-                if self.escaped:
-                    self.escaped = False
-                elif char == "\\":
-                    self.escaped = True
-                elif char == self.quote:
-                    self.quote = ""
-            elif char in "\"'":
-                self.quote = char
-            elif char in "([{":
-                self.depth += 1
-            elif char in ")]}":
-                self.depth -= 1
-                if self.depth == 0:
-                    return i + 1, True
-        return len(text), False
+        end = self.close(text, start)
+        return (len(text), False) if end is None else (end, True)
 
 
 @dataclass

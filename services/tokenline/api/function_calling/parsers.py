@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass(frozen=True)
@@ -151,34 +152,54 @@ _STREAMABLE_HEAD = re.compile(
 
 
 @dataclass
-class _ObjectScanner:
-    """Where a JSON object that arrives in pieces ends: depth, strings and escapes."""
+class _Nesting:
+    """Where a bracketed value that arrives in pieces closes: its depth, the quote of the
+    string it is in (brackets there do not count) and whether the last character escaped the
+    next. Subclasses say which characters quote, open and close."""
+
+    QUOTES: ClassVar[str] = '"'
+    OPENS: ClassVar[str] = "{["
+    CLOSES: ClassVar[str] = "}]"
 
     depth: int = 0
-    in_string: bool = False
+    quote: str = ""
     escaped: bool = False
-    closed: bool = False
 
-    def take(self, text: str) -> int:
-        """How much of ``text`` belongs to the object (all of it until it closes)."""
-        for i, char in enumerate(text):
-            if self.in_string:
+    def close(self, text: str, start: int = 0) -> int | None:
+        """The index after where the value closes in ``text[start:]``; None: not there."""
+        for i in range(start, len(text)):
+            char = text[i]
+            if self.quote:
                 if self.escaped:
                     self.escaped = False
                 elif char == "\\":
                     self.escaped = True
-                elif char == '"':
-                    self.in_string = False
-            elif char == '"':
-                self.in_string = True
-            elif char in "{[":
+                elif char == self.quote:
+                    self.quote = ""
+            elif char in self.QUOTES:
+                self.quote = char
+            elif char in self.OPENS:
                 self.depth += 1
-            elif char in "}]":
+            elif char in self.CLOSES:
                 self.depth -= 1
                 if self.depth == 0:
-                    self.closed = True
                     return i + 1
-        return len(text)
+        return None
+
+
+@dataclass
+class _ObjectScanner(_Nesting):
+    """Where a JSON object that arrives in pieces ends."""
+
+    closed: bool = False
+
+    def take(self, text: str) -> int:
+        """How much of ``text`` belongs to the object (all of it until it closes)."""
+        end = self.close(text)
+        if end is None:
+            return len(text)
+        self.closed = True
+        return end
 
 
 @dataclass

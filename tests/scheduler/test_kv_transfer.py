@@ -8,8 +8,10 @@ out) end in the configured policy, and no block is left behind on either side.
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 
+import msgspec
 import pytest
 import torch
 from scheduler_testkit import assert_idle, greedy
@@ -18,6 +20,8 @@ from tokenline.protocol import KVTransferParams, TokenOutput
 from tokenline.scheduler.engine import Engine
 from tokenline.scheduler.kv_transfer import pulls
 from tokenline.scheduler.kv_transfer.config import KVTransferConfig, config_of
+from tokenline.scheduler.kv_transfer.ledger import PIN_GRACE_S, Ledger, Loan, prefix_digest
+from tokenline.scheduler.kv_transfer.side_channel import Claim, Release
 from tokenline.scheduler.refusals import InvalidRequest
 from tokenline.settings.scheduler import KVTransferConfigText
 
@@ -342,20 +346,29 @@ def test_a_request_that_ends_where_it_is_admitted_leaves_no_block_held(
     assert_idle(consumer)
 
 
-def test_a_read_the_lease_would_not_cover_is_not_started(make_engine, encode) -> None:
-    """A lease that ends before a read could finish: the blocks may be another prompt's by
-    then, so the read is refused (here: recomputed) rather than attempted."""
+def test_a_read_after_the_lease_ended_is_refused_whatever_the_params_say(
+    make_engine, encode
+) -> None:
+    """The prefill pod's own clock decides: a lease that has ended is not read, though the
+    loan is not yet freed and the params (forged, or a skewed clock) promise an hour more. The
+    blocks may be another prompt's by then, so the read is refused (here: recomputed)."""
     prompt = encode(LONG + " too late")
-    lender = make_engine(kv_transfer=producer_config(lease_s=0.5))
+    lender = make_engine(kv_transfer=producer_config(lease_s=0.3))
     reader = make_engine(kv_transfer=consumer_config(failure_policy="recompute"))
     try:
         params = prefill(lender, "p-late", prompt)
-        assert params.remote_blocks_expiry_time is not None
+        params = msgspec.structs.replace(params, remote_blocks_expiry_time=time.time() + 3600)
+        time.sleep(0.4)
+        assert lender.transfers.lending.held_blocks > 0  # past its lease, not yet freed
         alone = make_engine()
         alone.add("a", prompt, greedy(4))
         reader.add("d-late", prompt, greedy(4, kv_transfer=params))
         assert tokens(run(reader, {"d-late"})["d-late"]) == tokens(run(alone, {"a"})["a"])
         assert reader.transfers.pulls.failures["expired"] == 1
+        assert reader.transfers.pulls.bytes_read == 0
+        lender.expire()
+        assert lender.transfers.lending.expired == 1
+        assert_idle(lender)
         assert_idle(reader)
     finally:
         lender.transfers.close()
@@ -414,3 +427,229 @@ def test_a_prefill_pod_restarted_at_the_same_address_is_asked_again(
         assert got == tokens(run(alone, {"a"})["a"])
     finally:
         second.transfers.close()
+
+
+def two_loans(
+    producer: Engine, encode, tag: str
+) -> tuple[list[int], KVTransferParams, list[int], KVTransferParams]:
+    """Two prompts of one length lent at once: (ours, our params, another's, its params)."""
+    victim = encode(LONG + f" {tag}, the victim's")
+    ours = (encode(f"{tag}: a different prompt altogether, hello there. ") * 8)[: len(victim)]
+    their_params = prefill(producer, f"p-{tag}-victim", victim)
+    our_params = prefill(producer, f"p-{tag}-ours", ours)
+    assert len(our_params.remote_block_ids) == len(their_params.remote_block_ids) >= 2
+    assert not set(our_params.remote_block_ids) & set(their_params.remote_block_ids)
+    return ours, our_params, victim, their_params
+
+
+def read_both_honestly(
+    producer: Engine,
+    consumer: Engine,
+    alone: Engine,
+    loans: list[tuple[str, list[int], KVTransferParams]],
+) -> None:
+    """Each loan is still whole after the forgery: its own reader gets one engine's answer."""
+    for uid, prompt, params in loans:
+        alone.add(f"a-{uid}", prompt, greedy(MAX_TOKENS))
+        expected = tokens(run(alone, {f"a-{uid}"})[f"a-{uid}"])
+        consumer.pool.clear_cache()
+        consumer.add(f"d-{uid}", prompt, greedy(MAX_TOKENS, kv_transfer=params))
+        assert tokens(run(consumer, {f"d-{uid}"})[f"d-{uid}"]) == expected
+    settle(producer)
+    assert producer.transfers.lending.held_blocks == 0
+    assert_idle(producer)
+    assert_idle(consumer)
+
+
+@pytest.mark.parametrize("forgery", ["another loan's blocks", "ids out of range", "ids reordered"])
+def test_a_claim_on_blocks_that_are_not_the_requests_is_refused_and_nothing_read(
+    producer: Engine, consumer: Engine, make_engine, encode, forgery: str
+) -> None:
+    """A client that reaches the decode pod names its own request but blocks of another
+    loan (or none at all): the prefill pod refuses the claim, so the decode pod reads nothing
+    and prefills the prompt itself; neither loan is touched, and both still read whole."""
+    tag = forgery.split()[0]
+    ours, our_params, victim, their_params = two_loans(producer, encode, tag)
+    lent = list(our_params.remote_block_ids)
+    forged_ids = {
+        "another loan's blocks": list(their_params.remote_block_ids),
+        "ids out of range": [producer.pool.num_blocks + i for i in range(len(lent))],
+        "ids reordered": lent[::-1],
+    }[forgery]
+    forged = msgspec.structs.replace(our_params, remote_block_ids=forged_ids)
+    alone = make_engine()
+    alone.add("a", ours, greedy(MAX_TOKENS))
+    expected = tokens(run(alone, {"a"})["a"])
+    reader = make_engine(kv_transfer=consumer_config(failure_policy="recompute"))
+    try:
+        reader.add("d-forged", ours, greedy(MAX_TOKENS, kv_transfer=forged))
+        assert tokens(run(reader, {"d-forged"})["d-forged"]) == expected
+        assert reader.transfers.pulls.bytes_read == 0
+        assert reader.transfers.pulls.failures == {"claim_refused": 1}
+        assert_idle(reader)
+    finally:
+        reader.transfers.close()
+    loans = producer.transfers.lending.loans
+    assert f"p-{tag}-victim" in loans and f"p-{tag}-ours" in loans  # the refusal freed neither
+    read_both_honestly(
+        producer,
+        consumer,
+        alone,
+        [(f"{tag}-ours", ours, our_params), (f"{tag}-victim", victim, their_params)],
+    )
+
+
+def test_a_forged_claim_fails_the_request_under_the_fail_policy(
+    producer: Engine, consumer: Engine, make_engine, encode
+) -> None:
+    ours, our_params, victim, their_params = two_loans(producer, encode, "failing")
+    forged = msgspec.structs.replace(our_params, remote_block_ids=their_params.remote_block_ids)
+    read_before = consumer.transfers.pulls.bytes_read
+    refused_before = consumer.transfers.pulls.failures["claim_refused"]
+    consumer.add("d-forged-fail", ours, greedy(4, kv_transfer=forged))
+    (out,) = run(consumer, {"d-forged-fail"})["d-forged-fail"]
+    assert out.error_code == "kv_load_failed"
+    assert consumer.transfers.pulls.bytes_read == read_before
+    assert consumer.transfers.pulls.failures["claim_refused"] == refused_before + 1
+    assert_idle(consumer)
+    read_both_honestly(
+        producer,
+        consumer,
+        make_engine(),
+        [("failing-ours", ours, our_params), ("failing-victim", victim, their_params)],
+    )
+
+
+def test_a_claim_for_a_request_the_prefill_pod_does_not_lend_is_refused(
+    producer: Engine, consumer: Engine, make_engine, encode
+) -> None:
+    """Another loan's exact blocks and prompt, under a request id the prefill pod never lent
+    (or lent and freed): refused; the loan those blocks belong to stays whole."""
+    prompt = encode(LONG + " under another name")
+    prefill(producer, "p-gone", prompt)
+    assert producer.transfers.lending.give_back("p-gone")
+    params = prefill(producer, "p-named", prompt)
+    read_before = consumer.transfers.pulls.bytes_read
+    expired_before = consumer.transfers.pulls.failures["expired"]
+    for i, name in enumerate(["nobody", "p-gone"]):
+        consumer.pool.clear_cache()
+        forged = msgspec.structs.replace(params, remote_request_id=name)
+        consumer.add(f"d-unknown{i}", prompt, greedy(4, kv_transfer=forged))
+        (out,) = run(consumer, {f"d-unknown{i}"})[f"d-unknown{i}"]
+        assert out.error_code == "kv_load_failed"
+    assert consumer.transfers.pulls.bytes_read == read_before
+    assert consumer.transfers.pulls.failures["expired"] == expired_before + 2
+    assert "p-named" in producer.transfers.lending.loans
+    read_both_honestly(producer, consumer, make_engine(), [("named", prompt, params)])
+
+
+def test_a_claim_pins_the_loan_past_its_lease_until_the_reader_releases_it(
+    make_engine, encode, monkeypatch
+) -> None:
+    """While a granted read runs, the lease ending does not free the loan (its blocks would
+    go back to the pool under the reader); the reader's release frees it, as read, not as
+    expired."""
+    prompt = encode(LONG + " pinned")
+    lender = make_engine(kv_transfer=producer_config(lease_s=5.0))
+    reader = make_engine(kv_transfer=consumer_config())
+    reading, may_read = threading.Event(), threading.Event()
+    read = reader.transfers.link.read
+
+    def held_read(*args, **kw):
+        reading.set()
+        assert may_read.wait(10)
+        return read(*args, **kw)
+
+    monkeypatch.setattr(reader.transfers.link, "read", held_read)
+    try:
+        params = prefill(lender, "p-pinned", prompt)
+        reader.add("d-pinned", prompt, greedy(MAX_TOKENS, kv_transfer=params))
+        assert reading.wait(10)  # granted: the read is about to start
+        lending = lender.transfers.lending
+        assert lending.expire(time.monotonic() + 10) == 0  # the lease is over, the pin is not
+        assert lending.held_blocks == len(params.remote_block_ids)
+        may_read.set()
+        alone = make_engine()
+        alone.add("a", prompt, greedy(MAX_TOKENS))
+        got = tokens(run(reader, {"d-pinned"})["d-pinned"])
+        assert got == tokens(run(alone, {"a"})["a"])
+        settle(lender)
+        assert lending.held_blocks == 0 and lending.expired == 0  # released, not expired
+        assert_idle(lender)
+        assert_idle(reader)
+    finally:
+        may_read.set()
+        lender.transfers.close()
+        reader.transfers.close()
+
+
+def test_a_release_that_proves_nothing_frees_nothing(producer: Engine, encode) -> None:
+    """Anyone who reaches the side channel could name a request: a release without the
+    claim's token or the prompt's digest leaves the loan to its reader (or its lease)."""
+    import zmq
+
+    prompt = encode(LONG + " kept")
+    prefill(producer, "p-kept", prompt)
+    stranger = zmq.Context.instance().socket(zmq.DEALER)
+    stranger.connect(producer.transfers.server.address)
+    for release in (Release("p-kept"), Release("p-kept", token=b"guess" * 3, digest=b"x" * 16)):
+        stranger.send(msgspec.msgpack.encode(release))
+    stranger.close(linger=1000)
+    settle(producer, timeout_s=0.3)
+    assert "p-kept" in producer.transfers.lending.loans
+    digest = prefix_digest(prompt[: len(producer.transfers.lending.loans["p-kept"].tokens)])
+    assert producer.transfers.lending.release(Release("p-kept", digest=digest))
+    assert_idle(producer)
+
+
+def ledger_with_loan(lease_s: float = 5.0) -> tuple[Ledger, list[int], float]:
+    ledger = Ledger(block_size=2, pin_s=3.0)
+    now = time.monotonic()
+    ledger.add("r", Loan([7, 3, 9], [1, 2, 3, 4, 5, 6], now + lease_s, time.time() + lease_s))
+    return ledger, [1, 2, 3, 4, 5, 6], now
+
+
+@pytest.mark.parametrize(
+    ("first", "ids", "prompt", "reason"),
+    [
+        (1, [3, 9], [1, 2, 3, 4, 5, 6], ""),
+        (0, [7, 3, 9], [1, 2, 3, 4, 5, 6, 99], ""),  # the reader's prompt goes on
+        (0, [3, 9], [1, 2, 3, 4, 5, 6], "claim_refused"),  # the right ids, the wrong place
+        (2, [9, 10], [1, 2, 3, 4, 5, 6, 7, 8], "claim_refused"),  # beyond the loan
+        (-1, [7], [1, 2], "claim_refused"),
+        (0, [], [], "claim_refused"),
+        (1, [3], [1, 2, 3, 5], "claim_refused"),  # another prompt
+        (1, [3], [0, 2, 3, 4], "claim_refused"),  # another prefix: other KV
+    ],
+)
+def test_the_ledger_grants_only_a_loans_own_blocks_for_its_own_prompt(
+    first: int, ids: list[int], prompt: list[int], reason: str
+) -> None:
+    ledger, _, now = ledger_with_loan()
+    end = (first + len(ids)) * ledger.block_size if first >= 0 else 0
+    grant = ledger.claim(Claim("r", first, ids, prefix_digest(prompt[:end]), 1.0), now)
+    assert grant.reason == reason and bool(grant.refusal) == bool(reason)
+    assert bool(grant.token) == (not reason)
+    if not reason:
+        assert grant.pinned_s == 1.0
+
+
+def test_the_ledger_refuses_claims_on_loans_gone_and_pins_no_longer_than_a_read() -> None:
+    ledger, prompt, now = ledger_with_loan(lease_s=5.0)
+    claim = Claim("r", 0, [7, 3, 9], prefix_digest(prompt), 600.0)
+    assert ledger.claim(msgspec.structs.replace(claim, request_id="q"), now).reason == "expired"
+    assert ledger.claim(claim, now + 6).reason == "expired"  # its lease is over
+    grant = ledger.claim(claim, now + 4)  # a second before its lease ends
+    assert grant.pinned_s == 3.0  # the owner's pull timeout bounds a reader's ask
+    assert ledger.take_done(now + 6) == ([], [])  # pinned past its lease
+    released, late = ledger.take_done(now + 4 + 3.0 + PIN_GRACE_S + 0.1)  # a reader that died
+    assert released == [] and [loan.blocks for loan in late] == [[7, 3, 9]]
+
+    ledger, prompt, now = ledger_with_loan()
+    token = ledger.claim(claim, now).token
+    other = ledger.claim(claim, now).token  # a second reader of the same prompt
+    assert ledger.release(Release("r", token=token), now) is None  # the other still reads
+    assert ledger.claim(claim, now).reason == "expired"  # released: no new reader
+    assert ledger.take_done(now + 1) == ([], [])
+    loan = ledger.release(Release("r", token=other), now)
+    assert loan is not None and loan.blocks == [7, 3, 9] and ledger.snapshot() == {}

@@ -3,16 +3,18 @@ of computing it, and never holds the decode loop up while it does.
 
 On arrival the request's prompt is looked up in the local prefix cache; the full blocks it
 lacks are taken from the pool and read from the prefill pod's on a worker thread (NIXL, after
-a side-channel handshake that checks the two pools agree). Meanwhile the request waits here,
-outside the batch, as one whose grammar is being built does. Once read, the blocks are cached
-under their names and the request joins the batch policy, which admits it like any other: the
-blocks are prefix hits, so only the last, partial block is computed here. This pod holds a
-reference to the blocks until the request is admitted, so nothing evicts them in between.
+a side-channel handshake that checks the two pools agree, and a claim the prefill pod must
+grant: the request's blocks it will read and a digest of the prompt they hold). Meanwhile the
+request waits here, outside the batch, as one whose grammar is being built does. Once read, the
+blocks are cached under their names and the request joins the batch policy, which admits it
+like any other: the blocks are prefix hits, so only the last, partial block is computed here.
+This pod holds a reference to the blocks until the request is admitted, so nothing evicts them
+in between.
 
-A read that fails (an unreachable or dead prefill pod, a refused handshake, a transfer error or
-timeout) gives the request back for a local prefill (``recompute``) or ends it with
+A read that fails (an unreachable or dead prefill pod, a refused handshake or claim, a transfer
+error or timeout) gives the request back for a local prefill (``recompute``) or ends it with
 ``kv_load_failed`` (``fail``); either way its blocks go back, and the prefill pod is told to
-let go of its own.
+let go of its own, unless the claim was refused: those may be another request's.
 """
 
 from __future__ import annotations
@@ -26,8 +28,15 @@ from dataclasses import dataclass
 from tokenline.protocol import KVTransferParams
 from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.kv_transfer.config import KVTransferConfig
+from tokenline.scheduler.kv_transfer.ledger import prefix_digest
 from tokenline.scheduler.kv_transfer.link import NixlLink, TransferStuck
-from tokenline.scheduler.kv_transfer.side_channel import SideChannelClient, Welcome
+from tokenline.scheduler.kv_transfer.side_channel import (
+    Claim,
+    Grant,
+    Release,
+    SideChannelClient,
+    Welcome,
+)
 from tokenline.scheduler.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -78,7 +87,7 @@ class Pulls:
         wanted = min(len(params.remote_block_ids or ()), (len(seq.prompt_ids) - 1) // bs)
         cached = len(self.pool.lookup(seq)) if not seq.scores_prompt else wanted
         if cached >= wanted:  # all here already (or every position must be computed anyway)
-            self._release_remote(params, 0)
+            self._release_remote(params, seq.prompt_ids)
             return False
         seq.cached_tokens = cached * bs  # the prompt tokens this pod had, not those it reads
         self.pending[seq.uid] = _Pull(seq, params, cached, [])
@@ -96,23 +105,37 @@ class Pulls:
         pull.blocks = self.pool.take(count)
         peer_blocks = pull.params.remote_block_ids[pull.first_index : wanted]
         pull.started = time.monotonic()
-        pull.future = self._worker.submit(self._read, pull.params, peer_blocks, pull.blocks)
+        pull.future = self._worker.submit(
+            self._read, pull.params, pull.seq.prompt_ids, pull.first_index, peer_blocks, pull.blocks
+        )
 
     # ── the worker thread ─────────────────────────────────────────────────────────────────────
-    def _read(self, params: KVTransferParams, peer_blocks: list[int], blocks: list[int]) -> int:
+    def _read(
+        self,
+        params: KVTransferParams,
+        prompt_ids: list[int],
+        first: int,
+        peer_blocks: list[int],
+        blocks: list[int],
+    ) -> int:
         host, port = params.remote_host or "", int(params.remote_port or 0)
         welcome = self._welcomes.get((host, port))
         if welcome is not None and welcome.engine_id != params.remote_engine_id:
             welcome = None  # another pod (a restart) at the same address: shake hands anew
+        grant: Grant | None = None
         try:
             if welcome is None:
                 welcome = self._hello(host, port)
-            timeout = self.config.pull_timeout_s
-            expiry = params.remote_blocks_expiry_time
-            if expiry is not None and time.time() + timeout > expiry:
-                raise PullFailed(
-                    "expired", "the prefill pod's lease on the prompt's KV ends before a read would"
-                )
+            claim = Claim(
+                params.remote_request_id or "",
+                first,
+                list(peer_blocks),
+                prefix_digest(prompt_ids[: (first + len(peer_blocks)) * self.pool.block_size]),
+                self.config.pull_timeout_s,
+            )
+            grant = self._claim(host, port, claim)
+            # the prefill pod holds the blocks as long as it pinned them, no longer
+            timeout = min(self.config.pull_timeout_s, grant.pinned_s)
             try:
                 peer = welcome.layout
                 read = self.link.read(welcome.metadata, peer, peer_blocks, blocks, timeout)
@@ -126,11 +149,26 @@ class Pulls:
             self._welcomes.pop((host, port), None)
             if welcome is not None:
                 self.link.forget(welcome.metadata)
-            if failure.reason != "unreachable":  # a live peer lets its blocks go at once
-                self._client.release(host, port, params.remote_request_id or "", 0)
+            # a live peer lets its blocks go at once; a refused claim's may be another's
+            if failure.reason not in ("unreachable", "claim_refused", "expired"):
+                self._release(params, prompt_ids, 0, grant.token if grant else b"")
             raise
-        self._client.release(host, port, params.remote_request_id or "", read)
+        self._release(params, prompt_ids, read, grant.token)
         return read
+
+    def _claim(self, host: str, port: int, claim: Claim) -> Grant:
+        """The prefill pod's grant of ``claim``; raises PullFailed when it refuses."""
+        try:
+            grant = self._client.claim(host, port, claim, HELLO_TIMEOUT_S)
+        except TimeoutError as exc:
+            self._unreachable[host, port] = time.monotonic()
+            raise PullFailed("unreachable", str(exc)) from None
+        except Exception as exc:  # an answer that is not ours
+            raise PullFailed("refused", f"the side channel at {host}:{port}: {exc}") from None
+        if grant.refusal:
+            reason = grant.reason if grant.reason == "expired" else "claim_refused"
+            raise PullFailed(reason, f"the prefill pod refused the read: {grant.refusal}")
+        return grant
 
     def _hello(self, host: str, port: int) -> Welcome:
         """The peer's agent and layout, checked against ours; raises PullFailed."""
@@ -149,13 +187,28 @@ class Pulls:
         mismatch = welcome.refusal or self.link.layout.mismatch(welcome.layout)
         if mismatch:
             raise PullFailed("refused", f"the prefill pod's KV does not fit: {mismatch}")
+        if not welcome.claims:  # it would not check that the blocks are this request's
+            raise PullFailed(
+                "refused",
+                f"the prefill pod at {host}:{port} runs a tokenline that does not check claims; "
+                "upgrade it to read from it",
+            )
         self._welcomes[host, port] = welcome
         return welcome
 
-    def _release_remote(self, params: KVTransferParams, bytes_read: int) -> None:
+    def _release_remote(self, params: KVTransferParams, prompt_ids: list[int]) -> None:
+        """Tell the prefill pod, from the worker, that nothing will be read."""
+        self._worker.submit(self._release, params, prompt_ids, 0, b"")
+
+    def _release(
+        self, params: KVTransferParams, prompt_ids: list[int], bytes_read: int, token: bytes
+    ) -> None:
         host, port = params.remote_host or "", int(params.remote_port or 0)
-        request = params.remote_request_id or ""
-        self._worker.submit(self._client.release, host, port, request, bytes_read)
+        lent = len(params.remote_block_ids or ()) * self.pool.block_size
+        # without a granted claim's token, the prompt is the proof that the loan is ours
+        digest = b"" if token else prefix_digest(prompt_ids[:lent])
+        release = Release(params.remote_request_id or "", bytes_read, token, digest)
+        self._client.release(host, port, release)
 
     # ── between steps ─────────────────────────────────────────────────────────────────────────
     def tend(self) -> None:
@@ -212,7 +265,7 @@ class Pulls:
         if pull is None:
             return None
         if pull.future is None:
-            self._release_remote(pull.params, 0)
+            self._release_remote(pull.params, pull.seq.prompt_ids)
         elif pull.future.done():
             self.pool.drop(pull.blocks)
         else:  # NIXL still writes into its blocks: they go back when it is done

@@ -37,11 +37,16 @@ class KVTransfers:
         self.server: SideChannelServer | None = None
         if config.produces:
             host, port = config.side_channel_host, config.side_channel_port
-            self.server = SideChannelServer(
-                host, port, self.link.metadata, self.link.layout, config.engine_id
-            )
-            port = int(self.server.address.rsplit(":", 1)[1])  # port 0: the one bound
             self.lending = Lending(pool, config, host, port)
+            self.server = SideChannelServer(
+                host,
+                port,
+                self.link.metadata,
+                self.link.layout,
+                config.engine_id,
+                self.lending.claim,
+            )
+            self.lending.port = int(self.server.address.rsplit(":", 1)[1])  # 0: the one bound
             log.info("kv transfer: lending prompts' KV, side channel at %s", self.server.address)
         self.pulls = Pulls(pool, config, self.link) if config.consumes else None
         self.bytes_sent = 0  # read from this pod's loans, as the readers said, since start
@@ -127,7 +132,7 @@ class KVTransfers:
     def _take_releases(self) -> None:
         if self.lending is not None and self.server is not None:
             for release in self.server.take_releases():
-                self.lending.give_back(release.request_id)
+                self.lending.release(release)
                 self.bytes_sent += release.bytes_read
 
     def expire(self, now: float) -> None:

@@ -27,6 +27,7 @@ def write_head(
     hidden: int | None = None,
     architecture: str = "LlamaForCausalLMEagle3",
     speculators: bool = False,
+    fc_inputs: int = 3,  # the target hidden states its fc reads (vLLM's heads: three)
 ) -> Path:
     """A random head for ``target`` (its config.json, as a dict) in a new directory; in
     speculators' format (its config, ``layers.0.``, ``norm_before_residual`` on) with
@@ -46,7 +47,7 @@ def write_head(
 
     layer = "layers.0." if speculators else "midlayer."
     tensors = {
-        "fc.weight": rand(h, 3 * target["hidden_size"]),
+        "fc.weight": rand(h, fc_inputs * target["hidden_size"]),
         layer + "input_layernorm.weight": norm(h),
         layer + "hidden_norm.weight": norm(h),
         layer + "post_attention_layernorm.weight": norm(h),

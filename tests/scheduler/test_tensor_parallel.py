@@ -5,6 +5,7 @@ dead rank ends the stage fast."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -165,6 +166,98 @@ def test_tp2_with_speculation_matches_tp1(source, driver, encode, eos_ids):
     taken = engine.acceptance
     assert 0 < taken.accepted_tokens < taken.draft_tokens
     assert_idle(engine)
+
+
+def _proposals(engine: Engine) -> list[tuple[str, int, list[int]]]:
+    """Each proposal the engine's proposer makes: the sequence, its length then, the guesses."""
+    seen: list[tuple[str, int, list[int]]] = []
+    proposer = engine.policy.proposer
+    propose = proposer.propose
+
+    def record(seq, limit):
+        guesses = propose(seq, limit)
+        seen.append((seq.uid, seq.num_tokens, list(guesses)))
+        return guesses
+
+    proposer.propose = record
+    return seen
+
+
+def _speculating(runner, prompts, eos_ids, config: SpeculativeConfig, biased: set[str]):
+    engine = Engine(runner, LIMITS, eos_ids, True, speculative=config)
+    proposals = _proposals(engine)
+    bias = {t: 50.0 for t in FAVOURITES}
+    for uid, ids in prompts.items():
+        extra = {"logit_bias": bias} if uid in biased else {}
+        engine.add(uid, ids, greedy(MAX_TOKENS, ignore_eos=True, **extra))
+    run = drain(engine)
+    assert_idle(engine)
+    return engine, run.tokens, proposals
+
+
+FAVOURITES = (100, 200)  # biased requests emit one of these at every step
+
+
+@pytest.mark.parametrize("source", ["kv2", "qwen2-odd-vocab"], indirect=True)
+@pytest.mark.parametrize("borrows", ["embedding", "embedding-and-lm-head"])
+def test_tp2_with_an_eagle3_head_matches_tp1(
+    source, tiny_source, driver, encode, eos_ids, tmp_path, borrows
+):
+    """Only rank 0 runs the head, over its own copy of the residual stream (whole on every
+    rank) and whole copies of the vocabulary rows the head borrows from the target (each rank
+    holds a slice): TP=2 makes TP=1's guesses and gives TP=1's tokens."""
+    from eagle3_oracle import write_head
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((Path(source.path) / "config.json").read_text())
+    vocab = config["vocab_size"]
+    layers = config["num_hidden_layers"]
+    aux = (1, 2, 3) if layers > 4 else tuple(range(layers))  # 2-layer families: both
+    if borrows == "embedding":  # two draft tokens, the favourites: right about half the time
+        d2t = torch.tensor(FAVOURITES) - torch.arange(2)
+        head = write_head(
+            tmp_path / "head", config, draft_vocab=2, d2t=d2t, seed=3, aux=aux, fc_inputs=len(aux)
+        )
+    else:  # the target's vocabulary, and no lm_head of its own: it borrows the target's
+        head = write_head(
+            tmp_path / "head", config, draft_vocab=vocab, seed=3, aux=aux, fc_inputs=len(aux)
+        )
+        weights = load_file(head / "model.safetensors")
+        del weights["lm_head.weight"]
+        save_file(weights, str(head / "model.safetensors"))
+    spec = SpeculativeConfig("eagle3", 3, 1, 3, model=str(head))
+    prompts = {f"e{i}": [t % vocab for t in encode(text)] for i, text in enumerate(PROMPTS)}
+    biased = {"e1", "e4"}
+    single = ModelRunner(source, SINGLE)
+    _, expected, expected_proposals = _speculating(single, prompts, eos_ids, spec, biased)
+    runner = driver.runner
+    try:
+        engine, got, proposals = _speculating(runner, prompts, eos_ids, spec, biased)
+    finally:  # the driver serves the module's other tests: nothing kept past this one
+        runner.aux_sink, runner.model.aux_layers = None, ()
+    assert got == expected
+    assert proposals == expected_proposals
+    assert sum(len(guesses) for _, _, guesses in proposals) > 0
+    if borrows == "embedding" and source.path == tiny_source.path:  # guesses right and wrong
+        assert 0 < engine.acceptance.accepted_tokens < engine.acceptance.draft_tokens
+
+
+@pytest.mark.parametrize("source", ["kv2"], indirect=True)
+def test_tp2_with_a_draft_model_matches_tp1(source, driver, encode, eos_ids):
+    """The draft model runs whole beside rank 0's shard: the target as its own draft guesses
+    right, and TP=2 gives TP=1's tokens."""
+    prompts = {f"d{i}": encode(text) for i, text in enumerate(PROMPTS)}
+    spec = SpeculativeConfig("draft_model", 3, 1, 3, model=source.path)
+    single = ModelRunner(source, SINGLE)
+    _, expected, expected_proposals = _speculating(single, prompts, eos_ids, spec, set())
+    engine, got, proposals = _speculating(driver.runner, prompts, eos_ids, spec, set())
+    assert got == expected
+    assert proposals == expected_proposals
+    taken = engine.acceptance
+    assert taken.drafts > 0
+    assert taken.accepted_tokens >= 0.9 * taken.draft_tokens
+    engine.policy.proposer.prune()
+    assert engine.policy.proposer.pool.num_referenced == 0
 
 
 _FLEX = textwrap.dedent(

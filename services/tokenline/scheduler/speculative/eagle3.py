@@ -19,7 +19,9 @@ the step once `MAX_WAITING` wait.
 
 The head's KV is its one layer's, per sequence, in tensors of its own beside the target's pool
 (a target of 32 layers: about 1/32 of its KV again), given back when the sequence has ended.
-Decode steps run eagerly (no CUDA graphs): a replayed step keeps no hidden states.
+Decode steps run eagerly (no CUDA graphs): a replayed step keeps no hidden states. Under tensor
+parallelism only rank 0 runs the head, with whole copies of the target's vocabulary rows
+(whole_vocabulary.py).
 """
 
 from __future__ import annotations

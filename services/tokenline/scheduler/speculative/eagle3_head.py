@@ -36,6 +36,7 @@ from transformers.activations import ACT2FN
 
 from tokenline.scheduler.layers.rotary import Rotary, rotate
 from tokenline.scheduler.models.llama import head_dim_of, rotary_module
+from tokenline.scheduler.speculative.whole_vocabulary import MissingVocabulary, whole_vocabulary
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 _LAYER = "layers.0."  # vLLM's name for the checkpoints' ``midlayer.``
@@ -284,11 +285,11 @@ def load_head(path: str, target) -> Eagle3Head:
         )
     model = target.model
     text = model.text_config
-    if not getattr(model, "captures_aux", False) or model.place.tp is not None:
+    if not getattr(model, "captures_aux", False):
         raise HeadRefused(
             f"the target {model.describe()} does not hand its hidden states to a head (the "
-            "native Llama, Mistral, Qwen2, Qwen3 and their MoE modules at tensor parallelism "
-            '1 do); speculate with "ngram" or "draft_model" there'
+            "native Llama, Mistral, Qwen2, Qwen3 and their MoE modules do); speculate with "
+            '"ngram" or "draft_model" there'
         )
     target_hidden = int(text.hidden_size)
     fields = {k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
@@ -332,11 +333,20 @@ def load_head(path: str, target) -> Eagle3Head:
         or int(targets.min()) < 0
     ):
         raise HeadRefused("its d2t does not map its draft vocabulary into the target's")
+    embed, head_logits = model.model.embed_tokens, model.lm_head
+    if model.place.tp is not None:  # the target's vocabulary is split; only rank 0 guesses
+        try:
+            whole = whole_vocabulary(
+                target, embed="embed_tokens.weight" not in tensors, lm_head=lm_head is None
+            )
+        except MissingVocabulary as exc:
+            raise HeadRefused(str(exc)) from None
+        embed, head_logits = whole[0] or embed, whole[1] or head_logits
     return Eagle3Head(
         config,
         tensors,
-        model.model.embed_tokens,
-        model.lm_head,
+        embed,
+        head_logits,
         target.dtype,
         target.device,
         tuple(sorted(set(aux))),  # vLLM keeps them in layer order, each once

@@ -106,6 +106,7 @@ def test_decode_reads_the_prompt_and_answers_as_one_engine(
         alone.add(f"a{i}", prompt, greedy(MAX_TOKENS))
     expected = run(alone, {f"a{i}" for i in range(len(prompts))})
     read_before = consumer.transfers.pulls.bytes_read
+    sent_before = producer.transfers.bytes_sent
     bs = consumer.pool.block_size
     for i, prompt in enumerate(prompts):
         params = prefill(producer, f"p{i}", prompt)
@@ -127,6 +128,8 @@ def test_decode_reads_the_prompt_and_answers_as_one_engine(
     assert consumer.transfers.pulls.bytes_read > read_before
     settle(producer)
     assert producer.transfers.lending.held_blocks == 0  # released once read
+    read = consumer.transfers.pulls.bytes_read - read_before
+    assert producer.transfers.bytes_sent - sent_before == read  # as the reader said
     assert_idle(producer)
     assert_idle(consumer)
 
@@ -592,13 +595,16 @@ def test_a_release_that_proves_nothing_frees_nothing(producer: Engine, encode) -
     prefill(producer, "p-kept", prompt)
     stranger = zmq.Context.instance().socket(zmq.DEALER)
     stranger.connect(producer.transfers.server.address)
-    for release in (Release("p-kept"), Release("p-kept", token=b"guess" * 3, digest=b"x" * 16)):
+    sent = producer.transfers.bytes_sent
+    forged = Release("p-kept", 10**9, token=b"guess" * 3, digest=b"x" * 16)
+    for release in (Release("p-kept", 10**9), forged):
         stranger.send(msgspec.msgpack.encode(release))
     stranger.close(linger=1000)
     settle(producer, timeout_s=0.3)
     assert "p-kept" in producer.transfers.lending.loans
+    assert producer.transfers.bytes_sent == sent  # nor does it count as bytes sent
     digest = prefix_digest(prompt[: len(producer.transfers.lending.loans["p-kept"].tokens)])
-    assert producer.transfers.lending.release(Release("p-kept", digest=digest))
+    assert producer.transfers.lending.release(Release("p-kept", digest=digest)) == (False, True)
     assert_idle(producer)
 
 
@@ -648,8 +654,9 @@ def test_the_ledger_refuses_claims_on_loans_gone_and_pins_no_longer_than_a_read(
     ledger, prompt, now = ledger_with_loan()
     token = ledger.claim(claim, now).token
     other = ledger.claim(claim, now).token  # a second reader of the same prompt
-    assert ledger.release(Release("r", token=token), now) is None  # the other still reads
+    assert ledger.release(Release("r", token=token), now) == (True, None)  # the other reads on
     assert ledger.claim(claim, now).reason == "expired"  # released: no new reader
     assert ledger.take_done(now + 1) == ([], [])
-    loan = ledger.release(Release("r", token=other), now)
-    assert loan is not None and loan.blocks == [7, 3, 9] and ledger.snapshot() == {}
+    assert ledger.release(Release("r", token=token), now) == (False, None)  # its pin is gone
+    granted, loan = ledger.release(Release("r", token=other), now)
+    assert granted and loan is not None and loan.blocks == [7, 3, 9] and ledger.snapshot() == {}

@@ -74,27 +74,29 @@ class Ledger:
         with self._lock:
             return self._loans.pop(uid, None)
 
-    def release(self, release: Release, now: float | None = None) -> Loan | None:
-        """A reader is done with a loan: the loan, when its blocks may go back now (no other
-        pin holds them); None otherwise, or when the release proves nothing."""
+    def release(self, release: Release, now: float | None = None) -> tuple[bool, Loan | None]:
+        """A reader is done with a loan: (whether the release names a granted read, the loan
+        when its blocks may go back now: None while another pin holds them, or when the release
+        proves nothing)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             loan = self._loans.get(release.request_id)
             if loan is None:
-                return None  # released twice, or after its lease
-            if release.token and loan.pins.pop(release.token, None) is not None:
-                pass
-            elif not (release.digest and release.digest == prefix_digest(loan.tokens)):
+                return False, None  # released twice, or after its lease
+            granted = bool(release.token) and loan.pins.pop(release.token, None) is not None
+            if not granted and not (
+                release.digest and release.digest == prefix_digest(loan.tokens)
+            ):
                 log.warning(
                     "kv side channel: a release of %s that names no claim of it nor its "
                     "prompt; ignored (the lease frees it)",
                     release.request_id,
                 )
-                return None
+                return False, None
             loan.released = True
             if loan.pinned(now):
-                return None  # another reader still reads: ``take_done`` frees it after
-            return self._loans.pop(release.request_id)
+                return granted, None  # another reader still reads: ``take_done`` frees it
+            return granted, self._loans.pop(release.request_id)
 
     def take_done(self, now: float) -> tuple[list[Loan], list[Loan]]:
         """Loans that end now, no pin holding them: (released, past their lease)."""

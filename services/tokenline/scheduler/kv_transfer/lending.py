@@ -72,12 +72,12 @@ class Lending:
         """A reader's claim, answered on the side channel's thread."""
         return self.ledger.claim(claim)
 
-    def release(self, release: Release) -> bool:
-        """A reader's release; True: the blocks went back now."""
-        loan = self.ledger.release(release)
+    def release(self, release: Release) -> tuple[bool, bool]:
+        """A reader's release: (it names a granted read, the blocks went back now)."""
+        granted, loan = self.ledger.release(release)
         if loan is not None:
             self.pool.drop(loan.blocks)
-        return loan is not None
+        return granted, loan is not None
 
     def give_back(self, uid: str) -> bool:
         """The loan ends now, whoever reads it."""

@@ -132,8 +132,9 @@ class KVTransfers:
     def _take_releases(self) -> None:
         if self.lending is not None and self.server is not None:
             for release in self.server.take_releases():
-                self.lending.release(release)
-                self.bytes_sent += release.bytes_read
+                granted, _ = self.lending.release(release)
+                if granted:  # only a reader this pod let read says what it read
+                    self.bytes_sent += release.bytes_read
 
     def expire(self, now: float) -> None:
         """Also while no step runs: loans released or past their lease go back, reads that

@@ -146,11 +146,12 @@ class Pulls:
             except Exception as exc:  # NIXL's errors: a dead or restarted peer
                 raise PullFailed("transfer", f"reading the prompt's KV failed: {exc}") from None
         except PullFailed as failure:
+            if failure.reason in ("claim_refused", "expired"):
+                raise  # the peer is sound; the blocks may be another request's: no release
             self._welcomes.pop((host, port), None)
             if welcome is not None:
                 self.link.forget(welcome.metadata)
-            # a live peer lets its blocks go at once; a refused claim's may be another's
-            if failure.reason not in ("unreachable", "claim_refused", "expired"):
+            if failure.reason != "unreachable":  # a live peer lets its blocks go at once
                 self._release(params, prompt_ids, 0, grant.token if grant else b"")
             raise
         self._release(params, prompt_ids, read, grant.token)

@@ -12,28 +12,18 @@ from typing import Protocol
 import msgspec
 
 from tokenline import protocol
-from tokenline.bounded import ExpiringSet
 from tokenline.metrics import (
-    BUFFER_DEPTH,
     KV_BLOCKS_HELD_FOR_TRANSFER,
-    KV_CACHE_USAGE,
     KV_TRANSFER_BYTES,
     KV_TRANSFER_FAILURES,
     KV_TRANSFER_SECONDS,
-    LATE_REPLIES,
     LORA_ADAPTERS,
     LORA_GENERATED_TOKENS,
     LORA_REQUESTS,
-    PREFIX_CACHE_HITS,
-    PREFIX_CACHE_QUERIES,
-    QUEUE_TIME,
-    REQUESTS_RUNNING,
-    REQUESTS_WAITING,
     SPEC_ACCEPTED_PER_POSITION,
     SPEC_ACCEPTED_TOKENS,
     SPEC_DRAFT_TOKENS,
     SPEC_DRAFTS,
-    STAGE_LATENCY,
     STEP_PHASE_TIME,
     STEP_SEQUENCES,
     track_cache,
@@ -42,6 +32,7 @@ from tokenline.scheduler.engine import (
     Engine,
     InvalidRequest,
 )
+from tokenline.scheduler.engine_stage import EngineStage
 from tokenline.scheduler.kv_events import KVEventPublisher
 from tokenline.scheduler.lora.adapters import LoraError
 from tokenline.scheduler.step_times import STEP_PHASES
@@ -49,10 +40,6 @@ from tokenline.scheduler.tenant_metrics import TenantMetrics
 
 log = logging.getLogger(__name__)
 PROMPT_TAIL = 8  # prompt ids the detokenizer primes its stream with
-# An abort overtakes its request only while both are in flight (queued behind a restarted
-# stage); a request that arrives later than this after its abort runs to its own deadline.
-TOMBSTONE_TTL_S = 60.0
-MAX_TOMBSTONES = 65_536
 
 
 class LoraChanges(Protocol):
@@ -62,9 +49,7 @@ class LoraChanges(Protocol):
     def poll(self) -> list: ...
 
 
-class SchedulerStage:
-    stage = "scheduler"
-
+class SchedulerStage(EngineStage):
     def __init__(
         self,
         engine: Engine,
@@ -72,15 +57,11 @@ class SchedulerStage:
         kv_events: KVEventPublisher | None = None,
         lora_changes: LoraChanges | None = None,
     ) -> None:
-        self.engine = engine
+        super().__init__(engine, model_name)
         self.kv_events = kv_events
         self.lora_changes = lora_changes
         # config changes that wait for an adapter of the same name to finish draining
         self._lora_pending: list = []
-        # An abort that overtakes its request (for example after a restart upstream) is
-        # remembered here, so the request is refused when it arrives.
-        self.tombstones = ExpiringSet(MAX_TOMBSTONES, TOMBSTONE_TTL_S)
-        track_cache(self.stage, "tombstones", self.tombstones)
         track_cache(self.stage, "prefix_blocks", lambda pool=engine.pool: pool.num_cached)
         if engine.grammars is not None:
             track_cache(self.stage, "grammars", engine.grammars.cache)
@@ -89,46 +70,15 @@ class SchedulerStage:
             "architecture": getattr(model, "architecture", ""),
             "model_impl": getattr(model, "implementation", ""),
         }
-        self._late = LATE_REPLIES.labels(stage="scheduler")
-        self._latency = STAGE_LATENCY.labels(stage="scheduler")
         self._model_name = model_name
         # by tenant and priority, where those play a part (engine.tenant_log)
         self._tenants = TenantMetrics(engine) if engine.tenant_log is not None else None
-        self._queue_time = QUEUE_TIME.labels(model=model_name)
-        self._running = REQUESTS_RUNNING.labels(model=model_name)
-        self._waiting = REQUESTS_WAITING.labels(model=model_name)
-        self._kv_usage = KV_CACHE_USAGE.labels(model=model_name)
-        self._prefix_queries = PREFIX_CACHE_QUERIES.labels(model=model_name)
-        self._prefix_hits = PREFIX_CACHE_HITS.labels(model=model_name)
-        self._prefix_counted = (0, 0)
         self._bytes_sent_counted = 0
         self._phases = {phase: STEP_PHASE_TIME.labels(phase=phase) for phase in STEP_PHASES}
-        self._depth = {
-            b: BUFFER_DEPTH.labels(stage="scheduler", buffer=b)
-            for b in ("waiting", "running", "paused")
-        }
 
     # ── inbox ──────────────────────────────────────────────────────────────────────────────────
-    def handle(self, message: msgspec.Struct, arrived: float) -> list[msgspec.Struct]:
-        if isinstance(message, protocol.Tokenized):
-            return self._admit(message, arrived)
-        if isinstance(message, protocol.LoraCall):
-            return [self._lora_call(message)]
-        if isinstance(message, protocol.Abort):
-            if self.engine.abort(message.uid) is None:
-                # The api sends a stop string's abort after the uid's first reply, so the
-                # request came through here already: most often it has ended since.
-                if message.reason != "stop_string":
-                    self.tombstones.add(message.uid)
-                return [message]
-            return []  # the engine emits the terminal output behind everything sent so far
-        if isinstance(message, protocol.Pause):
-            self.engine.pause(message.uid)
-        elif isinstance(message, protocol.Resume):
-            self.engine.resume(message.uid)
-        else:  # Failed, TokenizerAnswer: on their way from the tokenizer to the api
-            return [message]
-        return []
+    def _abort(self, uid: str) -> bool:
+        return self.engine.abort(uid) is not None
 
     def _admit(self, request: protocol.Tokenized, arrived: float) -> list[msgspec.Struct]:
         uid = request.uid
@@ -179,9 +129,6 @@ class SchedulerStage:
         ]
 
     # ── engine ─────────────────────────────────────────────────────────────────────────────────
-    def has_work(self) -> bool:
-        return self.engine.has_work()
-
     def step(self) -> list[msgspec.Struct]:
         times_before = self.engine.last_step_times
         outputs = self.engine.step()
@@ -243,16 +190,6 @@ class SchedulerStage:
             KV_TRANSFER_FAILURES.labels(reason=reason).inc(count)
         pulls.failures.clear()
 
-    def _failed(self, uid: str, exc: InvalidRequest) -> protocol.Failed:
-        return protocol.Failed(
-            uid=uid,
-            code=exc.code,
-            message=str(exc),
-            param=exc.param,
-            http_status=exc.http_status,
-            stage=self.stage,
-        )
-
     # ── LoRA adapters ──────────────────────────────────────────────────────────────────────────
     def _lora_call(self, call: protocol.LoraCall) -> msgspec.Struct:
         """/v1/load_lora_adapter and /v1/unload_lora_adapter: the adapters served after it,
@@ -306,27 +243,16 @@ class SchedulerStage:
         transfers = self.engine.transfers
         return transfers is not None and transfers.in_flight()
 
-    def step_uids(self) -> list[str]:
-        return list(self.engine.step_uids)
-
-    def held(self) -> list[str]:
-        return self.engine.held_uids()
-
-    def status(self) -> protocol.StageStatus:
-        counts = self.engine.counts()
+    def _engine_status(self) -> dict:
         pool = self.engine.pool
-        return protocol.StageStatus(
-            stage=self.stage,
-            instance="",
-            waiting=counts["waiting"],
-            running=counts["running"],
-            kv_usage=pool.usage,
-            block_size=pool.block_size,
-            num_blocks=pool.num_blocks - 1,  # block 0 is reserved; usage counts the rest
-            grammar_refusal=self.engine.grammar_refusal,
+        return {
+            "kv_usage": pool.usage,
+            "block_size": pool.block_size,
+            "num_blocks": pool.num_blocks - 1,  # block 0 is reserved; usage counts the rest
+            "grammar_refusal": self.engine.grammar_refusal,
             **self._model,
             **self._lora_status(),
-        )
+        }
 
     def _lora_status(self) -> dict:
         loras = self.engine.loras
@@ -340,25 +266,14 @@ class SchedulerStage:
             "lora_adapters": loras.names,
         }
 
-    def drop(self, uid: str) -> list[msgspec.Struct]:
-        self.engine.drop(uid)
-        return []
+    def _cache_counts(self) -> tuple[float, int, int]:
+        engine = self.engine
+        return engine.pool.usage, engine.prefix_cache_queries, engine.prefix_cache_hits
 
     def housekeeping(self, now: float) -> list[msgspec.Struct]:
-        self.engine.expire(now)  # their terminal outputs leave with the next step
-        self.tombstones.prune(now)
-        counts = self.engine.counts()
-        self._running.set(counts["running"])
-        self._waiting.set(counts["waiting"])
-        self._kv_usage.set(self.engine.pool.usage)
-        for buffer, gauge in self._depth.items():
-            gauge.set(counts[buffer])
+        super().housekeeping(now)
         if self._tenants is not None:
             self._tenants.housekeeping()
-        queries, hits = self.engine.prefix_cache_queries, self.engine.prefix_cache_hits
-        self._prefix_queries.inc(queries - self._prefix_counted[0])
-        self._prefix_hits.inc(hits - self._prefix_counted[1])
-        self._prefix_counted = (queries, hits)
         if self.engine.transfers is not None:  # leases run out while no step runs too
             self._count_transfers()
         if self.engine.loras is not None:
@@ -369,9 +284,7 @@ class SchedulerStage:
         return []
 
     def shutdown(self) -> list[msgspec.Struct]:
-        for uid in self.engine.held_uids():  # drain time is up
-            self.engine.abort(uid)
-        last = self.step()
+        last = super().shutdown()
         if self.engine.transfers is not None:  # its side channel and read worker
             self.engine.transfers.close()
         return last

@@ -644,6 +644,8 @@ def test_the_ledger_refuses_claims_on_loans_gone_and_pins_no_longer_than_a_read(
     ledger, prompt, now = ledger_with_loan(lease_s=5.0)
     claim = Claim("r", 0, [7, 3, 9], prefix_digest(prompt), 600.0)
     assert ledger.claim(msgspec.structs.replace(claim, request_id="q"), now).reason == "expired"
+    adapted = msgspec.structs.replace(claim, digest=prefix_digest(prompt, "an-adapter"))
+    assert ledger.claim(adapted, now).reason == "claim_refused"  # the KV of another adapter
     assert ledger.claim(claim, now + 6).reason == "expired"  # its lease is over
     grant = ledger.claim(claim, now + 4)  # a second before its lease ends
     assert grant.pinned_s == 3.0  # the owner's pull timeout bounds a reader's ask

@@ -4,8 +4,9 @@ rules below are tested with plain calls.
 
 A claim is granted only for a live loan (lent, not released, its lease not over) whose blocks
 at the claimed positions are exactly the claimed ids, and only to a reader whose prompt, up to
-the last claimed block, hashes as the loan's does: a KV block holds what its whole prefix made
-of it, so a reader can only read KV of tokens it already has. A grant pins the loan: its lease
+the last claimed block, and its adapter, hash as the loan's do: a KV block holds what its whole
+prefix (and the adapter) made of it, so a reader can only read KV of tokens it already has, and
+never caches KV under names other than those it was computed for. A grant pins the loan: its lease
 cannot end while the reader reads, for the read's time at most, so a reader that dies pins
 nothing for long. A release ends the loan (the blocks go back once no pin is left) when it names
 a pin's token or proves the prompt the same way: a forged release cannot free another request's
@@ -31,9 +32,12 @@ log = logging.getLogger(__name__)
 PIN_GRACE_S = 1.0
 
 
-def prefix_digest(token_ids: Sequence[int]) -> bytes:
-    """What both pods compute from a prompt's tokens to show they mean the same prompt."""
-    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).digest()
+def prefix_digest(token_ids: Sequence[int], lora: str = "") -> bytes:
+    """What both pods compute from a prompt's tokens and adapter to show they mean the same."""
+    digest = hashlib.blake2b(lora.encode(), digest_size=16)
+    digest.update(b"\0")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 @dataclass
@@ -42,6 +46,7 @@ class Loan:
     tokens: list[int]  # the prompt's tokens the blocks hold, in order
     expires: float  # monotonic
     expires_at: float  # the same, on the wall clock the reader compares with its own
+    lora: str = ""  # the adapter the KV was computed with
     pins: dict[bytes, float] = field(default_factory=dict)  # a grant's token -> until (monotonic)
     released: bool = False
 
@@ -85,7 +90,7 @@ class Ledger:
                 return False, None  # released twice, or after its lease
             granted = bool(release.token) and loan.pins.pop(release.token, None) is not None
             if not granted and not (
-                release.digest and release.digest == prefix_digest(loan.tokens)
+                release.digest and release.digest == prefix_digest(loan.tokens, loan.lora)
             ):
                 log.warning(
                     "kv side channel: a release of %s that names no claim of it nor its "
@@ -132,10 +137,11 @@ class Ledger:
                     f"{uid!r}'s ({len(loan.blocks)} blocks lent)",
                     reason="claim_refused",
                 )
-            if claim.digest != prefix_digest(loan.tokens[: end * self.block_size]):
+            if claim.digest != prefix_digest(loan.tokens[: end * self.block_size], loan.lora):
                 return Grant(
                     uid,
-                    refusal=f"the reader's prompt is not the one request {uid!r}'s blocks hold",
+                    refusal=f"the reader's prompt (or adapter) is not the one request {uid!r}'s "
+                    "blocks hold",
                     reason="claim_refused",
                 )
             seconds = min(claim.seconds, self.pin_s) if claim.seconds > 0 else self.pin_s

@@ -48,9 +48,8 @@ class Lending:
         self.pool.retain(blocks)
         lease = self.config.lease_s
         tokens = list(seq.prompt_ids[: full * self.pool.block_size])
-        self.ledger.add(
-            seq.uid, Loan(blocks, tokens, time.monotonic() + lease, time.time() + lease)
-        )
+        loan = Loan(blocks, tokens, time.monotonic() + lease, time.time() + lease, seq.lora)
+        self.ledger.add(seq.uid, loan)
 
     def params(self, uid: str) -> KVTransferParams | None:
         """What the response tells the decode pod (vLLM's keys); None: nothing was lent."""

@@ -87,7 +87,7 @@ class Pulls:
         wanted = min(len(params.remote_block_ids or ()), (len(seq.prompt_ids) - 1) // bs)
         cached = len(self.pool.lookup(seq)) if not seq.scores_prompt else wanted
         if cached >= wanted:  # all here already (or every position must be computed anyway)
-            self._release_remote(params, seq.prompt_ids)
+            self._release_remote(params, seq)
             return False
         seq.cached_tokens = cached * bs  # the prompt tokens this pod had, not those it reads
         self.pending[seq.uid] = _Pull(seq, params, cached, [])
@@ -106,14 +106,14 @@ class Pulls:
         peer_blocks = pull.params.remote_block_ids[pull.first_index : wanted]
         pull.started = time.monotonic()
         pull.future = self._worker.submit(
-            self._read, pull.params, pull.seq.prompt_ids, pull.first_index, peer_blocks, pull.blocks
+            self._read, pull.params, pull.seq, pull.first_index, peer_blocks, pull.blocks
         )
 
     # ── the worker thread ─────────────────────────────────────────────────────────────────────
     def _read(
         self,
         params: KVTransferParams,
-        prompt_ids: list[int],
+        seq: Sequence,  # only its prompt and adapter are read here, both fixed
         first: int,
         peer_blocks: list[int],
         blocks: list[int],
@@ -130,7 +130,9 @@ class Pulls:
                 params.remote_request_id or "",
                 first,
                 list(peer_blocks),
-                prefix_digest(prompt_ids[: (first + len(peer_blocks)) * self.pool.block_size]),
+                prefix_digest(
+                    seq.prompt_ids[: (first + len(peer_blocks)) * self.pool.block_size], seq.lora
+                ),
                 self.config.pull_timeout_s,
             )
             grant = self._claim(host, port, claim)
@@ -152,9 +154,9 @@ class Pulls:
             if welcome is not None:
                 self.link.forget(welcome.metadata)
             if failure.reason != "unreachable":  # a live peer lets its blocks go at once
-                self._release(params, prompt_ids, 0, grant.token if grant else b"")
+                self._release(params, seq, 0, grant.token if grant else b"")
             raise
-        self._release(params, prompt_ids, read, grant.token)
+        self._release(params, seq, read, grant.token)
         return read
 
     def _claim(self, host: str, port: int, claim: Claim) -> Grant:
@@ -197,17 +199,17 @@ class Pulls:
         self._welcomes[host, port] = welcome
         return welcome
 
-    def _release_remote(self, params: KVTransferParams, prompt_ids: list[int]) -> None:
+    def _release_remote(self, params: KVTransferParams, seq: Sequence) -> None:
         """Tell the prefill pod, from the worker, that nothing will be read."""
-        self._worker.submit(self._release, params, prompt_ids, 0, b"")
+        self._worker.submit(self._release, params, seq, 0, b"")
 
     def _release(
-        self, params: KVTransferParams, prompt_ids: list[int], bytes_read: int, token: bytes
+        self, params: KVTransferParams, seq: Sequence, bytes_read: int, token: bytes
     ) -> None:
         host, port = params.remote_host or "", int(params.remote_port or 0)
         lent = len(params.remote_block_ids or ()) * self.pool.block_size
         # without a granted claim's token, the prompt is the proof that the loan is ours
-        digest = b"" if token else prefix_digest(prompt_ids[:lent])
+        digest = b"" if token else prefix_digest(seq.prompt_ids[:lent], seq.lora)
         release = Release(params.remote_request_id or "", bytes_read, token, digest)
         self._client.release(host, port, release)
 
@@ -266,7 +268,7 @@ class Pulls:
         if pull is None:
             return None
         if pull.future is None:
-            self._release_remote(pull.params, pull.seq.prompt_ids)
+            self._release_remote(pull.params, pull.seq)
         elif pull.future.done():
             self.pool.drop(pull.blocks)
         else:  # NIXL still writes into its blocks: they go back when it is done

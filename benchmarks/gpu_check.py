@@ -15,6 +15,8 @@ keeps what came before; the run stops itself before ``--budget-s`` seconds:
      bandwidth;
    - in one decode step: the CUDA kernels launched, and the host synchronisations (torch's
      sync debug mode); the peak memory;
+   - on the Qwen3 shape, speculative decoding beside CUDA graphs (gpu_speculation.py):
+     tokens/s and output against one token per step, per proposer, at batches 1 and 8;
 4. transformers' ``generate_batch`` at batch 128, context 512, with the same prompts.
 
     python benchmarks/gpu_check.py --out gpu-check.json                          # the GPU run
@@ -32,6 +34,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from gpu_speculation import speculation  # this folder's, as real_shapes
 from real_shapes import SHAPES  # this folder's: the script runs as benchmarks/gpu_check.py
 
 # Qwen/Qwen3-0.6B's config.json (the fields that shape the computation)
@@ -345,6 +348,8 @@ def run_shape(report, name, shape, layers, device, dtype, contexts, batches, arg
         if device.type == "cuda":
             costs["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         report.record(f"{name}: decode step costs", costs)
+        if name.startswith("qwen3") and (report.left() > 150 or args.small):
+            report.record(f"{name}: speculation", speculation(runner, path, vocab))
         del runner
         if device.type == "cuda":
             torch.cuda.empty_cache()

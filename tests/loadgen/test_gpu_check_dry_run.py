@@ -36,3 +36,9 @@ def test_the_gpu_check_dry_run_reports_every_stage(tmp_path):
                 assert row["decode_tokens_per_s"] > 0 and row["ttft_s"] > 0
                 assert 0 < row["of_roofline"] < 1
         assert set(stages[f"{shape}: decode step costs"]) >= {"kernels", "host_syncs"}
+    # speculation beside the decode path: one token per step's output from every proposer
+    rows = stages["qwen3-small: speculation"]
+    assert {row["mode"] for row in rows} >= {"off", "every guess right", "eagle3 (random head)"}
+    assert all(row["same_output"] == 1.0 for row in rows)  # float32
+    right = [row for row in rows if row["mode"] == "every guess right"]
+    assert all(row["tokens_per_step"] > row["batch"] for row in right)

@@ -19,7 +19,7 @@ from tokenline.scheduler.engine import EngineLimits
 from tokenline.scheduler.pooling.config import resolve_setup, runner_of
 from tokenline.scheduler.pooling.encoder import EncoderRunner
 from tokenline.scheduler.pooling.encoder_engine import EncoderEngine, InputTooLong
-from tokenline.scheduler.pooling.engine import WrongRunner
+from tokenline.scheduler.pooling.engine_base import WrongRunner
 from tokenline.scheduler.runner import RunnerOptions
 
 TEXTS = [

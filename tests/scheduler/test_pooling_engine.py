@@ -15,7 +15,8 @@ from tokenline.model_source import ModelSource
 from tokenline.protocol import PoolingParams
 from tokenline.scheduler.engine import EngineLimits
 from tokenline.scheduler.pooling.config import resolve_setup, runner_of
-from tokenline.scheduler.pooling.engine import PoolingEngine, WrongRunner
+from tokenline.scheduler.pooling.engine import PoolingEngine
+from tokenline.scheduler.pooling.engine_base import WrongRunner
 from tokenline.scheduler.pooling.model import PoolingRunner
 from tokenline.scheduler.runner import RunnerOptions
 

@@ -12,15 +12,16 @@ waiting requests.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import torch
 
-from tokenline.protocol import PoolingParams, Reply
-from tokenline.scheduler.engine import DEADLINE_MARGIN_S, EngineLimits
+from tokenline.protocol import Reply
+from tokenline.scheduler.engine import EngineLimits
 from tokenline.scheduler.pooling.config import PoolingSetup
 from tokenline.scheduler.pooling.encoder import EncoderRunner
-from tokenline.scheduler.pooling.engine import CacheStatus, check_params, finish_embedding
+from tokenline.scheduler.pooling.engine import CacheStatus
+from tokenline.scheduler.pooling.engine_base import PoolingEngineBase, PoolingRequest
 from tokenline.scheduler.refusals import InvalidRequest
 
 
@@ -31,81 +32,36 @@ class InputTooLong(InvalidRequest):
     param = "input"
 
 
-@dataclass
-class _Request:
-    uid: str
-    ids: list[int]
-    types: list[int] | None
-    params: PoolingParams
-    deadline: float
-    arrival: float
-    tokenizer_s: float
-
-
-class EncoderEngine:
+class EncoderEngine(PoolingEngineBase):
     def __init__(self, runner: EncoderRunner, setup: PoolingSetup, limits: EngineLimits) -> None:
+        super().__init__(setup)
         self.runner = runner
-        self.setup = setup
         self.limits = limits
         self.max_model_len = min(limits.max_model_len or runner.max_model_len, runner.max_model_len)
-        self.waiting: dict[str, _Request] = {}  # arrival order
+        self.waiting: dict[str, PoolingRequest] = {}  # arrival order
         self.paused: set[str] = set()
-        self._finished: list[Reply] = []  # ends not tied to a forward pass (aborts)
-        self.step_uids: list[str] = []
 
     # ── requests ───────────────────────────────────────────────────────────────────────────────
-    def add(
-        self,
-        uid: str,
-        prompt_ids: list[int],
-        params: PoolingParams,
-        timeout_s: float = float("inf"),
-        arrival: float | None = None,
-        tokenizer_s: float = 0.0,
-        token_type_ids: list[int] | None = None,
-    ) -> None:
-        check_params(params, self.setup, self.size)
-        if not prompt_ids:  # the tokenizer stage refuses these: a caller that skipped it
-            raise ValueError(f"{uid}: an empty prompt; pooling needs at least one token")
-        if len(prompt_ids) > self.max_model_len:
+    def _admit(self, request: PoolingRequest) -> None:
+        size = len(request.ids)
+        if size > self.max_model_len:
             raise InputTooLong(
                 f"This model's maximum context length is {self.max_model_len} tokens (the "
                 f"encoder's positions, or --max-model-len). However, the input has "
-                f"{len(prompt_ids)} tokens. Please reduce the input."
+                f"{size} tokens. Please reduce the input."
             )
-        if token_type_ids is not None and len(token_type_ids) != len(prompt_ids):
-            raise ValueError(f"{uid}: {len(token_type_ids)} token types for {len(prompt_ids)} ids")
-        now = time.monotonic()
-        self.waiting[uid] = _Request(
-            uid,
-            list(prompt_ids),
-            token_type_ids,
-            params,
-            deadline=now + timeout_s,
-            arrival=now if arrival is None else arrival,
-            tokenizer_s=tokenizer_s,
-        )
+        if request.types is not None and len(request.types) != size:
+            raise ValueError(f"{request.uid}: {len(request.types)} token types for {size} ids")
+        self.waiting[request.uid] = request
 
     @property
     def size(self) -> int:
         """An embedding's length, or the classifier's number of labels."""
         return self.runner.size
 
-    def abort(self, uid: str, finish_reason: str = "abort") -> bool:
-        """End ``uid`` now; its terminal reply leaves with the next step."""
-        request = self.waiting.pop(uid, None)
+    def _forget(self, uid: str) -> PoolingRequest | None:
         self.paused.discard(uid)
-        if request is None:
-            return False
-        reply = Reply(uid=uid, text="", num_tokens=0, finish_reason=finish_reason)
-        reply.scheduler_s = time.monotonic() - request.arrival
-        self._finished.append(reply)
-        return True
-
-    def drop(self, uid: str) -> bool:
-        """Forget ``uid`` without a reply (the caller reports its end)."""
-        self.paused.discard(uid)
-        return self.waiting.pop(uid, None) is not None
+        return self.waiting.pop(uid, None)
 
     def pause(self, uid: str) -> bool:
         if uid not in self.waiting:
@@ -122,11 +78,8 @@ class EncoderEngine:
     def has_work(self) -> bool:
         return len(self.waiting) > len(self.paused) or bool(self._finished)
 
-    def holds(self, uid: str) -> bool:
-        return uid in self.waiting
-
-    def held_uids(self) -> list[str]:
-        return list(self.waiting)
+    def _held(self) -> Mapping[str, PoolingRequest]:
+        return self.waiting
 
     def counts(self) -> dict[str, int]:
         # nothing runs between steps: every held request waits (or is paused)
@@ -135,14 +88,6 @@ class EncoderEngine:
 
     def cache_status(self) -> CacheStatus:
         return CacheStatus()  # no KV cache: nothing is kept between steps
-
-    def expire(self, now: float | None = None) -> list[str]:
-        """Abort requests past their deadline plus a margin (the api's backstop)."""
-        now = time.monotonic() if now is None else now
-        late = [u for u, r in self.waiting.items() if now > r.deadline + DEADLINE_MARGIN_S]
-        for uid in late:
-            self.abort(uid)
-        return late
 
     # ── one step ───────────────────────────────────────────────────────────────────────────────
     def step(self) -> list[Reply]:
@@ -154,8 +99,8 @@ class EncoderEngine:
         ended, self._finished = self._finished, []
         return ended + computed
 
-    def _schedule(self) -> list[_Request]:
-        batch: list[_Request] = []
+    def _schedule(self) -> list[PoolingRequest]:
+        batch: list[PoolingRequest] = []
         width = 0
         for uid, request in self.waiting.items():
             if uid in self.paused:
@@ -173,17 +118,15 @@ class EncoderEngine:
             del self.waiting[request.uid]
         return batch
 
-    def _run(self, batch: list[_Request]) -> list[Reply]:
+    def _run(self, batch: list[PoolingRequest]) -> list[Reply]:
         started = time.monotonic()
         results = self.runner.forward([(r.ids, r.types) for r in batch])
         now = time.monotonic()
         return [self._reply(r, results[i], started, now) for i, r in enumerate(batch)]
 
-    def _reply(self, request: _Request, result: torch.Tensor, started: float, now: float) -> Reply:
-        if self.setup.task == "embed":
-            data = finish_embedding(result, request.params.dimensions, self.setup.normalize)
-        else:
-            data = result.to(torch.float32).numpy().astype("<f4").tobytes()
+    def _reply(
+        self, request: PoolingRequest, result: torch.Tensor, started: float, now: float
+    ) -> Reply:
         return Reply(
             uid=request.uid,
             text="",
@@ -193,5 +136,5 @@ class EncoderEngine:
             tokenizer_s=request.tokenizer_s,
             queue_s=started - request.arrival,
             scheduler_s=now - request.arrival,
-            pooled=data,
+            pooled=self._pooled_bytes(result, request.params),
         )

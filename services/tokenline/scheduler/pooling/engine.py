@@ -14,30 +14,19 @@ rows would be missing from a mean.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from tokenline.protocol import PoolingParams, Reply, SamplingParams
-from tokenline.scheduler.engine import (
-    DEADLINE_MARGIN_S,
-    EngineLimits,
-    InvalidRequest,
-    KVCacheTooSmall,
-)
+from tokenline.scheduler.engine import EngineLimits, KVCacheTooSmall
 from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.policy import BatchPolicy, Chunk, StepOutput
 from tokenline.scheduler.pooling.config import PoolingSetup
+from tokenline.scheduler.pooling.engine_base import PoolingEngineBase, PoolingRequest
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.scheduler.sequence import Sequence
-
-
-class WrongRunner(InvalidRequest):
-    """A request of the other kind: generation on a pooling model, or the reverse task."""
-
-    code = "invalid_request_error"
-    param = "model"
 
 
 @dataclass(frozen=True)
@@ -62,17 +51,7 @@ class _Pooling:
     first: torch.Tensor | None = None  # CLS: the first row
 
 
-def finish_embedding(vector: torch.Tensor, dimensions: int | None, normalize: bool) -> bytes:
-    """An embedding as the wire carries it: cut to ``dimensions`` (Matryoshka) and then
-    normalised when the model asks (vLLM's order), float32 little-endian."""
-    if dimensions is not None:
-        vector = vector[:dimensions]
-    if normalize:
-        vector = F.normalize(vector, dim=-1)
-    return vector.to(torch.float32).numpy().astype("<f4").tobytes()
-
-
-class PoolingEngine:
+class PoolingEngine(PoolingEngineBase):
     def __init__(
         self,
         runner: ModelRunner,
@@ -80,8 +59,8 @@ class PoolingEngine:
         limits: EngineLimits,
         prefix_caching: bool = True,
     ) -> None:
+        super().__init__(setup)
         self.runner = runner
-        self.setup = setup
         self.limits = limits
         caching = prefix_caching and setup.pooling_type == "LAST"
         self.pool = BlockPool(runner.num_blocks, runner.block_size, caching=caching)
@@ -92,40 +71,26 @@ class PoolingEngine:
             max_model_len=limits.max_model_len,
         )
         self.states: dict[str, _Pooling] = {}
-        self._finished: list[Reply] = []  # ends not tied to a forward pass (aborts)
-        self.step_uids: list[str] = []
 
     # ── requests ───────────────────────────────────────────────────────────────────────────────
-    def add(
-        self,
-        uid: str,
-        prompt_ids: list[int],
-        params: PoolingParams,
-        timeout_s: float = float("inf"),
-        arrival: float | None = None,
-        tokenizer_s: float = 0.0,
-        token_type_ids: list[int] | None = None,  # decoders read no segments
-    ) -> Sequence:
-        check_params(params, self.setup, self.size)
-        if not prompt_ids:  # the tokenizer stage refuses these: a caller that skipped it
-            raise ValueError(f"{uid}: an empty prompt; pooling needs at least one token")
-        if not self.policy.fits_at_all(len(prompt_ids)):
+    def _admit(self, request: PoolingRequest) -> Sequence:
+        size = len(request.ids)
+        if not self.policy.fits_at_all(size):
             raise KVCacheTooSmall(
-                f"the input needs {len(prompt_ids)} tokens of KV cache but the pool holds "
+                f"the input needs {size} tokens of KV cache but the pool holds "
                 f"{(self.pool.num_blocks - 1) * self.pool.block_size}; raise --kv-cache-memory",
                 param="input",
             )
-        now = time.monotonic()
         seq = Sequence(
-            uid=uid,
-            prompt_ids=list(prompt_ids),
+            uid=request.uid,
+            prompt_ids=request.ids,
             sampling=SamplingParams(max_tokens=0),
             max_tokens=0,
-            deadline=now + timeout_s,
-            arrival=now if arrival is None else arrival,
+            deadline=request.deadline,
+            arrival=request.arrival,
         )
         self.policy.add(seq)
-        self.states[uid] = _Pooling(params, tokenizer_s)
+        self.states[request.uid] = _Pooling(request.params, request.tokenizer_s)
         return seq
 
     @property
@@ -136,22 +101,9 @@ class PoolingEngine:
             return int(score.weight.shape[0])
         return int(self.runner.config.get_text_config().hidden_size)
 
-    def abort(self, uid: str, finish_reason: str = "abort") -> bool:
-        """End ``uid`` now (its KV blocks back at once); its terminal reply leaves next step."""
-        seq = self.policy.remove(uid)
+    def _forget(self, uid: str) -> Sequence | None:
         self.states.pop(uid, None)
-        if seq is None:
-            return False
-        scheduler_s = time.monotonic() - seq.arrival
-        reply = Reply(uid=uid, text="", num_tokens=0, finish_reason=finish_reason)
-        reply.scheduler_s = scheduler_s
-        self._finished.append(reply)
-        return True
-
-    def drop(self, uid: str) -> bool:
-        """Forget ``uid`` without a reply (the caller reports its end)."""
-        self.states.pop(uid, None)
-        return self.policy.remove(uid) is not None
+        return self.policy.remove(uid)
 
     def pause(self, uid: str) -> bool:
         return self.policy.pause(uid)
@@ -162,11 +114,8 @@ class PoolingEngine:
     def has_work(self) -> bool:
         return self.policy.has_work() or bool(self._finished)
 
-    def holds(self, uid: str) -> bool:
-        return uid in self.policy.by_uid
-
-    def held_uids(self) -> list[str]:
-        return list(self.policy.by_uid)
+    def _held(self) -> Mapping[str, Sequence]:
+        return self.policy.by_uid
 
     def counts(self) -> dict[str, int]:
         policy = self.policy
@@ -186,15 +135,6 @@ class PoolingEngine:
             prefix_queries=policy.prefix_cache_queries,
             prefix_hits=policy.prefix_cache_hits,
         )
-
-    def expire(self, now: float | None = None) -> list[str]:
-        """Abort requests past their deadline plus a margin (the api's backstop, as in
-        `Engine.expire`)."""
-        now = time.monotonic() if now is None else now
-        late = [u for u, s in self.policy.by_uid.items() if now > s.deadline + DEADLINE_MARGIN_S]
-        for uid in late:
-            self.abort(uid)
-        return late
 
     # ── one step ───────────────────────────────────────────────────────────────────────────────
     def step(self) -> list[Reply]:
@@ -250,10 +190,6 @@ class PoolingEngine:
 
     def _reply(self, seq: Sequence, result: torch.Tensor, now: float) -> Reply:
         state = self.states.pop(seq.uid)
-        if self.setup.task == "embed":
-            data = finish_embedding(result, state.params.dimensions, self.setup.normalize)
-        else:
-            data = result.to(torch.float32).numpy().astype("<f4").tobytes()
         return Reply(
             uid=seq.uid,
             text="",
@@ -264,35 +200,5 @@ class PoolingEngine:
             queue_s=(seq.first_scheduled or now) - seq.arrival,
             scheduler_s=now - seq.arrival,
             cached_tokens=seq.cached_tokens or 0,
-            pooled=data,
-        )
-
-
-def check_params(params: PoolingParams | None, setup: PoolingSetup, size: int) -> None:
-    """Refuse a request this pooling model cannot serve, naming the mismatch."""
-    if params is None:
-        raise WrongRunner(
-            "this model is served with --runner pooling (embeddings, rerank, score, classify): "
-            "it generates no text; use /v1/embeddings, /rerank, /score or /classify, or serve a "
-            "generative model for chat and completions"
-        )
-    if params.task != setup.task:
-        served = "embeddings (/v1/embeddings)" if setup.task == "embed" else "scores"
-        raise WrongRunner(
-            f"this model serves {served} (--convert {setup.task}), not {params.task} requests"
-        )
-    dims = params.dimensions
-    if dims is None:
-        return
-    if setup.matryoshka == [] or not 1 <= dims <= size:
-        allowed = (
-            "this model was not trained for shorter embeddings (no Matryoshka dimensions in "
-            "its config); leave dimensions out"
-            if setup.matryoshka == []
-            else f"ask for 1 to {size}"
-        )
-        raise InvalidRequest(f"dimensions {dims}: {allowed}", param="dimensions")
-    if setup.matryoshka and dims not in setup.matryoshka:
-        raise InvalidRequest(
-            f"dimensions {dims}: this model serves {setup.matryoshka}", param="dimensions"
+            pooled=self._pooled_bytes(result, state.params),
         )

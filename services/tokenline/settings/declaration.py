@@ -60,6 +60,23 @@ def parse_sizes(value: str) -> str:
     return ",".join(str(int(p)) for p in parts)
 
 
+class CheckedText(str):
+    """A flag's text with a form of its own (a JSON config, a list of weights): checked by the
+    subclass's ``check`` when it is read, so a bad one fails at start naming the problem (a
+    ValueError becomes argparse's error), and kept as its text."""
+
+    @staticmethod
+    def check(value: str) -> object:
+        raise NotImplementedError
+
+    def __new__(cls, value: str) -> CheckedText:
+        try:
+            cls.check(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return super().__new__(cls, value)
+
+
 def sizes_of(value: str | None) -> list[int] | None:
     """`parse_sizes`' string as the integers it names; None stays None."""
     return [int(p) for p in value.split(",")] if value else None

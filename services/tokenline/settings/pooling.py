@@ -8,18 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from tokenline.settings.declaration import SCHEDULER, CrdField, Setting
+from tokenline.settings.declaration import SCHEDULER, CheckedText, CrdField, Setting
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
-
-
-class PoolerConfigText(str):
-    """vLLM's ``--pooler-config`` JSON (``pooling_type``: LAST, MEAN or CLS; ``normalize``),
-    checked when read, so a bad one fails at start naming the key, and kept as its text."""
-
-    def __new__(cls, value: str) -> PoolerConfigText:
-        parse_pooler_config(value)
-        return super().__new__(cls, value)
 
 
 def parse_pooler_config(text: str | None) -> dict:
@@ -45,6 +36,13 @@ def parse_pooler_config(text: str | None) -> dict:
     if "normalize" in config and not isinstance(config["normalize"], bool):
         raise argparse.ArgumentTypeError("--pooler-config: normalize must be true or false")
     return config
+
+
+class PoolerConfigText(CheckedText):
+    """vLLM's ``--pooler-config`` JSON (``pooling_type``: LAST, MEAN or CLS; ``normalize``),
+    checked when read, so a bad one fails at start naming the key, and kept as its text."""
+
+    check = staticmethod(parse_pooler_config)
 
 
 POOLING: tuple[Setting, ...] = (

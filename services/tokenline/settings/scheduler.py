@@ -5,14 +5,13 @@ batching, compilation, prefix caching, attention, model code) and tensor paralle
 
 from __future__ import annotations
 
-import argparse
-
 from tokenline.scheduler.kv_transfer import config as kv_transfer
 from tokenline.scheduler.speculative import config as speculative
 from tokenline.scheduler.waiting import parse_weights
 from tokenline.settings.declaration import (
     API,
     SCHEDULER,
+    CheckedText,
     CrdField,
     Setting,
     parse_bool,
@@ -21,16 +20,11 @@ from tokenline.settings.declaration import (
 )
 
 
-class SpeculativeConfigText(str):
+class SpeculativeConfigText(CheckedText):
     """vLLM's ``--speculative-config`` JSON, checked when it is read (a bad one fails at start,
     naming the key) and kept as its text."""
 
-    def __new__(cls, value: str) -> SpeculativeConfigText:
-        try:
-            speculative.parse(value)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-        return super().__new__(cls, value)
+    check = staticmethod(speculative.parse)
 
 
 ENGINE: tuple[Setting, ...] = (
@@ -224,15 +218,10 @@ ENGINE: tuple[Setting, ...] = (
 )
 
 
-class KVTransferConfigText(str):
+class KVTransferConfigText(CheckedText):
     """vLLM's ``--kv-transfer-config`` JSON, checked when it is read, kept as its text."""
 
-    def __new__(cls, value: str) -> KVTransferConfigText:
-        try:
-            kv_transfer.parse(value)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-        return super().__new__(cls, value)
+    check = staticmethod(kv_transfer.parse)
 
 
 # Prefill/decode disaggregation (scheduler/kv_transfer/): the operator sets it per role.
@@ -254,16 +243,11 @@ KV_TRANSFER: tuple[Setting, ...] = (
 ENGINE += KV_TRANSFER
 
 
-class TenantWeightsText(str):
+class TenantWeightsText(CheckedText):
     """``team-a=1,team-b=3`` (``*`` for every other tenant), checked when it is read, kept as
     its text."""
 
-    def __new__(cls, value: str) -> TenantWeightsText:
-        try:
-            parse_weights(value)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-        return super().__new__(cls, value)
+    check = staticmethod(parse_weights)
 
 
 # Who runs first (scheduler/waiting.py): the scheduler orders by priority and tenant share, and

@@ -18,6 +18,10 @@ differ where logits tie).
     python benchmarks/speculative.py --model /tmp/smollm2-shape --streams 1 --rounds 3
     python benchmarks/speculative.py --model /tmp/smollm2-shape --streams 8 --rounds 3
     python benchmarks/speculative.py --model /tmp/smollm2-shape --streams 1 --draft self
+    python benchmarks/speculative.py --model /tmp/smollm2-shape --streams 1 --eagle3 random
+
+``--eagle3 random`` writes a random EAGLE-3 head for the model (the tests' writer): it guesses
+nothing right, so it measures what the head and the target's kept hidden states cost.
 """
 
 from __future__ import annotations
@@ -25,7 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from tokenline.loadgen.workload import LengthDist, build_workload
 from tokenline.model_source import resolve
@@ -88,6 +95,7 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--draft", help="a draft model's path, or self: the target as its draft")
+    parser.add_argument("--eagle3", help="an EAGLE-3 head's path, or random: a random head")
     parser.add_argument("--torch-threads", type=int)
     parser.add_argument("--dtype", default="auto", help="as the scheduler's --dtype")
     parser.add_argument(
@@ -139,10 +147,19 @@ def main() -> None:
             "draft_model", k, 0, 0, model=args.model if draft == "target" else draft
         )
         modes[f"draft model ({draft})"] = (proposer_for(config, runner), prompts, "off")
+    keeps_hidden = None  # the target's kept hidden states: on in the EAGLE-3 mode only
+    if args.eagle3:
+        head = random_head(source) if args.eagle3 == "random" else args.eagle3
+        proposer = proposer_for(SpeculativeConfig("eagle3", k, 0, 0, model=head), runner)
+        keeps_hidden = (runner.model.aux_layers, runner.aux_sink)
+        modes[f"eagle3 ({args.eagle3})"] = (proposer, prompts, "off")
     results: dict[str, dict] = {m: {"rates": [], "itl": [], "per_step": []} for m in modes}
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for mode, (proposer, workload, same_as) in modes.items():
             engine.policy.proposer = proposer
+            if keeps_hidden is not None:
+                on = mode.startswith("eagle3")
+                runner.model.aux_layers, runner.aux_sink = keeps_hidden if on else ((), None)
             engine.acceptance.take()
             rate, itl, per_step, outputs = run(
                 engine, workload, args.streams, args.output_len, f"{round_}{mode}"
@@ -183,6 +200,16 @@ def main() -> None:
             if key in r:
                 line[key] = r[key]
         print(json.dumps(line), flush=True)
+
+
+def random_head(source) -> str:
+    """A random EAGLE-3 head for ``source``'s model, written by the tests' writer."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "scheduler"))
+    from eagle3_oracle import write_head
+
+    config = json.loads((Path(source.path) / "config.json").read_text())
+    out = Path(tempfile.mkdtemp(prefix="eagle3-head-"))
+    return str(write_head(out, config, draft_vocab=config["vocab_size"]))
 
 
 if __name__ == "__main__":

@@ -115,6 +115,12 @@ def test_token_counts_are_exact_when_chunks_pack_several_tokens(
     summary = result["summaries"]["ours"]
     assert summary["output_tokens"] == sum(r["max_tokens"] for r in recs)
     assert summary["short_outputs"] == 0
+    # three tokens a chunk but a request's last (4 to 20 tokens): its accepted length, seen
+    per_chunk = summary["tokens_per_chunk"]
+    assert per_chunk["count"] == len(recs)
+    assert 2 <= per_chunk["p50"] <= 3 and per_chunk["mean"] == pytest.approx(
+        sum(r["max_tokens"] / math.ceil(r["max_tokens"] / 3) for r in recs) / len(recs)
+    )
     # chunks arrive every 3 x 10 ms; per token that is 10 ms
     assert 0.027 <= summary["itl"]["p50"] <= 0.040
     assert 0.008 <= summary["tpot"]["p50"] <= 0.016
@@ -130,7 +136,10 @@ def test_without_usage_tokens_are_counted_as_chunks(
     assert code == 0
     for r in records(result):
         assert (r["tokens_source"], r["chunks"], r["output_tokens"]) == ("chunks", 5, 5)
-    assert "tokens counted as chunks" in capsys.readouterr().out
+    assert result["summaries"]["ours"]["tokens_per_chunk"] is None  # unknown, not 1
+    out = capsys.readouterr().out
+    assert "tokens counted as chunks" in out
+    assert "tokens per chunk    - (no usage" in out
 
 
 def test_chat_ttft_ignores_the_role_only_first_chunk(tmp_path: Path, stand_in_server: str) -> None:

@@ -12,6 +12,9 @@ Definitions (all client-side, successful requests only):
   number of chunks that carried text.
 - Throughput: output tokens (requests) of successful requests / seconds the target was under
   load (the sum of its phases).
+- Tokens per chunk: per request, ``usage.completion_tokens / chunks`` (requests whose server
+  sent usage). A server streams each step's tokens in one chunk, so under speculative decoding
+  this is 1 + the guesses its steps kept: the request's accepted length as the client sees it.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ class Summary:
     itl: Dist | None
     tpot: Dist | None
     e2e: Dist | None
+    tokens_per_chunk: Dist | None  # per request; None without usage (then it is 1 by definition)
     errors: list[str]  # up to five distinct error messages
 
 
@@ -121,6 +125,9 @@ def summarize(result: BenchResult, label: str) -> Summary:
         itl=Dist.of([gap for r in ok for gap in r.itl]),
         tpot=Dist.of([t for r in ok if (t := r.tpot) is not None]),
         e2e=Dist.of([r.e2e for r in ok if r.e2e is not None]),
+        tokens_per_chunk=Dist.of(
+            [r.output_tokens / r.chunks for r in ok if r.tokens_source == "usage" and r.chunks]
+        ),
         errors=errors,
     )
 
@@ -132,6 +139,12 @@ LATENCIES = (("TTFT", "ttft"), ("ITL", "itl"), ("TPOT", "tpot"), ("E2E", "e2e"))
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def _per_chunk(dist: Dist | None) -> str:
+    if dist is None:
+        return "- (no usage: one token a chunk is assumed)"
+    return f"mean {dist.mean:.2f}, per request p50 {dist.p50:.2f} p90 {dist.p90:.2f}"
 
 
 def format_summary(s: Summary) -> str:
@@ -147,6 +160,7 @@ def format_summary(s: Summary) -> str:
         f"prompt tokens       {prompt}",
         f"output tokens/s     {s.output_throughput:.1f}",
         f"requests/s          {s.request_throughput:.2f}",
+        f"tokens per chunk    {_per_chunk(s.tokens_per_chunk)}",
         f"{'latency (ms)':<18}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
     ]
     for name, attr in LATENCIES:

@@ -61,6 +61,13 @@ class Pooling(Endpoint):
             )
         return status.pooling
 
+    def served_for(self, endpoint: str, task: str, refusal: str) -> protocol.PoolingInfo:
+        """What the scheduler pools, when its task is ``task``; else a 400 saying ``refusal``."""
+        info = self.served(endpoint)
+        if info.task != task:
+            raise invalid("model", refusal)
+        return info
+
     def check_chars(self, texts: list, param: str) -> None:
         size = sum(len(t) for t in texts)
         if size > self.settings.max_prompt_chars:
@@ -99,6 +106,28 @@ class Pooling(Endpoint):
             raise ended_with(failed[0].finish_reason if failed else "error")
         self.prompt_tokens = sum(c.prompt_tokens for c in ex.choices)
         return results
+
+    async def pool_inputs(
+        self, inputs: list[str | list[int]], params: protocol.PoolingParams
+    ) -> list[np.ndarray]:
+        """A request's ``input`` texts (or token ids) pooled with ``params``, in order."""
+        self.check_chars(inputs, "input")
+        return await self.pool([self.message(text, params) for text in inputs])
+
+    def listed(self, kind: str, data: list[dict], **usage: int) -> dict:
+        """The reply of a request whose results are a list (OpenAI's ``"object": "list"``)."""
+        return {
+            "id": f"{kind}-{self.ring_client.new_uid()}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "data": data,
+            "usage": {
+                "prompt_tokens": self.prompt_tokens,
+                "total_tokens": self.prompt_tokens,
+                **usage,
+            },
+        }
 
     def message(self, text: str | list[int], params: protocol.PoolingParams) -> protocol.Generate:
         return protocol.Generate(
@@ -142,17 +171,14 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
 class Embeddings(Pooling):
     async def create(self, body: EmbeddingRequest) -> dict:
         self.check_model(body.model)
-        info = self.served("/v1/embeddings")
-        if info.task != "embed":
-            raise invalid(
-                "model",
-                "/v1/embeddings needs an embedding model; this one is a classifier (--convert "
-                "classify): use /rerank or /score, or serve it with --convert embed",
-            )
-        inputs = body.inputs()
-        self.check_chars(inputs, "input")
+        self.served_for(
+            "/v1/embeddings",
+            "embed",
+            "/v1/embeddings needs an embedding model; this one is a classifier (--convert "
+            "classify): use /rerank or /score, or serve it with --convert embed",
+        )
         params = protocol.PoolingParams(task="embed", dimensions=body.dimensions)
-        vectors = await self.pool([self.message(text, params) for text in inputs])
+        vectors = await self.pool_inputs(body.inputs(), params)
         data = []
         for index, vector in enumerate(vectors):
             if body.encoding_format == "base64":
@@ -160,14 +186,7 @@ class Embeddings(Pooling):
             else:
                 embedding = vector.tolist()
             data.append({"object": "embedding", "index": index, "embedding": embedding})
-        return {
-            "id": f"embd-{self.ring_client.new_uid()}",
-            "object": "list",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "data": data,
-            "usage": {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens},
-        }
+        return self.listed("embd", data)
 
 
 class Rerank(Pooling):
@@ -200,31 +219,22 @@ class Score(Pooling):
         except ValueError as exc:
             raise invalid("text_1", str(exc)) from None
         scores = await self.scores("/score", pairs)
-        return {
-            "id": f"score-{self.ring_client.new_uid()}",
-            "object": "list",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
-            "usage": {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens},
-        }
+        return self.listed(
+            "score", [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
+        )
 
 
 class Classify(Pooling):
     async def create(self, body: ClassifyRequest) -> dict:
         self.check_model(body.model)
-        info = self.served("/classify")
-        if info.task != "classify":
-            raise invalid(
-                "model",
-                "/classify needs a classification model (a sequence-classification head, "
-                "--convert classify); this one serves embeddings (--convert embed): use "
-                "/v1/embeddings",
-            )
-        inputs = body.inputs()
-        self.check_chars(inputs, "input")
-        params = protocol.PoolingParams(task="classify")
-        logits = await self.pool([self.message(text, params) for text in inputs])
+        info = self.served_for(
+            "/classify",
+            "classify",
+            "/classify needs a classification model (a sequence-classification head, "
+            "--convert classify); this one serves embeddings (--convert embed): use "
+            "/v1/embeddings",
+        )
+        logits = await self.pool_inputs(body.inputs(), protocol.PoolingParams(task="classify"))
         labels = info.labels or [f"LABEL_{i}" for i in range(info.size)]
         data = []
         for index, row in enumerate(logits):
@@ -237,18 +247,7 @@ class Classify(Pooling):
                     "num_classes": len(probs),
                 }
             )
-        return {
-            "id": f"classify-{self.ring_client.new_uid()}",
-            "object": "list",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "data": data,
-            "usage": {
-                "prompt_tokens": self.prompt_tokens,
-                "total_tokens": self.prompt_tokens,
-                "completion_tokens": 0,
-            },
-        }
+        return self.listed("classify", data, completion_tokens=0)
 
 
 def _probabilities(logits: np.ndarray, problem_type: str) -> np.ndarray:

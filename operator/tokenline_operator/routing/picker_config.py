@@ -93,6 +93,29 @@ def precise_prefix_cache_scorer(spec: Spec) -> dict[str, Any]:
     }
 
 
+def _approximate_prefix_scorer() -> dict[str, Any]:
+    """The upstream prefix-cache-scorer, which reads the picker's own routing history."""
+    return {
+        "type": "prefix-cache-scorer",
+        "parameters": {"autoTune": True, "blockSizeTokens": DEFAULT_BLOCK_SIZE_TOKENS},
+    }
+
+
+def _weighted_scorers(spec: Spec, prefix: str) -> list[dict[str, Any]]:
+    """A generating pool's scorers and their weights, the upstream chart's and llm-d's guide's:
+    queue 2, KV cache use 2, prefix (``prefix``, approximate or precise) 3; with
+    ``spec.model.lora`` LoRA affinity too (pods with the request's adapter resident first,
+    then pods with a free adapter slot; it reads loraSpec's metric)."""
+    refs = [
+        {"pluginRef": "queue-scorer", "weight": 2},
+        {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+        {"pluginRef": prefix, "weight": 3},
+    ]
+    if lora.enabled(spec):
+        refs.append({"pluginRef": LORA_SCORER, "weight": LORA_SCORER_WEIGHT})
+    return refs
+
+
 def pooling(spec: Spec) -> bool:
     """Whether the pods pool (spec.model.runner: pooling); auto is read as generation, since
     only the checkpoint, inside the pods, says which it is."""
@@ -146,17 +169,8 @@ def pd_picker_config(spec: Spec) -> dict[str, Any]:
     the decode pod's sidecar. The decider reads the approximate prefix scorer's match (the
     prepareDataPlugins gate runs it before the profiles), so that is the prefix scorer here
     whatever ``router.kvEvents`` says. Each profile scores as the default one does."""
-    prefix = {
-        "type": "prefix-cache-scorer",
-        "parameters": {"autoTune": True, "blockSizeTokens": DEFAULT_BLOCK_SIZE_TOKENS},
-    }
-    refs = [
-        {"pluginRef": "queue-scorer", "weight": 2},
-        {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
-        {"pluginRef": prefix["type"], "weight": 3},
-    ]
-    if lora.enabled(spec):
-        refs.append({"pluginRef": LORA_SCORER, "weight": LORA_SCORER_WEIGHT})
+    prefix = _approximate_prefix_scorer()
+    refs = _weighted_scorers(spec, prefix["type"])
     profiles = [
         {
             "name": role,
@@ -209,23 +223,12 @@ def endpoint_picker_config(spec: Spec) -> dict[str, Any]:
     if router.precise_routing(spec):
         prefix: dict[str, Any] = precise_prefix_cache_scorer(spec)
     else:
-        prefix = {
-            "type": "prefix-cache-scorer",
-            "parameters": {"autoTune": True, "blockSizeTokens": DEFAULT_BLOCK_SIZE_TOKENS},
-        }
+        prefix = _approximate_prefix_scorer()
     scorers: list[dict[str, Any]] = [
         {"type": "queue-scorer"},
         {"type": "kv-cache-utilization-scorer"},
     ]
-    refs = [
-        {"pluginRef": "queue-scorer", "weight": 2},
-        {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
-        {"pluginRef": prefix["type"], "weight": 3},
-    ]
-    if lora.enabled(spec):
-        # LoRA affinity (spec.model.lora): pods with the request's adapter resident first,
-        # then pods with a free adapter slot; it reads loraSpec's metric (no parameters)
-        refs.append({"pluginRef": LORA_SCORER, "weight": LORA_SCORER_WEIGHT})
+    refs = _weighted_scorers(spec, prefix["type"])
     return {
         "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
         "kind": "EndpointPickerConfig",

@@ -14,8 +14,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-import torch
-
 from tokenline.protocol import Reply
 from tokenline.scheduler.engine import EngineLimits
 from tokenline.scheduler.pooling.config import PoolingSetup
@@ -122,19 +120,4 @@ class EncoderEngine(PoolingEngineBase):
         started = time.monotonic()
         results = self.runner.forward([(r.ids, r.types) for r in batch])
         now = time.monotonic()
-        return [self._reply(r, results[i], started, now) for i, r in enumerate(batch)]
-
-    def _reply(
-        self, request: PoolingRequest, result: torch.Tensor, started: float, now: float
-    ) -> Reply:
-        return Reply(
-            uid=request.uid,
-            text="",
-            num_tokens=0,
-            finish_reason="stop",
-            prompt_tokens=len(request.ids),
-            tokenizer_s=request.tokenizer_s,
-            queue_s=started - request.arrival,
-            scheduler_s=now - request.arrival,
-            pooled=self._pooled_bytes(result, request.params),
-        )
+        return [self._pooled_reply(r, results[i], started, now) for i, r in enumerate(batch)]

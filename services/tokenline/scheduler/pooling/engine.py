@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenline.protocol import PoolingParams, Reply, SamplingParams
+from tokenline.protocol import Reply, SamplingParams
 from tokenline.scheduler.engine import EngineLimits, KVCacheTooSmall
 from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.policy import BatchPolicy, Chunk, StepOutput
@@ -45,8 +45,7 @@ class CacheStatus:
 class _Pooling:
     """One request's pooling state beside its sequence."""
 
-    params: PoolingParams
-    tokenizer_s: float
+    request: PoolingRequest
     total: torch.Tensor | None = None  # MEAN: the sum of the rows computed so far
     first: torch.Tensor | None = None  # CLS: the first row
 
@@ -90,7 +89,7 @@ class PoolingEngine(PoolingEngineBase):
             arrival=request.arrival,
         )
         self.policy.add(seq)
-        self.states[request.uid] = _Pooling(request.params, request.tokenizer_s)
+        self.states[request.uid] = _Pooling(request)
         return seq
 
     @property
@@ -189,16 +188,6 @@ class PoolingEngine(PoolingEngineBase):
         return (state.total / len(chunk.seq.prompt_ids)).to(self.runner.dtype)
 
     def _reply(self, seq: Sequence, result: torch.Tensor, now: float) -> Reply:
-        state = self.states.pop(seq.uid)
-        return Reply(
-            uid=seq.uid,
-            text="",
-            num_tokens=0,
-            finish_reason="stop",
-            prompt_tokens=len(seq.prompt_ids),
-            tokenizer_s=state.tokenizer_s,
-            queue_s=(seq.first_scheduled or now) - seq.arrival,
-            scheduler_s=now - seq.arrival,
-            cached_tokens=seq.cached_tokens or 0,
-            pooled=self._pooled_bytes(result, state.params),
-        )
+        request = self.states.pop(seq.uid).request
+        started = seq.first_scheduled or now
+        return self._pooled_reply(request, result, started, now, seq.cached_tokens or 0)

@@ -124,12 +124,34 @@ class PoolingEngineBase:
             self.abort(uid)
         return late
 
-    def _pooled_bytes(self, result: torch.Tensor, params: PoolingParams) -> bytes:
-        """A request's pooled row as the wire carries it: an embedding finished as the request
-        asks, or the classifier's scores as they are."""
+    def _pooled_reply(
+        self,
+        request: PoolingRequest,
+        result: torch.Tensor,
+        started: float,
+        now: float,
+        cached_tokens: int = 0,
+    ) -> Reply:
+        """A pooled request's terminal reply: its row as the wire carries it (an embedding
+        finished as the request asks, or the classifier's scores as they are), and its times:
+        queued until ``started``, in the scheduler until ``now``."""
+        params = request.params
         if self.setup.task == "embed":
-            return finish_embedding(result, params.dimensions, self.setup.normalize)
-        return result.to(torch.float32).numpy().astype("<f4").tobytes()
+            data = finish_embedding(result, params.dimensions, self.setup.normalize)
+        else:
+            data = result.to(torch.float32).numpy().astype("<f4").tobytes()
+        return Reply(
+            uid=request.uid,
+            text="",
+            num_tokens=0,
+            finish_reason="stop",
+            prompt_tokens=len(request.ids),
+            tokenizer_s=request.tokenizer_s,
+            queue_s=started - request.arrival,
+            scheduler_s=now - request.arrival,
+            cached_tokens=cached_tokens,
+            pooled=data,
+        )
 
 
 def finish_embedding(vector: torch.Tensor, dimensions: int | None, normalize: bool) -> bytes:

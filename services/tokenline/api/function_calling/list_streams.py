@@ -29,9 +29,8 @@ from tokenline.api.function_calling.parsers import (
     ToolCallStream,
     _as_call,
     _held_prefix,
-    _Nesting,
-    _ObjectScanner,
 )
+from tokenline.api.function_calling.scanners import ObjectScanner, PythonScanner
 
 # ── Mistral ────────────────────────────────────────────────────────────────────────────────────
 MISTRAL_TRIGGER = "[TOOL_CALLS]"
@@ -49,7 +48,7 @@ class MistralStream(MarkedStream):
 
     OPEN = MISTRAL_TRIGGER
     _form: str = ""  # "list" or "named" once the block shows which
-    _scanner: _ObjectScanner | None = None
+    _scanner: ObjectScanner | None = None
     _seen: int = 0  # how much of the object in _pending the scanner has read
     _item_rest: bool = False  # the scanner skips what follows a streamed call's arguments
 
@@ -98,7 +97,7 @@ class MistralStream(MarkedStream):
             if self._form == "named":  # the next call comes after its own [TOOL_CALLS]
                 self._leave(self._pending)
             else:  # the rest of the list item, after its arguments
-                self._scanner, self._seen, self._item_rest = _ObjectScanner(depth=1), 0, True
+                self._scanner, self._seen, self._item_rest = ObjectScanner(depth=1), 0, True
             return deltas, True
         if self._scanner is not None:  # inside an object: wait for it to close
             head = None if self._item_rest else _STREAMABLE_HEAD.match(body)
@@ -137,12 +136,12 @@ class MistralStream(MarkedStream):
         if not head.startswith("{"):  # not a list of calls: the rest is markup, dropped
             self._pending = ""
             return [], False
-        self._pending, self._scanner, self._seen = head, _ObjectScanner(), 0
+        self._pending, self._scanner, self._seen = head, ObjectScanner(), 0
         return [], True
 
     def _start_streaming(self, name: str, rest: str) -> list[Delta]:
         self._scanner, self._pending = None, rest
-        self._streaming = (name, _ObjectScanner(), [])
+        self._streaming = (name, ObjectScanner(), [])
         return [CallStart(self._calls, name)]
 
     def _object_call(self, text: str) -> ParsedCall | None:
@@ -193,20 +192,6 @@ def python_call(text: str) -> ParsedCall | None:
 
 
 @dataclass
-class _PythonScanner(_Nesting):
-    """Where each item of a Python list that arrives in pieces ends."""
-
-    QUOTES = "\"'"
-    OPENS = "([{"
-    CLOSES = ")]}"
-
-    def item_end(self, text: str, start: int) -> tuple[int, bool]:
-        """(index after an item that closes in ``text[start:]``, True) or (len, False)."""
-        end = self.close(text, start)
-        return (len(text), False) if end is None else (end, True)
-
-
-@dataclass
 class PythonicStream(ToolCallStream):
     """A reply that is a Python list of calls, ``[f(a=1), g(b="x")]`` (optionally inside
     Llama 4's ``<|python_start|>``/``<|python_end|>``), or else plain text.
@@ -219,7 +204,7 @@ class PythonicStream(ToolCallStream):
     _mode: str = ""  # "" undecided, "content" or "calls"
     _position: int = 0  # in calls: where the next item starts in _pending
     _item_start: int = -1
-    _scanner: _PythonScanner = field(default_factory=_PythonScanner)
+    _scanner: PythonScanner = field(default_factory=PythonScanner)
     _calls: int = 0
     _closed: bool = False
 
@@ -257,7 +242,7 @@ class PythonicStream(ToolCallStream):
                     self._closed = True
                     return out
                 self._item_start = self._position
-                self._scanner = _PythonScanner()
+                self._scanner = PythonScanner()
             end, whole = self._scanner.item_end(self._pending, self._position)
             self._position = end
             if not whole:

@@ -30,8 +30,8 @@ from tokenline.api.function_calling.parsers import (
     ParsedCall,
     ToolCallStream,
     _held_prefix,
-    _ObjectScanner,
 )
+from tokenline.api.function_calling.scanners import ObjectScanner
 
 
 @dataclass
@@ -50,7 +50,7 @@ class MarkedStream(ToolCallStream):
     _calls: int = 0
     _calls_before_block: int = 0
     # the call whose arguments are streaming: its name, scanner and the arguments so far
-    _streaming: tuple[str, _ObjectScanner, list[str]] | None = None
+    _streaming: tuple[str, ObjectScanner, list[str]] | None = None
     _skipping: bool = False  # a streamed call's arguments closed; its own markup follows
 
     def _head(self, body: str) -> re.Match | None:
@@ -131,7 +131,7 @@ class MarkedStream(ToolCallStream):
                 head = self._head(self._pending)
                 if head is not None:
                     self._pending = self._pending[head.end() :]
-                    self._streaming = (head.group(1), _ObjectScanner(), [])
+                    self._streaming = (head.group(1), ObjectScanner(), [])
                     out.append(CallStart(self._calls, head.group(1)))
                     continue
                 calls, used = self._take_calls(self._pending)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import ClassVar
+
+from tokenline.api.function_calling.scanners import ObjectScanner
 
 
 @dataclass(frozen=True)
@@ -152,57 +153,6 @@ _STREAMABLE_HEAD = re.compile(
 
 
 @dataclass
-class _Nesting:
-    """Where a bracketed value that arrives in pieces closes: its depth, the quote of the
-    string it is in (brackets there do not count) and whether the last character escaped the
-    next. Subclasses say which characters quote, open and close."""
-
-    QUOTES: ClassVar[str] = '"'
-    OPENS: ClassVar[str] = "{["
-    CLOSES: ClassVar[str] = "}]"
-
-    depth: int = 0
-    quote: str = ""
-    escaped: bool = False
-
-    def close(self, text: str, start: int = 0) -> int | None:
-        """The index after where the value closes in ``text[start:]``; None: not there."""
-        for i in range(start, len(text)):
-            char = text[i]
-            if self.quote:
-                if self.escaped:
-                    self.escaped = False
-                elif char == "\\":
-                    self.escaped = True
-                elif char == self.quote:
-                    self.quote = ""
-            elif char in self.QUOTES:
-                self.quote = char
-            elif char in self.OPENS:
-                self.depth += 1
-            elif char in self.CLOSES:
-                self.depth -= 1
-                if self.depth == 0:
-                    return i + 1
-        return None
-
-
-@dataclass
-class _ObjectScanner(_Nesting):
-    """Where a JSON object that arrives in pieces ends."""
-
-    closed: bool = False
-
-    def take(self, text: str) -> int:
-        """How much of ``text`` belongs to the object (all of it until it closes)."""
-        end = self.close(text)
-        if end is None:
-            return len(text)
-        self.closed = True
-        return end
-
-
-@dataclass
 class HermesStream(ToolCallStream):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks among plain text.
 
@@ -220,7 +170,7 @@ class HermesStream(ToolCallStream):
     _calls: int = 0
     _held_space: str = ""
     # the call whose arguments are streaming: its name, scanner and the arguments so far
-    _streaming: tuple[str, _ObjectScanner, list[str]] | None = None
+    _streaming: tuple[str, ObjectScanner, list[str]] | None = None
 
     def _content(self, text: str, final: bool = False) -> list[Delta]:
         if self._after_call:
@@ -281,7 +231,7 @@ class HermesStream(ToolCallStream):
                 head = _STREAMABLE_HEAD.match(self._pending)
                 if head is not None:
                     self._pending = self._pending[head.end() :]
-                    self._streaming = (head.group(1), _ObjectScanner(), [])
+                    self._streaming = (head.group(1), ObjectScanner(), [])
                     self._held_space = ""
                     out.append(CallStart(self._calls, head.group(1)))
                     continue

@@ -55,6 +55,25 @@ def create_keys(directory: str) -> str:
     return secret
 
 
+def keys_problem(directory: str) -> str:
+    """Why ``directory`` cannot authenticate CurveZMQ peers as ``create_keys`` made it; "" when
+    it can. Every holder of the directory must find its own public key allowed there, or the
+    pods that share it refuse each other."""
+    if not os.path.isdir(directory):
+        return f"{directory} is not a directory"
+    path = os.path.join(directory, CERTIFICATE)
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+        allowed = zmq.auth.load_certificates(directory)
+    except (OSError, ValueError) as exc:
+        return f"cannot read the certificate {path} ({exc})"
+    if secret is None:
+        return f"{path} holds no secret key"
+    if public not in allowed:
+        return f"{directory} does not hold {CERTIFICATE}'s public key (a *.key file)"
+    return ""
+
+
 @dataclass(frozen=True)
 class RingSecurity:
     curve_keys: str | None = None  # the directory of --ring-curve-keys

@@ -6,6 +6,12 @@ computed; ``kv_both``), ``kv_load_failure_policy`` (``fail``, vLLM's default, or
 ``recompute``), ``engine_id`` and ``kv_connector_extra_config``. The side channel listens where
 vLLM's does: ``VLLM_NIXL_SIDE_CHANNEL_HOST`` and ``VLLM_NIXL_SIDE_CHANNEL_PORT``; lent blocks
 are kept for ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` seconds at most when no decode pod reads them.
+
+``kv_connector_extra_config`` holds tokenline's own keys, which vLLM has no equivalent of:
+``pull_timeout_s``, ``lease_s`` and ``side_channel_keys``, a directory made by ``tokenline
+ring-keys --out DIR`` and shared by every prefill and decode pod of one service. With it the
+side channel speaks CurveZMQ both ways (side_channel.py): a decode pod reads only from a pod
+that holds the directory's secret, whatever host a request's ``kv_transfer_params`` name.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import json
 import os
 import uuid
 from dataclasses import dataclass
+
+from tokenline.ring_security import keys_problem
 
 CONNECTORS = ("NixlConnector",)
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -30,6 +38,7 @@ _KNOWN = {
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 DEFAULT_LEASE_S = 480.0
 DEFAULT_PULL_TIMEOUT_S = 30.0
+EXTRA = ("pull_timeout_s", "lease_s", "side_channel_keys")
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,7 @@ class KVTransferConfig:
     side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
     lease_s: float = DEFAULT_LEASE_S  # a lent block nobody reads is freed after this
     pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S  # a read that takes longer has failed
+    side_channel_keys: str | None = None  # CurveZMQ keys of the service's pods; None: no CURVE
 
     @property
     def produces(self) -> bool:
@@ -86,12 +96,27 @@ def parse(text: str) -> dict:
     if not isinstance(extra, dict):
         raise ValueError("--kv-transfer-config: kv_connector_extra_config must be an object")
     for key in extra:
-        if key not in ("pull_timeout_s", "lease_s"):
+        if key not in EXTRA:
             raise ValueError(
                 f"--kv-transfer-config: kv_connector_extra_config.{key} is not served; "
-                "tokenline reads pull_timeout_s and lease_s"
+                f"tokenline reads {', '.join(EXTRA)}"
             )
+    if "side_channel_keys" in extra:
+        _check_keys(extra["side_channel_keys"])
     return value
+
+
+def _check_keys(directory: object) -> None:
+    """Refused at start, not at the first read: a pod without usable keys serves no one."""
+    where = "--kv-transfer-config: kv_connector_extra_config.side_channel_keys"
+    if not isinstance(directory, str) or not directory:
+        raise ValueError(f"{where} must name a directory, not {directory!r}")
+    problem = keys_problem(directory)
+    if problem:
+        raise ValueError(
+            f"{where}: {problem}; create it with `tokenline ring-keys --out {directory}` and give "
+            "every prefill and decode pod of the service the same directory"
+        )
 
 
 def config_of(text: str | None, environ: dict[str, str] | None = None) -> KVTransferConfig | None:
@@ -110,4 +135,5 @@ def config_of(text: str | None, environ: dict[str, str] | None = None) -> KVTran
         side_channel_port=int(env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", DEFAULT_SIDE_CHANNEL_PORT)),
         lease_s=lease,
         pull_timeout_s=float(extra.get("pull_timeout_s", DEFAULT_PULL_TIMEOUT_S)),
+        side_channel_keys=extra.get("side_channel_keys"),
     )

@@ -11,10 +11,11 @@ like any other: the blocks are prefix hits, so only the last, partial block is c
 This pod holds a reference to the blocks until the request is admitted, so nothing evicts them
 in between.
 
-A read that fails (an unreachable or dead prefill pod, a refused handshake or claim, a transfer
-error or timeout) gives the request back for a local prefill (``recompute``) or ends it with
-``kv_load_failed`` (``fail``); either way its blocks go back, and the prefill pod is told to
-let go of its own, unless the claim was refused: those may be another request's.
+A read that fails (an unreachable or dead prefill pod, a peer without the service's
+side-channel keys, a refused handshake or claim, a transfer error or timeout) gives the request
+back for a local prefill (``recompute``) or ends it with ``kv_load_failed`` (``fail``); either
+way its blocks go back, and a live prefill pod of this service is told to let go of its own,
+unless the claim was refused: those may be another request's.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from tokenline.scheduler.kv_transfer.side_channel import (
     Grant,
     Release,
     SideChannelClient,
+    Unauthenticated,
     Welcome,
 )
 from tokenline.scheduler.sequence import Sequence, Status
@@ -68,7 +70,7 @@ class Pulls:
         self.pool = pool
         self.config = config
         self.link = link
-        self._client = SideChannelClient()  # used by the worker thread only
+        self._client = SideChannelClient(config.side_channel_keys)  # the worker thread's
         self._welcomes: dict[tuple[str, int], Welcome] = {}  # the worker's too
         self._unreachable: dict[tuple[str, int], float] = {}  # the worker's too: since when
         self._dropped = 0  # aborted reads still in flight, named apart in ``pending``
@@ -153,7 +155,9 @@ class Pulls:
             self._welcomes.pop((host, port), None)
             if welcome is not None:
                 self.link.forget(welcome.metadata)
-            if failure.reason != "unreachable":  # a live peer lets its blocks go at once
+            # a live peer of ours lets its blocks go at once; one that failed the handshake
+            # hears nothing more from this pod
+            if failure.reason not in ("unreachable", "unauthenticated"):
                 self._release(params, seq, 0, grant.token if grant else b"")
             raise
         self._release(params, seq, read, grant.token)
@@ -163,6 +167,8 @@ class Pulls:
         """The prefill pod's grant of ``claim``; raises PullFailed when it refuses."""
         try:
             grant = self._client.claim(host, port, claim, HELLO_TIMEOUT_S)
+        except Unauthenticated as exc:  # the peer was replaced by one with other keys
+            raise PullFailed("unauthenticated", str(exc)) from None
         except TimeoutError as exc:
             self._unreachable[host, port] = time.monotonic()
             raise PullFailed("unreachable", str(exc)) from None
@@ -180,6 +186,8 @@ class Pulls:
             raise PullFailed("unreachable", f"the prefill pod at {host}:{port} was unreachable")
         try:
             welcome = self._client.hello(host, port, self.link.layout, HELLO_TIMEOUT_S)
+        except Unauthenticated as exc:
+            raise PullFailed("unauthenticated", str(exc)) from None
         except TimeoutError as exc:
             self._unreachable[host, port] = time.monotonic()
             raise PullFailed("unreachable", str(exc)) from None

@@ -11,18 +11,30 @@ that matches (ledger.py) and pins that loan until the reader releases it.
 The prefill pod answers on a ZeroMQ ROUTER socket from a thread of its own; it reads the layout
 it was given, asks the ledger about claims, and queues the releases, which the scheduler applies
 between steps.
+
+The claim cannot stop a client that names a host of its own, though: a side channel there grants
+anything, and the decode pod would cache the KV it reads under the prompt's block names, for
+every later request of that prompt. With ``side_channel_keys`` (config.py) both ends speak
+CurveZMQ with the service's keys, as the stage ring does (ring_security.py): the prefill pod
+admits only readers holding them (ZAP), and a decode pod completes a handshake only with a pod
+holding the secret, so it neither reads from nor caches anything of another. ZeroMQ drops a
+failed handshake silently; the reader watches its socket's handshake events, so such a peer
+fails its read at once (``Unauthenticated``) rather than after the hello's timeout.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
+from tokenline.ring_security import RingSecurity, is_local
 from tokenline.scheduler.kv_transfer.link import KVLayout
 
 log = logging.getLogger(__name__)
@@ -67,6 +79,23 @@ class Release(msgspec.Struct, tag="release"):
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Hello | Welcome | Claim | Grant | Release)
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+UNSIGNED = (
+    "kv transfer: the side channel is not authenticated: any client that can reach a decode "
+    "pod's API can make it read KV from a host the client names in kv_transfer_params, and "
+    "cache that KV for other users' requests of the same prompt. Give every prefill and decode "
+    "pod of the service the same keys: `tokenline ring-keys --out DIR`, then "
+    '"kv_connector_extra_config": {"side_channel_keys": "DIR"} (%s)'
+)
+
+
+class Unauthenticated(ConnectionError):
+    """The peer failed the side channel's handshake: it holds other keys, or none, or asks for
+    keys this pod lacks. Nothing of it is read."""
 
 
 class SideChannelServer:
@@ -81,17 +110,24 @@ class SideChannelServer:
         layout: KVLayout,
         engine_id: str,
         claims: Callable[[Claim], Grant],
+        keys: str | None = None,
     ) -> None:
         self.metadata = metadata
         self.layout = layout
         self.engine_id = engine_id
         self.claims = claims
         self._releases: deque[Release] = deque()
-        self._context = zmq.Context.instance()
+        # a context of its own: its ZAP handler admits the side channel's keys, not the ring's
+        self._context = zmq.Context()
+        security = RingSecurity(curve_keys=keys)
+        self._authenticator = security.start_authenticator(self._context)
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        security.serve(self._socket)
         self._socket.bind(f"tcp://{host}:{port or '*'}")  # 0: a port of the system's choice
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        if keys is None and not is_local(self.address):
+            log.warning(UNSIGNED, f"the side channel binds {self.address}")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-side-channel", daemon=True)
         self._thread.start()
@@ -137,23 +173,35 @@ class SideChannelServer:
         self._stop.set()
         self._thread.join(timeout=2)
         self._socket.close()
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        self._context.term()
 
 
 class SideChannelClient:
-    """The reader's end, used from one worker thread: one socket per owner."""
+    """The reader's end, used from one worker thread: one socket per owner, and a monitor of
+    its handshakes."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: str | None = None) -> None:
         self._context = zmq.Context.instance()
-        self._sockets: dict[tuple[str, int], zmq.Socket] = {}
+        self._security = RingSecurity(curve_keys=keys)
+        self._sockets: dict[tuple[str, int], tuple[zmq.Socket, zmq.Socket]] = {}
+        self._warned = keys is not None
 
-    def _socket(self, host: str, port: int) -> zmq.Socket:
-        socket = self._sockets.get((host, port))
-        if socket is None:
+    def _peer(self, host: str, port: int) -> tuple[zmq.Socket, zmq.Socket]:
+        peer = self._sockets.get((host, port))
+        if peer is None:
+            endpoint = f"tcp://{host}:{port}"
+            if not self._warned and not is_local(endpoint):
+                self._warned = True
+                log.warning(UNSIGNED, f"this pod reads from {host}:{port}")
             socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 1000)
-            socket.connect(f"tcp://{host}:{port}")
-            self._sockets[host, port] = socket
-        return socket
+            self._security.connect(socket)
+            monitor = socket.get_monitor_socket(_HANDSHAKE_FAILED)
+            socket.connect(endpoint)
+            peer = self._sockets[host, port] = (socket, monitor)
+        return peer
 
     def hello(self, host: str, port: int, layout: KVLayout, timeout_s: float) -> Welcome:
         reply = self._ask(host, port, Hello(layout), timeout_s)
@@ -170,31 +218,63 @@ class SideChannelClient:
         return reply
 
     def _ask(self, host: str, port: int, message: msgspec.Struct, timeout_s: float) -> object:
-        socket = self._socket(host, port)
+        socket, monitor = self._peer(host, port)
         socket.send(_encoder.encode(message))
-        if not socket.poll(int(timeout_s * 1000)):
-            self.drop(host, port)  # a late answer must not be read as the next one's
-            raise TimeoutError(f"the prefill pod at {host}:{port} is silent after {timeout_s:g} s")
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while socket not in (ready := dict(poller.poll(_ms_until(deadline)))):
+            if monitor in ready:  # ZeroMQ retries such a peer for ever: it is not one to ask
+                event = zmq.Event(recv_monitor_message(monitor)["event"]).name
+                self.drop(host, port)
+                raise Unauthenticated(self._unauthenticated(host, port, event))
+            if time.monotonic() >= deadline:
+                self.drop(host, port)  # a late answer must not be read as the next one's
+                raise TimeoutError(
+                    f"the prefill pod at {host}:{port} is silent after {timeout_s:g} s"
+                )
         try:
             return _decoder.decode(socket.recv())
         except msgspec.DecodeError:
             self.drop(host, port)
             raise
 
+    def _unauthenticated(self, host: str, port: int, event: str) -> str:
+        if self._security.curve:
+            return (
+                f"the side channel at {host}:{port} failed the CurveZMQ handshake ({event}): it "
+                "does not hold this service's side_channel_keys; nothing is read from it"
+            )
+        return (
+            f"the side channel at {host}:{port} refused the handshake ({event}): it asks for "
+            "CurveZMQ; give this pod the service's kv_connector_extra_config.side_channel_keys"
+        )
+
     def release(self, host: str, port: int, release: Release) -> None:
         try:  # never waits: a peer that cannot take it lets its blocks go with the lease
-            self._socket(host, port).send(_encoder.encode(release), zmq.NOBLOCK)
+            self._peer(host, port)[0].send(_encoder.encode(release), zmq.NOBLOCK)
         except zmq.Again:
             log.warning(
                 "kv side channel: %s:%s takes no release now; its lease frees it", host, port
             )
 
     def drop(self, host: str, port: int) -> None:
-        socket = self._sockets.pop((host, port), None)
-        if socket is not None:
-            socket.close(linger=0)
+        peer = self._sockets.pop((host, port), None)
+        if peer is not None:
+            _close(*peer, linger=0)
 
     def close(self) -> None:
-        for socket in self._sockets.values():
-            socket.close()
+        for socket, monitor in self._sockets.values():
+            _close(socket, monitor, linger=None)
         self._sockets.clear()
+
+
+def _close(socket: zmq.Socket, monitor: zmq.Socket, linger: int | None) -> None:
+    socket.disable_monitor()
+    monitor.close(linger=0)
+    socket.close(linger=linger)
+
+
+def _ms_until(deadline: float) -> int:
+    return max(0, int((deadline - time.monotonic()) * 1000) + 1)

@@ -45,6 +45,7 @@ class KVTransfers:
                 self.link.layout,
                 config.engine_id,
                 self.lending.claim,
+                config.side_channel_keys,
             )
             self.lending.port = int(self.server.address.rsplit(":", 1)[1])  # 0: the one bound
             log.info("kv transfer: lending prompts' KV, side channel at %s", self.server.address)

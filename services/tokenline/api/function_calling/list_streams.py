@@ -22,7 +22,6 @@ from tokenline.api.function_calling.marked_streams import MarkedStream
 from tokenline.api.function_calling.parsers import (
     _STREAMABLE_HEAD,
     Call,
-    CallStart,
     Content,
     Delta,
     ParsedCall,
@@ -140,9 +139,8 @@ class MistralStream(MarkedStream):
         return [], True
 
     def _start_streaming(self, name: str, rest: str) -> list[Delta]:
-        self._scanner, self._pending = None, rest
-        self._streaming = (name, ObjectScanner(), [])
-        return [CallStart(self._calls, name)]
+        self._scanner = None
+        return self._stream_call(name, rest)
 
     def _object_call(self, text: str) -> ParsedCall | None:
         try:

@@ -24,7 +24,6 @@ from tokenline.api.function_calling.parsers import (
     ArgumentsPiece,
     Call,
     CallEnd,
-    CallStart,
     Content,
     Delta,
     ParsedCall,
@@ -130,9 +129,7 @@ class MarkedStream(ToolCallStream):
             if self._in_block:
                 head = self._head(self._pending)
                 if head is not None:
-                    self._pending = self._pending[head.end() :]
-                    self._streaming = (head.group(1), ObjectScanner(), [])
-                    out.append(CallStart(self._calls, head.group(1)))
+                    out += self._stream_call(head.group(1), self._pending[head.end() :])
                     continue
                 calls, used = self._take_calls(self._pending)
                 self._pending = self._pending[used:]

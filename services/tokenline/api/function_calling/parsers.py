@@ -100,6 +100,13 @@ def _held_prefix(text: str, marker: str) -> int:
 class ToolCallStream:
     """Splits a reply, piece by piece, into content and calls."""
 
+    def _stream_call(self, name: str, rest: str) -> list[Delta]:
+        """Begin the call ``name`` whose arguments (``rest`` starts them) stream as they come;
+        for the streams that keep ``_pending``, ``_calls`` and ``_streaming``."""
+        self._pending = rest
+        self._streaming = (name, ObjectScanner(), [])
+        return [CallStart(self._calls, name)]
+
     def feed(self, text: str) -> list[Delta]:
         raise NotImplementedError
 
@@ -230,10 +237,8 @@ class HermesStream(ToolCallStream):
             if self._in_call:
                 head = _STREAMABLE_HEAD.match(self._pending)
                 if head is not None:
-                    self._pending = self._pending[head.end() :]
-                    self._streaming = (head.group(1), ObjectScanner(), [])
                     self._held_space = ""
-                    out.append(CallStart(self._calls, head.group(1)))
+                    out += self._stream_call(head.group(1), self._pending[head.end() :])
                     continue
                 end = self._pending.find(self.CLOSE)
                 if end < 0:

@@ -60,6 +60,10 @@ class EngineStage:
     def _admit(self, request: protocol.Tokenized, arrived: float) -> list[msgspec.Struct]:
         raise NotImplementedError
 
+    def _ended_by_abort(self, request: protocol.Tokenized) -> list[msgspec.Struct]:
+        """The terminal messages of a request whose abort overtook it: it never runs."""
+        raise NotImplementedError
+
     def _lora_call(self, call: protocol.LoraCall) -> msgspec.Struct:
         raise NotImplementedError
 
@@ -78,6 +82,10 @@ class EngineStage:
     # ── inbox ──────────────────────────────────────────────────────────────────────────────────
     def handle(self, message: msgspec.Struct, arrived: float) -> list[msgspec.Struct]:
         if isinstance(message, protocol.Tokenized):
+            if message.uid in self.tombstones:
+                self.tombstones.discard(message.uid)
+                self._late.inc()
+                return self._ended_by_abort(message)
             return self._admit(message, arrived)
         if isinstance(message, protocol.LoraCall):
             return [self._lora_call(message)]

@@ -80,18 +80,17 @@ class SchedulerStage(EngineStage):
     def _abort(self, uid: str) -> bool:
         return self.engine.abort(uid) is not None
 
+    def _ended_by_abort(self, request: protocol.Tokenized) -> list[msgspec.Struct]:
+        uid = request.uid
+        return [
+            protocol.Begin(uid=uid, prompt_tokens=len(request.prompt_ids)),
+            protocol.TokenBatch(
+                outputs=[protocol.TokenOutput(uid=uid, token_ids=[], finish_reason="abort")]
+            ),
+        ]
+
     def _admit(self, request: protocol.Tokenized, arrived: float) -> list[msgspec.Struct]:
         uid = request.uid
-        prompt_tokens = len(request.prompt_ids)
-        if uid in self.tombstones:
-            self.tombstones.discard(uid)
-            self._late.inc()
-            return [
-                protocol.Begin(uid=uid, prompt_tokens=prompt_tokens),
-                protocol.TokenBatch(
-                    outputs=[protocol.TokenOutput(uid=uid, token_ids=[], finish_reason="abort")]
-                ),
-            ]
         if request.pooling is not None:  # the api checks too, from a heartbeat that may lag
             refusal = InvalidRequest(
                 "this model generates text; embeddings, rerank, score and classify need a "
@@ -117,7 +116,7 @@ class SchedulerStage(EngineStage):
         return [
             protocol.Begin(
                 uid=uid,
-                prompt_tokens=prompt_tokens,
+                prompt_tokens=len(request.prompt_ids),
                 stop=request.sampling.stop,
                 timeout_s=request.timeout_s,
                 tokenizer_s=request.tokenizer_s,

@@ -48,13 +48,12 @@ class PoolingStage(EngineStage):
     def _abort(self, uid: str) -> bool:
         return self.engine.abort(uid)
 
+    def _ended_by_abort(self, request: protocol.Tokenized) -> list[msgspec.Struct]:
+        ended = protocol.Reply(uid=request.uid, text="", num_tokens=0, finish_reason="abort")
+        return [protocol.ReplyBatch(replies=[ended])]
+
     def _admit(self, request: protocol.Tokenized, arrived: float) -> list[msgspec.Struct]:
         uid = request.uid
-        if uid in self.tombstones:
-            self.tombstones.discard(uid)
-            self._late.inc()
-            ended = protocol.Reply(uid=uid, text="", num_tokens=0, finish_reason="abort")
-            return [protocol.ReplyBatch(replies=[ended])]
         try:
             self.engine.add(
                 uid,

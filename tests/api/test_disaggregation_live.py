@@ -190,6 +190,69 @@ def test_kv_transfer_params_on_a_plain_stack_are_refused(stack) -> None:
     assert "--kv-transfer-config" in answer.json()["error"]["message"]
 
 
+@pytest.fixture(scope="module")
+def side_channel_keys(tmp_path_factory) -> str:
+    from tokenline.ring_security import create_keys
+
+    directory = tmp_path_factory.mktemp("side-channel-keys")
+    create_keys(str(directory))
+    return str(directory)
+
+
+def keyed(role: str, keys: str) -> str:
+    extra = {"side_channel_keys": keys}
+    return json.dumps(
+        {"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": extra}
+    )
+
+
+@pytest.fixture(scope="module")
+def keyed_prefill(launch_stack, side_channel_keys):
+    port = free_port_block(1)
+    with mock.patch.dict(os.environ, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}):
+        stack = launch_stack(
+            "tiny", "--kv-transfer-config", keyed("kv_producer", side_channel_keys)
+        )
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_decode(launch_stack, side_channel_keys):
+    stack = launch_stack("tiny", "--kv-transfer-config", keyed("kv_consumer", side_channel_keys))
+    yield stack
+    stack.stop()
+
+
+def test_stacks_with_side_channel_keys_read_only_from_each_other(
+    stack, prefill, decode, keyed_prefill, keyed_decode
+) -> None:
+    """After test_the_kv_was_read_and_every_loan_released: the refused reads below leave their
+    loans to the lease."""
+    path = "/v1/completions"
+    body = body_for(path, False) | {"prompt": STORY + " the keys turned."}
+    alone = httpx.post(stack.api_url + path, json=body, timeout=60)
+    answer = disaggregated(keyed_prefill, keyed_decode, path, body)
+    assert answer.status_code == 200, answer.text
+    assert text_of(path, answer, False) == text_of(path, alone, False)
+    # a decode stack with the keys reads nothing of a prefill stack without them (a side
+    # channel a forged remote_host names), and one without them gets nothing of one with them
+    failed = 'tokenline_kv_transfer_failures_total{reason="unauthenticated"}'
+    for i, (lender, reader) in enumerate(((prefill, keyed_decode), (keyed_prefill, decode))):
+        body = body_for(path, False) | {"prompt": STORY + f" the lock {i} held."}  # uncached
+        first = httpx.post(lender.api_url + path, json=prefill_body(path, body), timeout=60)
+        params = first.json()["kv_transfer_params"]
+        before = metric(reader, "scheduler", failed)
+        started = time.monotonic()
+        answer = httpx.post(
+            reader.api_url + path, json={**body, "kv_transfer_params": params}, timeout=60
+        )
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "kv_load_failed"
+        assert time.monotonic() - started < 4  # the handshake failed: no 5 s hello timeout
+        assert metric(reader, "scheduler", failed) == before + 1
+
+
 def test_a_dead_prefill_stack_fails_the_decode_request_fast(prefill, decode) -> None:
     """The module's last test: it stops the prefill stack between the two calls."""
     path = "/v1/completions"

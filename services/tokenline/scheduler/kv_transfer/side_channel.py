@@ -225,7 +225,9 @@ class SideChannelClient:
         poller.register(monitor, zmq.POLLIN)
         deadline = time.monotonic() + timeout_s
         while socket not in (ready := dict(poller.poll(_ms_until(deadline)))):
-            if monitor in ready:  # ZeroMQ retries such a peer for ever: it is not one to ask
+            # ZeroMQ drops the message, or retries the handshake for ever, silently; a stale
+            # event (a peer that restarted mid-handshake) costs one read at most
+            if monitor in ready:
                 event = zmq.Event(recv_monitor_message(monitor)["event"]).name
                 self.drop(host, port)
                 raise Unauthenticated(self._unauthenticated(host, port, event))
@@ -244,7 +246,8 @@ class SideChannelClient:
         if self._security.curve:
             return (
                 f"the side channel at {host}:{port} failed the CurveZMQ handshake ({event}): it "
-                "does not hold this service's side_channel_keys; nothing is read from it"
+                "does not hold this service's side_channel_keys, so nothing is read from it (if "
+                "it is one of the service's prefill pods, give it the same directory)"
             )
         return (
             f"the side channel at {host}:{port} refused the handshake ({event}): it asks for "

@@ -204,7 +204,8 @@ KV_TRANSFER_SECONDS = Histogram(
 )
 KV_TRANSFER_FAILURES = Counter(
     "tokenline_kv_transfer_failures",
-    "Prompt KV reads that failed, by reason (unreachable, refused, timeout, transfer).",
+    "Prompt KV reads that failed, by reason (unreachable, unauthenticated, refused, timeout, "
+    "transfer, stuck, expired, claim_refused).",
     ["reason"],
 )
 KV_BLOCKS_HELD_FOR_TRANSFER = Gauge(

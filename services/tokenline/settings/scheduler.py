@@ -235,7 +235,9 @@ KV_TRANSFER: tuple[Setting, ...] = (
         "pod a request names instead of computing the prompt (kv_both: either); "
         '"kv_load_failure_policy": "fail" (default) or "recompute" for a read that fails. The '
         "side channel listens on VLLM_NIXL_SIDE_CHANNEL_HOST:VLLM_NIXL_SIDE_CHANNEL_PORT "
-        "(127.0.0.1:5600)",
+        '(127.0.0.1:5600); "kv_connector_extra_config": {"side_channel_keys": DIR} makes it '
+        "speak CurveZMQ with the keys of DIR (`tokenline ring-keys --out DIR`), shared by every "
+        "pod of the service",
         stages=SCHEDULER,
         metavar="JSON",
     ),

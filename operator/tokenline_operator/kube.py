@@ -45,6 +45,7 @@ KINDS: dict[str, Kind] = {
     k.kind: k
     for k in (
         Kind("v1", "ConfigMap", "configmaps"),
+        Kind("v1", "Secret", "secrets"),
         Kind("v1", "Service", "services"),
         Kind("apps/v1", "Deployment", "deployments"),
         Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets"),

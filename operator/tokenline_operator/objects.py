@@ -52,6 +52,11 @@ def owner_reference(owner: Owner) -> dict[str, Any]:
     }
 
 
+def owned_by(obj: dict[str, Any], owner: Owner) -> bool:
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(ref.get("uid") == owner.uid for ref in refs)
+
+
 def manifest(api_version: str, kind: str, meta: dict[str, Any], **body: Any) -> Manifest:
     """A Kubernetes object: its type and metadata, then its body (``spec``, ``data``, ...)."""
     return {"apiVersion": api_version, "kind": kind, "metadata": meta, **body}

@@ -57,6 +57,9 @@ RULES: list[dict[str, Any]] = [
     _managed("autoscaling", "horizontalpodautoscalers"),
     _managed("keda.sh", "scaledobjects"),
     _managed("monitoring.coreos.com", "podmonitors"),
+    # spec.disaggregation: the KV side channel's keys (controller/side_channel_keys.py), made
+    # once and deleted when it is turned off; never listed, watched or rewritten.
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "delete"]},
     # spec.networkPolicy (on by default); deleted when it is turned off.
     _managed("networking.k8s.io", "networkpolicies"),
     # kopf posts Events (InvalidSpec, handler failures) on the InferenceService.

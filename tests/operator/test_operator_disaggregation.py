@@ -141,6 +141,27 @@ def test_schedulers_get_their_kv_role_and_the_side_channel_on_the_pod_ip():
     assert decode_config["kv_load_failure_policy"] == "fail"
 
 
+def test_both_roles_schedulers_mount_the_services_own_side_channel_keys():
+    """(The CLI test below reads the mounted files with the scheduler's own parser.)"""
+    from tokenline_operator.pods import side_channel_keys as keys
+
+    secret = keys.new_secret(OWNER)
+    assert secret["metadata"]["name"] == "chat-kv-side-channel"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == OWNER.uid
+    assert keys.new_secret(OWNER)["data"] != secret["data"]  # each service its own
+    built = children(disaggregation=PD)
+    for key in ("PrefillDeployment", "DecodeDeployment"):
+        scheduler = container(built[key], "scheduler")
+        assert {"name": keys.VOLUME, "mountPath": keys.KEYS_DIR, "readOnly": True} in scheduler[
+            "volumeMounts"
+        ]
+        others = [c for c in pod(built[key])["containers"] if c["name"] != "scheduler"]
+        assert all(keys.KEYS_DIR not in str(c.get("volumeMounts")) for c in others)
+        args = scheduler["args"]
+        text = args[args.index("--kv-transfer-config") + 1]
+        assert json.loads(text)["kv_connector_extra_config"] == {"side_channel_keys": keys.KEYS_DIR}
+
+
 def test_each_role_has_its_own_tensor_parallelism_and_scheduler_resources():
     parsed = with_role_tp(parse(engine={"gpus": 1}, disaggregation=PD), "prefill", 2)
     built = manifests.children(OWNER, parsed, ROUTED)
@@ -331,9 +352,16 @@ def test_the_example_makes_both_roles_and_llm_ds_picker():
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_each_roles_stage_containers_parse_with_the_real_cli(role):
-    """The kubelet's view of each container (ConfigMap keys, literal values) read by the
-    stages' own parser: the KV role, the role's tensor parallelism, the api's moved port."""
+def test_each_roles_stage_containers_parse_with_the_real_cli(role, tmp_path):
+    """The kubelet's view of each container (ConfigMap keys, literal values, the side
+    channel's Secret as files) read by the stages' own parser: the KV role and its keys, the
+    role's tensor parallelism, the api's moved port."""
+    import base64
+
+    from tokenline_operator.pods import side_channel_keys as keys
+
+    for name, content in keys.new_secret(OWNER)["data"].items():  # the Secret, mounted
+        (tmp_path / name).write_bytes(base64.b64decode(content))
     parsed = with_role_tp(parse(engine={"gpus": 1}, disaggregation=PD), "prefill", 2)
     data = config.config_map(OWNER, parsed)["data"]
     stages = [c for c in pod(pd.role_deployment(OWNER, parsed, role))["containers"]]
@@ -349,12 +377,15 @@ def test_each_roles_stage_containers_parse_with_the_real_cli(role):
             elif "value" in item:
                 variables[item["name"]] = item["value"]
         clean = {k: v for k, v in os.environ.items() if not k.startswith("TOKENLINE_")}
+        args = [a.replace(keys.KEYS_DIR, str(tmp_path)) for a in c["args"]]
         with mock.patch.dict(os.environ, {**clean, **variables}, clear=True):
-            settings = settings_from(build_parser().parse_args(c["args"]))
+            settings = settings_from(build_parser().parse_args(args))
         seen.add(c["args"][0])
         if c["args"][0] == "scheduler":
             kv_config = json.loads(settings.kv_transfer_config)
             assert kv_config["kv_role"] == pd.KV_ROLES[role]
+            extra = kv_config["kv_connector_extra_config"]
+            assert extra == {"side_channel_keys": str(tmp_path)}
             assert settings.tensor_parallel_size == (2 if role == "prefill" else 1)
         if c["args"][0] == "api":
             port = names.SIDECAR_TARGET_PORT if role == "decode" else names.API_PORT

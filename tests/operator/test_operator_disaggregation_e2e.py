@@ -22,6 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 API = f"/apis/{names.API_VERSION}/namespaces/{NAMESPACE}/{names.PLURAL}"
 DEPLOYMENTS = "apps/v1/deployments"
 POOLS = "inference.networking.k8s.io/v1/inferencepools"
+SECRETS = "v1/secrets"
 MERGE = {"Content-Type": "application/merge-patch+json"}
 PD = {"prefill": {"replicas": 2}, "decode": {"replicas": 1}}
 
@@ -91,6 +92,16 @@ async def test_prefill_and_decode_deployments_under_one_pool_then_back_to_one(cl
     assert epp["spec"]["template"]["spec"]["containers"][0]["image"] == names.LLMD_PD_PICKER_IMAGE
     svc = stored(cluster, "v1/services")
     assert svc["spec"]["selector"][names.LABEL_LLMD_ROLE] == "decode"
+    # The side channel's keys: made once, owned, mounted by both roles' schedulers.
+    keys = stored(cluster, SECRETS, "chat-kv-side-channel")
+    (ref,) = keys["metadata"]["ownerReferences"]
+    assert (ref["kind"], ref["name"]) == (names.KIND, "chat")
+    assert set(keys["data"]) == {"ring.key", "ring.key_secret"}
+    for dep in (prefill, decode):
+        volumes = dep["spec"]["template"]["spec"]["volumes"]
+        assert {"secretName": "chat-kv-side-channel", "defaultMode": 0o440} in [
+            v.get("secret") for v in volumes
+        ]
 
     # The status reads both: prefill alone up serves nothing; with decode up it is Ready.
     await roll_out(cluster, "chat-prefill", 2)
@@ -105,10 +116,11 @@ async def test_prefill_and_decode_deployments_under_one_pool_then_back_to_one(cl
 
     assert (await eventually(ready))["readyReplicas"] == 3
 
-    # A role deleted by hand comes back.
+    # A role deleted by hand comes back; the reconciles it takes keep the same keys.
     resp = await cluster.delete(f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/chat-decode")
     assert resp.ok, await resp.text()
     await eventually(lambda: stored(cluster, DEPLOYMENTS, "chat-decode"))
+    assert stored(cluster, SECRETS, "chat-kv-side-channel")["data"] == keys["data"]
 
     # Turned off: the roles go, the one Deployment and the plain picker come back.
     await patch(
@@ -123,6 +135,7 @@ async def test_prefill_and_decode_deployments_under_one_pool_then_back_to_one(cl
     )
     one = stored(cluster, DEPLOYMENTS, "chat")
     assert names.LABEL_LLMD_ROLE not in labels(one)
+    await eventually(lambda: absent(cluster, SECRETS, "chat-kv-side-channel"))
 
     def plain_picker() -> bool:
         data = stored(cluster, "v1/configmaps", "chat-epp")["data"]

@@ -20,13 +20,13 @@ from .. import names
 from ..crd import model_uri, spec
 from ..kube import Kube, KubeError
 from ..metrics import OperatorMetrics
-from ..objects import Capabilities, Owner, picker_name, selector_labels
+from ..objects import Capabilities, Owner, owned_by, picker_name, selector_labels
 from ..pods import disaggregation, lora, model, parallel
 from ..routing import inference_pool
 from ..routing.network import service_url
 from ..status import conditions
 from ..status import model as model_status
-from . import manifests
+from . import manifests, side_channel_keys
 
 log = logging.getLogger(__name__)
 
@@ -117,11 +117,6 @@ def is_subset(desired: Any, live: Any) -> bool:
     if isinstance(desired, int | float | str) and isinstance(live, int | float | str):
         return str(desired) == str(live)
     return desired == live
-
-
-def owned_by(obj: dict[str, Any], owner: Owner) -> bool:
-    refs = obj.get("metadata", {}).get("ownerReferences") or []
-    return any(ref.get("uid") == owner.uid for ref in refs)
 
 
 #: The first Kubernetes release with the ImageVolume feature on by default (beta; alpha from
@@ -233,6 +228,7 @@ async def _apply_children(
             f"CRDs or change spec.autoscaling.provider",
         )
     live: dict[str, Any] = {}
+    await side_channel_keys.ensure(ctx.kube, ctx.metrics, owner, disaggregation.enabled(parsed))
     # The ConfigMaps first: the Deployment's containers read their settings from them.
     first = ("ConfigMap", manifests.LORA_CONFIG_MAP)
     for kind in (*[k for k in first if k in desired], *[k for k in desired if k not in first]):

@@ -7,7 +7,8 @@ Both Deployments are the stage pods of :mod:`deployment`, changed where the role
   decode-filter read it; the Deployments' selectors add it, so each owns only its pods);
 - the scheduler takes ``--kv-transfer-config`` with vLLM's keys (``kv_producer`` on prefill
   pods, ``kv_consumer`` on decode pods) and opens the NIXL side channel on the pod IP
-  (``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``_PORT``, vLLM's variables);
+  (``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``_PORT``, vLLM's variables), authenticated with the
+  service's own keys (:mod:`side_channel_keys`);
 - each role has its own replicas, tensor parallelism and scheduler resources; a setting that
   differs from the shared ConfigMap's is set in the container itself;
 - on decode pods llm-d's routing sidecar takes the serving port and the api moves behind it.
@@ -26,6 +27,7 @@ from .. import names
 from ..crd.disaggregation import enabled
 from ..crd.spec import Spec
 from ..objects import Manifest, Owner
+from . import side_channel_keys
 from .config import config_map_data
 from .deployment import deployment, prestop_sleep_seconds
 
@@ -69,7 +71,11 @@ def role_spec(spec: Spec, role: str) -> Spec:
 
 def kv_transfer_config(spec: Spec, role: str) -> str:
     """The scheduler's --kv-transfer-config: vLLM's JSON for the role's side of the transfer."""
-    config: dict[str, Any] = {"kv_connector": CONNECTOR, "kv_role": KV_ROLES[role]}
+    config: dict[str, Any] = {
+        "kv_connector": CONNECTOR,
+        "kv_role": KV_ROLES[role],
+        "kv_connector_extra_config": {"side_channel_keys": side_channel_keys.KEYS_DIR},
+    }
     if role == "decode":
         config["kv_load_failure_policy"] = spec["disaggregation"]["kvLoadFailurePolicy"]
     return json.dumps(config, separators=(",", ":"))
@@ -182,7 +188,9 @@ def role_deployment(
     template["metadata"]["labels"] |= role_labels(role)
     pod_spec = template["spec"]
     _set_role_settings(pod_spec, config_map_data(spec), config_map_data(own))
-    _kv_side_channel(_container(pod_spec, "scheduler"), spec, role)
+    scheduler = _container(pod_spec, "scheduler")
+    _kv_side_channel(scheduler, spec, role)
+    side_channel_keys.mount(owner, pod_spec, scheduler)
     if role == "decode":
         _behind_sidecar(pod_spec, spec, routing)
     return result

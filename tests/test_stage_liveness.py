@@ -1,6 +1,7 @@
 """A stage whose step takes seconds (a kernel compiled on first use, a cold GPU) still answers
 its heartbeats meanwhile, so the api does not take it for dead and fail every request in
 flight; the messages for the handler that came during the step are handled after it, in order.
+A draining stage also waits for what others still read from it (a prefill pod's lent KV).
 """
 
 from __future__ import annotations
@@ -111,3 +112,28 @@ def test_heartbeats_are_answered_while_a_long_step_runs():
     # the abort waited for the step, then was handled
     assert [uid for _, uid in stage.handled] == ["late"]
     assert stage.handled[0][0] >= stage.step_ended
+
+
+class LendingStage(SlowStage):
+    """No request held, but KV lent to a reader until ``lent_until``."""
+
+    def __init__(self, lent_until: float) -> None:
+        super().__init__()
+        self.steps_left = 0
+        self.lent_until = lent_until
+
+    def lent(self) -> list[str]:
+        return ["p1 (KV lent)"] if time.monotonic() < self.lent_until else []
+
+
+def test_a_drain_waits_for_lent_kv_then_ends():
+    ring, drain = Ring(), Drain(timeout=10.0)
+    stage = LendingStage(lent_until=time.monotonic() + 0.8)
+    loop = threading.Thread(target=serve_stage, args=(stage, ring, drain), daemon=True)
+    loop.start()
+    drain.started = time.monotonic()  # as SIGTERM would
+    time.sleep(0.4)
+    assert loop.is_alive(), "the reader has not read the lent KV yet"
+    loop.join(timeout=5)
+    assert not loop.is_alive()
+    assert time.monotonic() >= stage.lent_until

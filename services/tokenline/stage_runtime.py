@@ -312,11 +312,13 @@ def serve_stage(handler: StageHandler, ring: SyncRing, drain: Drain) -> None:
     inbox_depth = BUFFER_DEPTH.labels(stage=handler.stage, buffer="inbox")
     batch_limit = getattr(handler, "batch_limit", 10_000)
     poll_ms = getattr(handler, "poll_ms", lambda: 50)  # an idle wait the handler may shorten
+    # what others still read from the stage once its requests ended (prefill pods' lent KV)
+    lent = getattr(handler, "lent", list)
     liveness = Liveness(runtime, ring, batch_limit)
     runtime.tick(force=True)
     freeze_startup_heap()
     try:
-        while not drain.done(held=handler.held()):
+        while not (drain.draining and drain.done(held=[*handler.held(), *lent()])):
             with liveness.ring_lock:
                 busy = runtime.has_work()
                 batch = liveness.take_held_back()

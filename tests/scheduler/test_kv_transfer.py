@@ -113,6 +113,7 @@ def test_decode_reads_the_prompt_and_answers_as_one_engine(
         full = (len(prompt) - 1) // bs
         assert len(params.remote_block_ids) == full >= 1
         assert producer.transfers.lending.held_blocks >= full
+        assert f"p{i}" in producer.lent_uids()  # a drain waits for it
         lent = list(params.remote_block_ids)
         seq = consumer.add(f"d{i}", prompt, greedy(MAX_TOKENS, kv_transfer=params))
         got = run(consumer, {f"d{i}"})
@@ -128,6 +129,7 @@ def test_decode_reads_the_prompt_and_answers_as_one_engine(
     assert consumer.transfers.pulls.bytes_read > read_before
     settle(producer)
     assert producer.transfers.lending.held_blocks == 0  # released once read
+    assert producer.lent_uids() == [] and consumer.lent_uids() == []
     read = consumer.transfers.pulls.bytes_read - read_before
     assert producer.transfers.bytes_sent - sent_before == read  # as the reader said
     assert_idle(producer)

@@ -288,6 +288,10 @@ class Engine:
     def held_uids(self) -> list[str]:
         return list(self.policy.by_uid) + [seq.uid for seq in self._outside()]
 
+    def lent_uids(self) -> list[str]:
+        """Ended requests whose prompt KV a decode pod may still read (not the ledger's)."""
+        return self.transfers.lent() if self.transfers is not None else []
+
     def counts(self) -> dict[str, int]:
         """Sequences waiting, running and paused right now."""
         policy = self.policy

@@ -76,6 +76,11 @@ class SchedulerStage(EngineStage):
         self._bytes_sent_counted = 0
         self._phases = {phase: STEP_PHASE_TIME.labels(phase=phase) for phase in STEP_PHASES}
 
+    def lent(self) -> list[str]:
+        """What a drain also waits for: prompt KV lent to decode pods, until they have read
+        it or its lease ends (its uids ended here; the ledger does not count them)."""
+        return [f"{uid} (KV lent)" for uid in self.engine.lent_uids()]
+
     # ── inbox ──────────────────────────────────────────────────────────────────────────────────
     def _abort(self, uid: str) -> bool:
         return self.engine.abort(uid) is not None

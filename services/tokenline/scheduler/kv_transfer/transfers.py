@@ -121,6 +121,10 @@ class KVTransfers:
             return []
         return [self.pulls.pending[uid].seq for uid in self.pulls.uids()]
 
+    def lent(self) -> list[str]:
+        """The requests whose prompt KV this pod still holds for a reader."""
+        return list(self.lending.loans) if self.lending is not None else []
+
     def in_flight(self) -> bool:
         return self.pulls is not None and bool(self.pulls.pending)
 

@@ -4,8 +4,6 @@ are a router of their own, served only when runtime LoRA updates are allowed (ap
 
 from __future__ import annotations
 
-import inspect
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -31,71 +29,6 @@ from tokenline.api.openai.tokenize import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter()
 lora_router = APIRouter()  # vLLM's runtime LoRA updates, off unless allowed
-
-# The routes that hand a validated body to one endpoint method and return what it returns:
-# (route name, endpoint, its method, the body's model, paths). The names are those the routes had
-# as hand-written functions: the OpenAPI schema's operation ids are made from them.
-_REPLY_ROUTES = (  # the endpoint builds the reply itself: JSON, or an SSE stream
-    ("chat_completions", Chat, "create", ChatCompletionRequest, "/v1/chat/completions"),
-    ("completions", Completions, "create", CompletionRequest, "/v1/completions"),
-    ("create_response", Responses, "create", ResponsesRequest, "/v1/responses"),
-)
-# Responses are never stored (store=false is all we serve): every route that would read or
-# change a stored one answers that it is not there. (route name, HTTP method, path)
-_STORED_RESPONSE_ROUTES = (
-    ("get_response", "GET", "/v1/responses/{response_id}"),
-    ("delete_response", "DELETE", "/v1/responses/{response_id}"),
-    ("list_input_items", "GET", "/v1/responses/{response_id}/input_items"),
-    ("cancel_response", "POST", "/v1/responses/{response_id}/cancel"),
-)
-_DICT_ROUTES = (  # the endpoint returns a dict that FastAPI encodes
-    # embeddings and reranking (a --runner pooling model)
-    ("embeddings", Embeddings, "create", EmbeddingRequest, "/v1/embeddings"),
-    ("rerank", Rerank, "create", RerankRequest, "/v1/rerank", "/rerank"),
-    ("score", Score, "create", ScoreRequest, "/score"),
-    ("classify", Classify, "create", ClassifyRequest, "/v1/classify", "/classify"),
-    # vLLM's tokenizer endpoints
-    ("tokenize", Tokenize, "tokenize", TokenizeRequest, "/tokenize"),
-    ("detokenize", Tokenize, "detokenize", DetokenizeRequest, "/detokenize"),
-)
-_LORA_ROUTES = (  # vLLM's runtime LoRA updates; the endpoint builds the reply
-    ("load_lora_adapter", LoraAdapters, "load", LoadLoraAdapterRequest, "/v1/load_lora_adapter"),
-    (
-        "unload_lora_adapter",
-        LoraAdapters,
-        "unload",
-        UnloadLoraAdapterRequest,
-        "/v1/unload_lora_adapter",
-    ),
-)
-
-
-def _hand_body_to(name: str, endpoint: type, method: str, body_model: type, returns: type):
-    async def route(body, request: Request):
-        return await getattr(endpoint(request), method)(body)
-
-    route.__name__ = route.__qualname__ = name
-    # FastAPI reads the body's model (what it validates) and the return from the signature
-    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    route.__signature__ = inspect.Signature(
-        [
-            inspect.Parameter("body", positional, annotation=body_model),
-            inspect.Parameter("request", positional, annotation=Request),
-        ],
-        return_annotation=returns,
-    )
-    return route
-
-
-def _add_body_routes(to: APIRouter, table: tuple, returns: type) -> None:
-    for name, endpoint, method, body_model, *paths in table:
-        route = _hand_body_to(name, endpoint, method, body_model, returns)
-        for path in paths:
-            to.add_api_route(path, route, methods=["POST"])
-
-
-async def _not_stored(response_id: str) -> Response:
-    raise not_stored(response_id)
 
 
 # ── the process and the ring ───────────────────────────────────────────────────────────────────
@@ -125,7 +58,7 @@ async def metrics() -> Response:
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
-# ── OpenAI's endpoints, vLLM's pooling, tokenizer and LoRA endpoints ───────────────────────────
+# ── OpenAI's endpoints ─────────────────────────────────────────────────────────────────────────
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
     return Models(request).list()
@@ -136,8 +69,81 @@ async def model(model_id: str, request: Request) -> dict:
     return Models(request).get(model_id)
 
 
-_add_body_routes(router, _REPLY_ROUTES, Response)
-for _name, _method, _path in _STORED_RESPONSE_ROUTES:
-    router.add_api_route(_path, _not_stored, methods=[_method], name=_name)
-_add_body_routes(router, _DICT_ROUTES, dict)
-_add_body_routes(lora_router, _LORA_ROUTES, Response)
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await Chat(request).create(body)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await Completions(request).create(body)
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    return await Responses(request).create(body)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str) -> Response:
+    raise not_stored(response_id)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str) -> Response:
+    raise not_stored(response_id)
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str) -> Response:
+    raise not_stored(response_id)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str) -> Response:
+    raise not_stored(response_id)
+
+
+# ── embeddings and reranking (a --runner pooling model) ──────────────────────────────────────
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
+    return await Embeddings(request).create(body)
+
+
+@router.post("/rerank")
+@router.post("/v1/rerank")
+async def rerank(body: RerankRequest, request: Request) -> dict:
+    return await Rerank(request).create(body)
+
+
+@router.post("/score")
+async def score(body: ScoreRequest, request: Request) -> dict:
+    return await Score(request).create(body)
+
+
+@router.post("/classify")
+@router.post("/v1/classify")
+async def classify(body: ClassifyRequest, request: Request) -> dict:
+    return await Classify(request).create(body)
+
+
+# ── vLLM's tokenizer endpoints ─────────────────────────────────────────────────────────────────
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    return await Tokenize(request).tokenize(body)
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    return await Tokenize(request).detokenize(body)
+
+
+# ── vLLM's runtime LoRA updates ────────────────────────────────────────────────────────────────
+@lora_router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> Response:
+    return await LoraAdapters(request).load(body)
+
+
+@lora_router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> Response:
+    return await LoraAdapters(request).unload(body)

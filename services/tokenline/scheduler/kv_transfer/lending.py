@@ -23,8 +23,11 @@ from tokenline.scheduler.sequence import Sequence
 class Lending:
     """Used from the scheduler's thread, but for ``claim`` (the side channel's)."""
 
-    def __init__(self, pool: BlockPool, config: KVTransferConfig, host: str, port: int) -> None:
+    def __init__(
+        self, pool: BlockPool, config: KVTransferConfig, host: str, port: int, tp_size: int = 1
+    ) -> None:
         self.pool = pool
+        self.tp_size = tp_size  # the answer tells the reader; it reads every rank's heads
         self.config = config
         self.host = host  # where decode pods reach the side channel
         self.port = port
@@ -63,7 +66,7 @@ class Lending:
             remote_block_ids=list(loan.blocks),
             remote_host=self.host,
             remote_port=self.port,
-            tp_size=1,
+            tp_size=self.tp_size,
             remote_blocks_expiry_time=loan.expires_at,
         )
 

@@ -32,15 +32,35 @@ class KVLayout(msgspec.Struct, kw_only=True):
     num_slots: int = 0  # the pool's slots (addresses are computed from it)
     base: int = 0  # the pool's address in its owner's memory
     device_id: int = 0
+    # Under tensor parallelism a rank holds KV heads [kv_head_start, + num_kv_heads) of the
+    # model's total_kv_heads (0: as many as this rank holds, a TP=1 pool, or an older peer).
+    kv_head_start: int = 0
+    total_kv_heads: int = 0
 
-    def mismatch(self, other: KVLayout) -> str:
-        """Why a pool laid out as ``other`` cannot be read into this one; "" when it can."""
-        for name in ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim"):
-            ours, theirs = getattr(self, name), getattr(other, name)
+    @property
+    def all_kv_heads(self) -> int:
+        return self.total_kv_heads or self.num_kv_heads
+
+    def mismatch(self, owner: KVLayout) -> str:
+        """Why ``owner``'s pool (one rank's) cannot be read into this one; "" when it can."""
+        for name in ("model", "dtype", "block_size", "num_layers", "head_dim"):
+            ours, theirs = getattr(self, name), getattr(owner, name)
             if ours != theirs:
                 return f"{name} differs: {theirs} there, {ours} here"
-        if self.tp_size != other.tp_size:
-            return f"tensor parallel size differs: {other.tp_size} there, {self.tp_size} here"
+        if self.all_kv_heads != owner.all_kv_heads:
+            return f"num_kv_heads differs: {owner.all_kv_heads} there, {self.all_kv_heads} here"
+        if self.tp_size != 1:  # each reading rank would have to read its own heads: not yet
+            return (
+                f"this pod runs at tensor parallel size {self.tp_size} ({owner.tp_size} there); "
+                "a decode pod reads KV only at TP 1"
+            )
+        if owner.tp_size == 1:
+            return ""
+        if owner.num_kv_heads * owner.tp_size != owner.all_kv_heads:  # replicated or uneven
+            return (
+                f"the prefill pod's {owner.tp_size} ranks do not split its "
+                f"{owner.all_kv_heads} KV heads evenly"
+            )
         return ""
 
     @property
@@ -69,6 +89,31 @@ class KVLayout(msgspec.Struct, kw_only=True):
             for run in runs:
                 rows.append((layer_base + run[side] * bs * row, run[2] * bs * row, self.device_id))
         return np.array(rows, dtype=np.uint64).reshape(-1, 3)
+
+    def head_descriptors(
+        self, runs: list[tuple[int, int, int]], side: int, first_head: int, heads: int
+    ) -> np.ndarray:
+        """NIXL's rows of KV heads [first_head, + heads) of ``runs``' slots on ``side``: a K
+        and a V segment a layer and slot (a slot's row is all its K heads, then all its V
+        heads), layers outermost, in the same order on both sides of a read."""
+        element = self.row_bytes // (2 * self.num_kv_heads * self.head_dim)
+        head_bytes = self.head_dim * element
+        bs = self.block_size
+        slots = np.concatenate(
+            [np.arange(run[side] * bs, (run[side] + run[2]) * bs, dtype=np.uint64) for run in runs]
+        )
+        layers = np.arange(self.num_layers, dtype=np.uint64) * np.uint64(self.num_slots)
+        halves = np.array([first_head, self.num_kv_heads + first_head], dtype=np.uint64)
+        starts = (
+            (layers[:, None, None] + slots[None, :, None]) * np.uint64(self.row_bytes)
+            + halves[None, None, :] * np.uint64(head_bytes)
+            + np.uint64(self.base)
+        ).reshape(-1)
+        rows = np.empty((starts.size, 3), dtype=np.uint64)
+        rows[:, 0] = starts
+        rows[:, 1] = heads * head_bytes
+        rows[:, 2] = self.device_id
+        return rows
 
 
 _DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16)}
@@ -123,8 +168,13 @@ class NixlLink:
         if name is None:
             name = self._peers[peer_metadata] = self.agent.add_remote_agent(peer_metadata)
         runs = self.layout.block_runs(blocks, peer_blocks)
-        local = self.agent.get_xfer_descs(self.layout.descriptors(runs, 0), self.mem)
-        remote = self.agent.get_xfer_descs(peer.descriptors(runs, 1), self.mem)
+        if peer.num_kv_heads == self.layout.num_kv_heads:  # whole rows: a run a layer
+            ours, theirs = self.layout.descriptors(runs, 0), peer.descriptors(runs, 1)
+        else:  # one rank of a tensor-parallel pod: its heads' K and V, slot by slot
+            ours = self.layout.head_descriptors(runs, 0, peer.kv_head_start, peer.num_kv_heads)
+            theirs = peer.head_descriptors(runs, 1, 0, peer.num_kv_heads)
+        local = self.agent.get_xfer_descs(ours, self.mem)
+        remote = self.agent.get_xfer_descs(theirs, self.mem)
         handle = self.agent.initialize_xfer("READ", local, remote, name)
         done = False
         try:
@@ -145,7 +195,7 @@ class NixlLink:
                 if not done:  # still in flight, and NIXL could not cancel it
                     raise TransferStuck(f"a KV read could not be cancelled ({exc})") from None
                 log.warning("a finished KV read's NIXL handle could not be released: %s", exc)
-        return len(blocks) * self.layout.block_size * self.layout.row_bytes * self.layout.num_layers
+        return len(blocks) * peer.block_size * peer.row_bytes * peer.num_layers
 
     def forget(self, peer_metadata: bytes) -> None:
         """Drop a peer (it refused, or a read from it failed): the next read connects anew."""

@@ -141,8 +141,11 @@ class Pulls:
             # the prefill pod holds the blocks as long as it pinned them, no longer
             timeout = min(self.config.pull_timeout_s, grant.pinned_s)
             try:
-                peer = welcome.layout
-                read = self.link.read(welcome.metadata, peer, peer_blocks, blocks, timeout)
+                read = 0
+                deadline = time.monotonic() + timeout
+                for metadata, peer in welcome.agents():  # one a rank, sharing the timeout
+                    left = max(0.001, deadline - time.monotonic())
+                    read += self.link.read(metadata, peer, peer_blocks, blocks, left)
             except TransferStuck as exc:
                 raise PullFailed("stuck", str(exc)) from None
             except TimeoutError as exc:
@@ -154,7 +157,8 @@ class Pulls:
                 raise  # the peer is sound; the blocks may be another request's: no release
             self._welcomes.pop((host, port), None)
             if welcome is not None:
-                self.link.forget(welcome.metadata)
+                for metadata, _ in welcome.agents():
+                    self.link.forget(metadata)
             # a live peer of ours lets its blocks go at once; one that failed the handshake
             # hears nothing more from this pod
             if failure.reason not in ("unreachable", "unauthenticated"):
@@ -195,7 +199,14 @@ class Pulls:
             self._client.drop(host, port)
             raise PullFailed("refused", f"the side channel at {host}:{port}: {exc}") from None
         self._unreachable.pop((host, port), None)
-        mismatch = welcome.refusal or self.link.layout.mismatch(welcome.layout)
+        mismatch = welcome.refusal or next(
+            (m for _, layout in welcome.agents() if (m := self.link.layout.mismatch(layout))), ""
+        )
+        if not mismatch and len(welcome.agents()) != welcome.layout.tp_size:
+            mismatch = (
+                f"the prefill pod runs {welcome.layout.tp_size} tensor-parallel ranks but offers "
+                f"{len(welcome.agents())} to read from"
+            )
         if mismatch:
             raise PullFailed("refused", f"the prefill pod's KV does not fit: {mismatch}")
         if not welcome.claims:  # it would not check that the blocks are this request's

@@ -44,12 +44,24 @@ class Hello(msgspec.Struct, tag="hello"):
     layout: KVLayout  # the reader's, checked against the owner's
 
 
+class RankKV(msgspec.Struct):
+    """Another rank of a tensor-parallel owner: its NIXL agent over its share of the heads."""
+
+    metadata: bytes
+    layout: KVLayout
+
+
 class Welcome(msgspec.Struct, tag="welcome"):
-    metadata: bytes  # the owner's NIXL agent
+    metadata: bytes  # the owner's NIXL agent (rank 0's, under tensor parallelism)
     layout: KVLayout
     engine_id: str  # the owner's, as its responses name it: a restart shows as another
     refusal: str = ""  # why the reader cannot read here; "" when it can
     claims: bool = False  # the owner checks claims (an older one neither answers nor checks)
+    ranks: list[RankKV] = []  # ranks 1.. of a tensor-parallel owner, read beside rank 0
+
+    def agents(self) -> list[tuple[bytes, KVLayout]]:
+        """Every rank's agent and layout, rank 0 first: a read reads each."""
+        return [(self.metadata, self.layout), *((r.metadata, r.layout) for r in self.ranks)]
 
 
 class Claim(msgspec.Struct, tag="claim"):
@@ -111,9 +123,11 @@ class SideChannelServer:
         engine_id: str,
         claims: Callable[[Claim], Grant],
         keys: str | None = None,
+        ranks: list[RankKV] | None = None,
     ) -> None:
         self.metadata = metadata
         self.layout = layout
+        self.ranks = ranks or []
         self.engine_id = engine_id
         self.claims = claims
         self._releases: deque[Release] = deque()
@@ -150,10 +164,13 @@ class SideChannelServer:
         peer, payload = frames
         message = _decoder.decode(payload)
         if isinstance(message, Hello):
-            refusal = self.layout.mismatch(message.layout)
+            layouts = [self.layout, *(r.layout for r in self.ranks)]
+            refusal = next((m for m in map(message.layout.mismatch, layouts) if m), "")
             if refusal:
                 log.warning("kv side channel: a reader refused: %s", refusal)
-            reply = Welcome(self.metadata, self.layout, self.engine_id, refusal, claims=True)
+            reply = Welcome(
+                self.metadata, self.layout, self.engine_id, refusal, True, list(self.ranks)
+            )
             self._socket.send_multipart([peer, _encoder.encode(reply)], zmq.NOBLOCK)
         elif isinstance(message, Claim):
             grant = self.claims(message)

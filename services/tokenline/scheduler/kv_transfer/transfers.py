@@ -14,7 +14,7 @@ from tokenline.scheduler.kv_transfer.config import KVTransferConfig
 from tokenline.scheduler.kv_transfer.lending import Lending
 from tokenline.scheduler.kv_transfer.link import KVLayout, NixlLink
 from tokenline.scheduler.kv_transfer.pulls import PullFailed, Pulls
-from tokenline.scheduler.kv_transfer.side_channel import SideChannelServer
+from tokenline.scheduler.kv_transfer.side_channel import RankKV, SideChannelServer
 from tokenline.scheduler.policy import Chunk
 from tokenline.scheduler.refusals import InvalidRequest, KVLoadFailed
 from tokenline.scheduler.sequence import Sequence
@@ -24,8 +24,15 @@ log = logging.getLogger(__name__)
 
 class KVTransfers:
     def __init__(
-        self, pool: BlockPool, kv_cache: torch.Tensor, layout: KVLayout, config: KVTransferConfig
+        self,
+        pool: BlockPool,
+        kv_cache: torch.Tensor,
+        layout: KVLayout,
+        config: KVTransferConfig,
+        ranks: list[RankKV] | None = None,
     ) -> None:
+        """``layout``: this rank's; ``ranks``: the other ranks of a tensor-parallel pod, each
+        with its agent over its own pool (a prefill pod's readers read them all)."""
         if not pool.caching:
             raise SystemExit(
                 "--kv-transfer-config needs prefix caching: read blocks join the batch as "
@@ -37,7 +44,7 @@ class KVTransfers:
         self.server: SideChannelServer | None = None
         if config.produces:
             host, port = config.side_channel_host, config.side_channel_port
-            self.lending = Lending(pool, config, host, port)
+            self.lending = Lending(pool, config, host, port, layout.tp_size)
             self.server = SideChannelServer(
                 host,
                 port,
@@ -46,6 +53,7 @@ class KVTransfers:
                 config.engine_id,
                 self.lending.claim,
                 config.side_channel_keys,
+                ranks,
             )
             self.lending.port = int(self.server.address.rsplit(":", 1)[1])  # 0: the one bound
             log.info("kv transfer: lending prompts' KV, side channel at %s", self.server.address)
@@ -179,7 +187,18 @@ def transfers_for(pool: BlockPool, runner, config: KVTransferConfig | None) -> K
         head_dim=runner.head_dim,
         tp_size=1,
     )
-    return KVTransfers(pool, runner.kv_cache, layout, config)
+    shares = getattr(runner, "kv_shares", None)
+    if shares is None:
+        return KVTransfers(pool, runner.kv_cache, layout, config)
+    if config.consumes:  # start.py refuses it first; a direct caller hears it here
+        raise SystemExit(
+            "--kv-transfer-config: a tensor-parallel pod only lends its KV (kv_producer): "
+            "each decode rank would have to read its own share of the heads, not served yet"
+        )
+    name = f"tokenline-{config.engine_id}"
+    layout, others = shares(name, layout)
+    ranks = [RankKV(metadata, share) for metadata, share in others]
+    return KVTransfers(pool, runner.kv_cache, layout, config, ranks)
 
 
 def check_kv_transfer(transfers: KVTransfers | None, sampling: SamplingParams) -> None:

@@ -174,6 +174,7 @@ class QKVLinear(ColumnLinear):
         self.num_heads = num_heads // ranks
         # fewer KV heads than ranks: each rank keeps the one KV head its query heads read
         self.num_kv_heads = local_kv_heads
+        self.total_kv_heads = num_kv_heads  # the model's, replicated when fewer than ranks
         self.head_dim = head_dim
         if num_kv_heads >= ranks:
             self.kv_start = place.rank * local_kv_heads

@@ -18,11 +18,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from tokenline.model_source import ModelSource
 from tokenline.scheduler import models
+from tokenline.scheduler.kv_transfer.link import KVLayout, NixlLink, nixl_module
+from tokenline.scheduler.layers.linear import QKVLinear
 from tokenline.scheduler.layers.placement import Placement
 from tokenline.scheduler.parallel.group import COLLECTIVE_TIME, RANK_STEP_TIME, TensorParallel
 from tokenline.scheduler.runner import ModelRunner, RunnerOptions, StepInputs
@@ -108,6 +111,35 @@ class ShardedModelRunner(ModelRunner):
                 except Exception:
                     fatal("tensor parallel: a worker did not answer; the stage exits")
 
+    def kv_shares(
+        self, name: str, layout: KVLayout
+    ) -> tuple[KVLayout, list[tuple[bytes, KVLayout]]]:
+        """Rank 0's layout of its KV heads, and each worker's NIXL agent (created now, over its
+        own pool, kept for the process's life) with its layout: a decode pod reads every rank
+        (one-sided: nothing here acts on a read). Raises SystemExit where the heads are not
+        split across the ranks."""
+        total = self.total_kv_heads()
+        if total % self.tp.world_size:
+            raise SystemExit(
+                f"--kv-transfer-config: the model's {total} KV heads are replicated or split "
+                f"unevenly across --tensor-parallel-size {self.tp.world_size}, so no rank's "
+                "share is a slice a decode pod could read; run the prefill pod at a tensor "
+                f"parallel size that divides {total}"
+            )
+        nixl_module()  # here first: a worker without NIXL would end the group instead
+        with self._lock:
+            try:
+                self._send("kv_agent", name, layout)
+                return self._kv_share(layout), self._lend_kv(name, layout)[1:]
+            except Exception:
+                fatal("tensor parallel: a worker did not lend its KV pool; the stage exits")
+                raise  # unreachable
+
+    def total_kv_heads(self) -> int:
+        """The model's KV heads, all ranks together."""
+        qkv = next(m for m in self.model.modules() if isinstance(m, QKVLinear))
+        return qkv.total_kv_heads
+
     def stop_workers(self) -> None:
         with self._lock:
             self._send("stop")
@@ -153,11 +185,36 @@ class ShardedModelRunner(ModelRunner):
             hidden = torch.empty(command[1], dtype=self.dtype, device=self.device)
             dist.broadcast(hidden, src=0, group=self.tp.device_group)
             super().logits(hidden)
+        elif kind == "kv_agent":
+            self._lend_kv(*command[1:])
         elif kind == "release":
             super().release_decode_contexts()
         elif kind == "stop":
             return False
         return True
+
+    def _kv_share(self, layout: KVLayout) -> KVLayout:
+        heads = self.num_kv_heads
+        return msgspec.structs.replace(
+            layout,
+            num_kv_heads=heads,
+            kv_head_start=self.tp.rank * heads,
+            total_kv_heads=heads * self.tp.world_size,
+            tp_size=self.tp.world_size,
+        )
+
+    def _lend_kv(self, name: str, layout: KVLayout) -> list[tuple[bytes, KVLayout]]:
+        """Every rank: an agent over this rank's pool (rank 0's is the engine's own), its
+        metadata and layout gathered on rank 0 (the others get [])."""
+        share: tuple[bytes, KVLayout] | None = None
+        if not self.tp.is_driver:
+            self.kv_link = NixlLink(
+                f"{name}-rank{self.tp.rank}", self.kv_cache, self._kv_share(layout)
+            )
+            share = (self.kv_link.metadata, self.kv_link.layout)
+        gathered: list | None = [None] * self.tp.world_size if self.tp.is_driver else None
+        dist.gather_object(share, gathered, dst=0, group=self.tp.control_group)
+        return gathered or []
 
     def _rebuild(self, message: dict[str, Any]) -> StepInputs:
         """The driver's StepInputs, rebuilt as `ModelRunner.step_inputs` builds them from the

@@ -262,7 +262,7 @@ def test_without_disaggregation_nothing_changes():
     ("fields", "problem"),
     [
         ({"engine": {"nodes": 2, "tensorParallelSize": 2}}, "set engine.nodes to 1"),
-        ({"engine": {"tensorParallelSize": 2}}, "KV transfer with tensor parallelism yet"),
+        ({"engine": {"tensorParallelSize": 2}}, "a decode pod reads KV only at tensor parallel"),
         ({"engine": {"prefixCaching": False}}, "set engine.prefixCaching to true"),
         (
             {"model": {"name": "BAAI/bge-small-en-v1.5", "runner": "pooling"}},
@@ -284,7 +284,7 @@ def test_combinations_it_cannot_serve_are_refused_with_the_reason(fields, proble
 
 def test_the_crd_carries_the_same_rules_and_its_defaults_are_llm_ds():
     rules = definition.SPEC["x-kubernetes-validations"]
-    assert len(rules) == 7 and all(r["rule"].startswith("!has(self.disaggregation)") for r in rules)
+    assert len(rules) == 6 and all(r["rule"].startswith("!has(self.disaggregation)") for r in rules)
     parsed = parse(disaggregation={})
     assert parsed["disaggregation"]["prefill"] == {"replicas": 1}
     assert parsed["disaggregation"]["nonCachedTokens"] == 16
@@ -294,8 +294,11 @@ def test_the_crd_carries_the_same_rules_and_its_defaults_are_llm_ds():
     assert spec.desired_replicas(parse(disaggregation=PD)) == 5
     with pytest.raises(spec.SpecError, match="tensorParallelSize"):
         parse(disaggregation={"prefill": {"tensorParallelSize": 16}})
-    with pytest.raises(spec.SpecError, match=r"disaggregation\.decode: the scheduler does not"):
+    with pytest.raises(spec.SpecError, match=r"disaggregation\.decode: a decode pod reads KV"):
         parse(disaggregation={"decode": {"tensorParallelSize": 2}})
+    # a tensor-parallel prefill pod lends each rank's share of the KV heads
+    prefill_tp = parse(disaggregation={"prefill": {"tensorParallelSize": 2}})
+    assert prefill_tp["disaggregation"]["prefill"]["tensorParallelSize"] == 2
 
 
 @pytest.mark.parametrize("version", ["1.30", kv.latest_version()])

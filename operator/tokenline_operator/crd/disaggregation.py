@@ -143,18 +143,17 @@ RULES: list[dict[str, str]] = [
         "message": "a decode pod admits the KV it reads as a cached prefix: set "
         "engine.prefixCaching to true",
     },
-    *(
-        {
-            "rule": f"!has(self.disaggregation) || "
-            f"(has(self.disaggregation.{role}.tensorParallelSize) ? "
-            f"self.disaggregation.{role}.tensorParallelSize : "
-            "self.engine.tensorParallelSize) == 1",
-            "message": f"disaggregation.{role}: the scheduler does not serve KV transfer with "
-            "tensor parallelism yet (each rank holds a share of the KV heads): set its "
-            "tensorParallelSize (or engine.tensorParallelSize) to 1",
-        }
-        for role in names.LLMD_ROLES
-    ),
+    # Prefill pods may run tensor parallel: each rank lends its share of the KV heads, and a
+    # decode pod reads every rank's into place. A decode pod reads only at TP 1.
+    {
+        "rule": "!has(self.disaggregation) || "
+        "(has(self.disaggregation.decode.tensorParallelSize) ? "
+        "self.disaggregation.decode.tensorParallelSize : "
+        "self.engine.tensorParallelSize) == 1",
+        "message": "disaggregation.decode: a decode pod reads KV only at tensor parallelism 1 "
+        "(each rank would have to read its own share of the KV heads): set "
+        "disaggregation.decode.tensorParallelSize to 1 (prefill pods may keep more)",
+    },
 ]
 
 
@@ -187,7 +186,7 @@ def problems(spec: dict[str, Any]) -> list[str]:
                 spec["autoscaling"]["enabled"],
                 bool(spec["server"].get("tlsSecret")),
                 not spec["engine"]["prefixCaching"],
-                *(tensor_parallel_size(spec, role) != 1 for role in names.LLMD_ROLES),
+                tensor_parallel_size(spec, "decode") != 1,
             ),
             strict=True,
         )

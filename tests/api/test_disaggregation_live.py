@@ -253,6 +253,42 @@ def test_stacks_with_side_channel_keys_read_only_from_each_other(
         assert metric(reader, "scheduler", failed) == before + 1
 
 
+@pytest.fixture(scope="module")
+def tp_prefill(launch_stack):
+    """A prefill stack at --tensor-parallel-size 2: each rank lends its own KV head."""
+    port = free_port_block(1)
+    with mock.patch.dict(os.environ, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}):
+        stack = launch_stack(
+            "tiny", "--kv-transfer-config", PRODUCER, "--tensor-parallel-size", "2"
+        )
+    yield stack
+    stack.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_tensor_parallel_prefill_stack_lends_to_a_tp1_decode_stack(
+    stack, tp_prefill, decode, path
+) -> None:
+    received = 'tokenline_kv_transfer_bytes_total{direction="received"}'
+    before = metric(decode, "scheduler", received)
+    body = body_for(path, True)
+    if path == "/v1/completions":
+        body["prompt"] = STORY + " two ranks kept the lamp."  # not cached on the decode stack
+    else:
+        body["messages"] = [{"role": "user", "content": STORY + " two ranks kept watch."}]
+    params = httpx.post(
+        tp_prefill.api_url + path, json=prefill_body(path, body), timeout=60
+    ).json()["kv_transfer_params"]
+    assert params["tp_size"] == 2 and params["remote_block_ids"]
+    answer = httpx.post(
+        decode.api_url + path, json={**body, "kv_transfer_params": params}, timeout=60
+    )
+    assert answer.status_code == 200, answer.text
+    alone = httpx.post(stack.api_url + path, json=body, timeout=60)
+    assert text_of(path, answer, True) == text_of(path, alone, True)
+    assert metric(decode, "scheduler", received) > before
+
+
 def test_a_dead_prefill_stack_fails_the_decode_request_fast(prefill, decode) -> None:
     """The module's last test: it stops the prefill stack between the two calls."""
     path = "/v1/completions"

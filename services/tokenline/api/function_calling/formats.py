@@ -94,7 +94,7 @@ class ToolCallFormat:
     def _literal(self, text: str) -> str:
         """``text`` as a Lark expression: quoted, with each special marker in it as its exact
         token. Without special markers it is just the quoted text."""
-        if not any(marker in text for marker, _ in self.special_markers):
+        if not self._special(text):
             return _lark_string(text)
         ids = dict(self.special_markers)
         pattern = "|".join(re.escape(m) for m in sorted(ids, key=len, reverse=True))

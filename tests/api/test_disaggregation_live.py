@@ -30,6 +30,8 @@ STORY = (
 
 
 ADAPTER = "story-lora"
+# the tiny model's KV of one block: 16 slots, K and V, 2 heads of 64, float32, 4 layers
+TINY_BYTES_PER_BLOCK = 16 * 2 * 2 * 64 * 4 * 4
 
 
 @pytest.fixture(scope="module")
@@ -287,6 +289,43 @@ def test_a_tensor_parallel_prefill_stack_lends_to_a_tp1_decode_stack(
     alone = httpx.post(stack.api_url + path, json=body, timeout=60)
     assert text_of(path, answer, True) == text_of(path, alone, True)
     assert metric(decode, "scheduler", received) > before
+
+
+@pytest.fixture(scope="module")
+def tp_decode(launch_stack):
+    """A decode stack at --tensor-parallel-size 2: each rank reads its own KV head."""
+    stack = launch_stack("tiny", "--kv-transfer-config", CONSUMER, "--tensor-parallel-size", "2")
+    yield stack
+    stack.stop()
+
+
+@pytest.mark.parametrize("source", ["tp1", "tp2"])
+def test_a_tensor_parallel_decode_stack_reads_its_heads_from_either_prefill_stack(
+    stack, prefill, tp_prefill, tp_decode, source
+) -> None:
+    """TP=1 -> TP=2: each decode rank reads its head out of the prefill pod's whole rows;
+    TP=2 -> TP=2: each reads its peer rank's rows whole."""
+    lender = prefill if source == "tp1" else tp_prefill
+    path = "/v1/completions"
+    received = 'tokenline_kv_transfer_bytes_total{direction="received"}'
+    before = metric(tp_decode, "scheduler", received)
+    body = body_for(path, False) | {"prompt": STORY + f" the {source} crew rang the bell."}
+    params = httpx.post(lender.api_url + path, json=prefill_body(path, body), timeout=60).json()[
+        "kv_transfer_params"
+    ]
+    assert params.get("tp_size", 1) == (1 if source == "tp1" else 2) and params["remote_block_ids"]
+    answer = httpx.post(
+        tp_decode.api_url + path, json={**body, "kv_transfer_params": params}, timeout=60
+    )
+    assert answer.status_code == 200, answer.text
+    alone = httpx.post(stack.api_url + path, json=body, timeout=60)
+    assert text_of(path, answer, False) == text_of(path, alone, False)
+    # every lent block it did not hold, both ranks' halves of each: the second prompt shares
+    # the story's first blocks with the first, cached here since
+    cached = answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert (cached > 0) == (source == "tp2")
+    read = metric(tp_decode, "scheduler", received) - before
+    assert read == (len(params["remote_block_ids"]) - cached // 16) * TINY_BYTES_PER_BLOCK
 
 
 def test_a_dead_prefill_stack_fails_the_decode_request_fast(prefill, decode) -> None:

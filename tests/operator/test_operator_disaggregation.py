@@ -5,7 +5,6 @@ profiles, the refusals, and nothing changed without the field."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from pathlib import Path
@@ -56,12 +55,11 @@ def env(c: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
 
 
-def with_role_tp(parsed: spec.Spec, role: str, size: int) -> spec.Spec:
-    """A role's own tensor parallelism, which the parser refuses until the scheduler serves
-    KV transfer at TP above 1: the builders already make such pods as they will be made."""
-    result = copy.deepcopy(parsed)
-    result["disaggregation"][role]["tensorParallelSize"] = size
-    return result
+def with_role_tp(prefill: int, decode: int) -> spec.Spec:
+    """The service on one-GPU pods but for each role's own tensor parallelism."""
+    sizes = {"prefill": prefill, "decode": decode}
+    roles = {role: {**PD[role], "tensorParallelSize": size} for role, size in sizes.items()}
+    return parse(engine={"gpus": 1}, disaggregation=roles)
 
 
 def picker_config(**fields: Any) -> dict[str, Any]:
@@ -163,7 +161,7 @@ def test_both_roles_schedulers_mount_the_services_own_side_channel_keys():
 
 
 def test_each_role_has_its_own_tensor_parallelism_and_scheduler_resources():
-    parsed = with_role_tp(parse(engine={"gpus": 1}, disaggregation=PD), "prefill", 2)
+    parsed = with_role_tp(prefill=2, decode=1)
     built = manifests.children(OWNER, parsed, ROUTED)
     prefill = container(built["PrefillDeployment"], "scheduler")
     decode = container(built["DecodeDeployment"], "scheduler")
@@ -175,6 +173,13 @@ def test_each_role_has_its_own_tensor_parallelism_and_scheduler_resources():
     assert built["ConfigMap"]["data"]["TOKENLINE_TENSOR_PARALLEL_SIZE"] == "1"
     assert env(prefill)["TOKENLINE_TENSOR_PARALLEL_SIZE"] == "2"
     assert "configMapKeyRef" in env(decode)["TOKENLINE_TENSOR_PARALLEL_SIZE"]
+    # decode pods too: each rank reads its own share of the KV heads
+    built = manifests.children(OWNER, with_role_tp(prefill=1, decode=4), ROUTED)
+    decode = container(built["DecodeDeployment"], "scheduler")
+    assert decode["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert env(decode)["TOKENLINE_TENSOR_PARALLEL_SIZE"] == "4"
+    prefill = container(built["PrefillDeployment"], "scheduler")
+    assert "configMapKeyRef" in env(prefill)["TOKENLINE_TENSOR_PARALLEL_SIZE"]
     hashes = {
         key: built[key]["spec"]["template"]["metadata"]["annotations"][names.ANNOTATION_CONFIG_HASH]
         for key in pd.DEPLOYMENT_KEYS.values()
@@ -262,7 +267,6 @@ def test_without_disaggregation_nothing_changes():
     ("fields", "problem"),
     [
         ({"engine": {"nodes": 2, "tensorParallelSize": 2}}, "set engine.nodes to 1"),
-        ({"engine": {"tensorParallelSize": 2}}, "a decode pod reads KV only at tensor parallel"),
         ({"engine": {"prefixCaching": False}}, "set engine.prefixCaching to true"),
         (
             {"model": {"name": "BAAI/bge-small-en-v1.5", "runner": "pooling"}},
@@ -284,7 +288,7 @@ def test_combinations_it_cannot_serve_are_refused_with_the_reason(fields, proble
 
 def test_the_crd_carries_the_same_rules_and_its_defaults_are_llm_ds():
     rules = definition.SPEC["x-kubernetes-validations"]
-    assert len(rules) == 6 and all(r["rule"].startswith("!has(self.disaggregation)") for r in rules)
+    assert len(rules) == 5 and all(r["rule"].startswith("!has(self.disaggregation)") for r in rules)
     parsed = parse(disaggregation={})
     assert parsed["disaggregation"]["prefill"] == {"replicas": 1}
     assert parsed["disaggregation"]["nonCachedTokens"] == 16
@@ -294,11 +298,14 @@ def test_the_crd_carries_the_same_rules_and_its_defaults_are_llm_ds():
     assert spec.desired_replicas(parse(disaggregation=PD)) == 5
     with pytest.raises(spec.SpecError, match="tensorParallelSize"):
         parse(disaggregation={"prefill": {"tensorParallelSize": 16}})
-    with pytest.raises(spec.SpecError, match=r"disaggregation\.decode: a decode pod reads KV"):
-        parse(disaggregation={"decode": {"tensorParallelSize": 2}})
-    # a tensor-parallel prefill pod lends each rank's share of the KV heads
-    prefill_tp = parse(disaggregation={"prefill": {"tensorParallelSize": 2}})
-    assert prefill_tp["disaggregation"]["prefill"]["tensorParallelSize"] == 2
+    # a tensor-parallel pod lends (prefill) or reads (decode) each rank's share of the heads
+    both_tp = parse(engine={"tensorParallelSize": 2}, disaggregation=PD)
+    assert both_tp["disaggregation"]["decode"] == PD["decode"]  # the engine's 2 for both
+    tp = parse(
+        disaggregation={"prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 4}}
+    )
+    assert tp["disaggregation"]["prefill"]["tensorParallelSize"] == 2
+    assert tp["disaggregation"]["decode"]["tensorParallelSize"] == 4
 
 
 @pytest.mark.parametrize("version", ["1.30", kv.latest_version()])
@@ -365,7 +372,7 @@ def test_each_roles_stage_containers_parse_with_the_real_cli(role, tmp_path):
 
     for name, content in keys.new_secret(OWNER)["data"].items():  # the Secret, mounted
         (tmp_path / name).write_bytes(base64.b64decode(content))
-    parsed = with_role_tp(parse(engine={"gpus": 1}, disaggregation=PD), "prefill", 2)
+    parsed = with_role_tp(prefill=2, decode=4)
     data = config.config_map(OWNER, parsed)["data"]
     stages = [c for c in pod(pd.role_deployment(OWNER, parsed, role))["containers"]]
     seen = set()
@@ -389,7 +396,7 @@ def test_each_roles_stage_containers_parse_with_the_real_cli(role, tmp_path):
             assert kv_config["kv_role"] == pd.KV_ROLES[role]
             extra = kv_config["kv_connector_extra_config"]
             assert extra == {"side_channel_keys": str(tmp_path)}
-            assert settings.tensor_parallel_size == (2 if role == "prefill" else 1)
+            assert settings.tensor_parallel_size == (2 if role == "prefill" else 4)
         if c["args"][0] == "api":
             port = names.SIDECAR_TARGET_PORT if role == "decode" else names.API_PORT
             assert settings.port == port

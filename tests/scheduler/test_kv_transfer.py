@@ -14,9 +14,20 @@ import time
 import msgspec
 import pytest
 import torch
+from kv_transfer_testkit import (
+    LONG,
+    MAX_TOKENS,
+    closing,
+    consumer_config,
+    prefill,
+    producer_config,
+    run,
+    settle,
+    tokens,
+)
 from scheduler_testkit import assert_idle, greedy
 
-from tokenline.protocol import KVTransferParams, TokenOutput
+from tokenline.protocol import KVTransferParams
 from tokenline.scheduler.engine import Engine
 from tokenline.scheduler.kv_transfer import pulls
 from tokenline.scheduler.kv_transfer.config import KVTransferConfig, config_of
@@ -27,74 +38,15 @@ from tokenline.settings.scheduler import KVTransferConfigText
 
 pytest.importorskip("nixl_cu12._api", reason="NIXL is installed by `make .venv/.test`")
 
-MAX_TOKENS = 12
-LONG = (
-    "The quick brown fox jumps over the lazy dog near the river in the morning light, and "
-    "then it runs across the field, past the old mill and into the dark forest beyond."
-)
-
-
-def producer_config(**kw) -> KVTransferConfig:
-    return KVTransferConfig(role="kv_producer", engine_id="prefill", side_channel_port=0, **kw)
-
-
-def consumer_config(**kw) -> KVTransferConfig:
-    return KVTransferConfig(role="kv_consumer", engine_id="decode", **kw)
-
-
-def run(engine: Engine, uids: set[str], timeout_s: float = 20.0) -> dict[str, list[TokenOutput]]:
-    """Step ``engine`` until each of ``uids`` has its terminal output (or a refusal)."""
-    outputs: dict[str, list[TokenOutput]] = {uid: [] for uid in uids}
-    ended: set[str] = set()
-    deadline = time.monotonic() + timeout_s
-    while ended != uids:
-        assert time.monotonic() < deadline, f"still waiting for {uids - ended}"
-        for uid, error in engine.take_rejected():
-            outputs[uid].append(TokenOutput(uid=uid, token_ids=[], error_code=error.code))
-            ended.add(uid)
-        if not engine.has_work():
-            time.sleep(0.002)
-            continue
-        for out in engine.step():
-            outputs[out.uid].append(out)
-            if out.finish_reason is not None:
-                ended.add(out.uid)
-    return outputs
-
-
-def tokens(outputs: list[TokenOutput]) -> list[int]:
-    return [t for out in outputs for t in out.token_ids]
-
 
 @pytest.fixture(scope="module")
 def producer(make_engine) -> Engine:
-    engine = make_engine(kv_transfer=producer_config())
-    yield engine
-    engine.transfers.close()
+    yield from closing(make_engine(kv_transfer=producer_config()))
 
 
 @pytest.fixture(scope="module")
 def consumer(make_engine) -> Engine:
-    engine = make_engine(kv_transfer=consumer_config())
-    yield engine
-    engine.transfers.close()
-
-
-def prefill(producer: Engine, uid: str, prompt: list[int]) -> KVTransferParams:
-    """What the routing sidecar does first: the prompt on the prefill pod, max_tokens 1."""
-    asked = KVTransferParams(do_remote_decode=True)
-    producer.add(uid, prompt, greedy(1, kv_transfer=asked))
-    (last,) = [o for o in run(producer, {uid})[uid] if o.finish_reason]
-    assert last.kv_transfer is not None and last.kv_transfer.do_remote_prefill
-    return last.kv_transfer
-
-
-def settle(producer: Engine, timeout_s: float = 5.0) -> None:
-    """Until the decode side's releases have reached the prefill engine."""
-    deadline = time.monotonic() + timeout_s
-    while producer.transfers.lending.loans and time.monotonic() < deadline:
-        producer.expire()
-        time.sleep(0.01)
+    yield from closing(make_engine(kv_transfer=consumer_config()))
 
 
 def test_decode_reads_the_prompt_and_answers_as_one_engine(

@@ -17,8 +17,7 @@ import pytest
 import torch
 import zmq
 import zmq.auth
-from scheduler_testkit import assert_idle, greedy
-from test_kv_transfer import (
+from kv_transfer_testkit import (
     LONG,
     MAX_TOKENS,
     consumer_config,
@@ -28,6 +27,7 @@ from test_kv_transfer import (
     settle,
     tokens,
 )
+from scheduler_testkit import assert_idle, greedy
 
 from tokenline.ring_security import create_keys
 from tokenline.scheduler.engine import Engine

@@ -35,7 +35,8 @@ def _role(which: str, replicas: int) -> dict[str, Any]:
             "replicas": integer(f"{which.capitalize()} pods.", default=replicas, minimum=1),
             "tensorParallelSize": integer(
                 "GPUs (ranks) of each pod's scheduler; unset: spec.engine.tensorParallelSize. "
-                "1 for now: the scheduler does not serve KV transfer across ranks yet.",
+                "Each rank lends (prefill) or reads (decode) its own share of the KV heads, so "
+                "the two roles may differ; it must divide the model's KV heads.",
                 minimum=1,
                 maximum=8,
             ),
@@ -143,17 +144,6 @@ RULES: list[dict[str, str]] = [
         "message": "a decode pod admits the KV it reads as a cached prefix: set "
         "engine.prefixCaching to true",
     },
-    # Prefill pods may run tensor parallel: each rank lends its share of the KV heads, and a
-    # decode pod reads every rank's into place. A decode pod reads only at TP 1.
-    {
-        "rule": "!has(self.disaggregation) || "
-        "(has(self.disaggregation.decode.tensorParallelSize) ? "
-        "self.disaggregation.decode.tensorParallelSize : "
-        "self.engine.tensorParallelSize) == 1",
-        "message": "disaggregation.decode: a decode pod reads KV only at tensor parallelism 1 "
-        "(each rank would have to read its own share of the KV heads): set "
-        "disaggregation.decode.tensorParallelSize to 1 (prefill pods may keep more)",
-    },
 ]
 
 
@@ -186,7 +176,6 @@ def problems(spec: dict[str, Any]) -> list[str]:
                 spec["autoscaling"]["enabled"],
                 bool(spec["server"].get("tlsSecret")),
                 not spec["engine"]["prefixCaching"],
-                tensor_parallel_size(spec, "decode") != 1,
             ),
             strict=True,
         )

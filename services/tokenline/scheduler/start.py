@@ -120,16 +120,10 @@ def kv_transfer_config(settings: Settings) -> kv_transfer.KVTransferConfig | Non
     config = kv_transfer.config_of(settings.kv_transfer_config)
     if config is None or settings.tensor_parallel_size == 1:
         return config
-    if config.consumes:
-        raise SystemExit(
-            f"--kv-transfer-config: kv_role {config.role} with --tensor-parallel-size above 1 "
-            "is not served yet: each decode rank would have to read its own share of the KV "
-            "heads; run decode pods at TP 1 (a prefill pod, kv_producer, may run at TP > 1)"
-        )
     if settings.nnodes > 1:
         raise SystemExit(
-            "--kv-transfer-config with --nnodes above 1 is not served yet: a decode pod would "
-            "read the KV of ranks on other nodes; run the prefill pod's ranks on one node"
+            "--kv-transfer-config with --nnodes above 1 is not served yet: KV would move "
+            "between ranks on other nodes; run the pod's ranks on one node"
         )
     return config
 

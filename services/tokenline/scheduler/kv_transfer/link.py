@@ -5,12 +5,17 @@ layer is one contiguous run of ``block_size`` slots: a read is a list of (addres
 pairs, one a layer and run of consecutive blocks, from the remote pool into this one. NIXL's
 UCX backend moves host memory over TCP or shared memory and device memory over RDMA/NVLink;
 the scheduler never waits on it (pulls.py runs reads on a worker thread).
+
+Under tensor parallelism, on either side, a rank holds a slice of the model's KV heads: each
+reading rank reads, from each rank of the peer, the heads both hold (`KVLayout.heads`); a
+rank's slot row is then read as one K and one V segment instead of whole.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -49,19 +54,18 @@ class KVLayout(msgspec.Struct, kw_only=True):
                 return f"{name} differs: {theirs} there, {ours} here"
         if self.all_kv_heads != owner.all_kv_heads:
             return f"num_kv_heads differs: {owner.all_kv_heads} there, {self.all_kv_heads} here"
-        if self.tp_size != 1:  # each reading rank would have to read its own heads: not yet
-            return (
-                f"this pod runs at tensor parallel size {self.tp_size} ({owner.tp_size} there); "
-                "a decode pod reads KV only at TP 1"
-            )
-        if owner.tp_size == 1:
-            return ""
-        if owner.num_kv_heads * owner.tp_size != owner.all_kv_heads:  # replicated or uneven
-            return (
-                f"the prefill pod's {owner.tp_size} ranks do not split its "
-                f"{owner.all_kv_heads} KV heads evenly"
-            )
+        for side, layout in (("prefill", owner), ("decode", self)):
+            if layout.num_kv_heads * layout.tp_size != layout.all_kv_heads:  # replicated
+                return (
+                    f"the {side} pod's {layout.tp_size} ranks do not split its "
+                    f"{layout.all_kv_heads} KV heads evenly"
+                )
         return ""
+
+    @property
+    def heads(self) -> range:
+        """The model's KV heads this pool holds."""
+        return range(self.kv_head_start, self.kv_head_start + self.num_kv_heads)
 
     @property
     def row_bytes(self) -> int:
@@ -137,6 +141,23 @@ class TransferStuck(RuntimeError):
     """A read that failed and could not be cancelled: NIXL may still write into its blocks."""
 
 
+@dataclass(frozen=True)
+class ReadPlan:
+    """One prompt's read, as every rank of a decode pod carries it out (each its own heads)."""
+
+    agents: list[tuple[bytes, KVLayout]]  # the peer's ranks: NIXL metadata and layout
+    peer_blocks: list[int]
+    blocks: list[int]  # ours, in the same order
+    timeout_s: float
+
+
+def failure_reason(error: BaseException) -> str:
+    """A failed read's label in the failures metric."""
+    if isinstance(error, TransferStuck):
+        return "stuck"
+    return "timeout" if isinstance(error, TimeoutError) else "transfer"
+
+
 class NixlLink:
     """This pod's NIXL agent over its KV pool."""
 
@@ -164,15 +185,20 @@ class NixlLink:
     ) -> int:
         """Copy the peer's blocks into ours; returns the bytes read. Raises TimeoutError or
         RuntimeError (the transfer failed)."""
+        mine, theirs_heads = self.layout.heads, peer.heads
+        first, stop = max(mine.start, theirs_heads.start), min(mine.stop, theirs_heads.stop)
+        if first >= stop:  # another rank of this pod holds the heads that rank lends
+            return 0
         name = self._peers.get(peer_metadata)
         if name is None:
             name = self._peers[peer_metadata] = self.agent.add_remote_agent(peer_metadata)
         runs = self.layout.block_runs(blocks, peer_blocks)
-        if peer.num_kv_heads == self.layout.num_kv_heads:  # whole rows: a run a layer
+        if mine == theirs_heads:  # whole rows: a run a layer
             ours, theirs = self.layout.descriptors(runs, 0), peer.descriptors(runs, 1)
-        else:  # one rank of a tensor-parallel pod: its heads' K and V, slot by slot
-            ours = self.layout.head_descriptors(runs, 0, peer.kv_head_start, peer.num_kv_heads)
-            theirs = peer.head_descriptors(runs, 1, 0, peer.num_kv_heads)
+        else:  # the heads both hold: their K and V, slot by slot
+            heads = stop - first
+            ours = self.layout.head_descriptors(runs, 0, first - mine.start, heads)
+            theirs = peer.head_descriptors(runs, 1, first - theirs_heads.start, heads)
         local = self.agent.get_xfer_descs(ours, self.mem)
         remote = self.agent.get_xfer_descs(theirs, self.mem)
         handle = self.agent.initialize_xfer("READ", local, remote, name)
@@ -195,7 +221,23 @@ class NixlLink:
                 if not done:  # still in flight, and NIXL could not cancel it
                     raise TransferStuck(f"a KV read could not be cancelled ({exc})") from None
                 log.warning("a finished KV read's NIXL handle could not be released: %s", exc)
-        return len(blocks) * peer.block_size * peer.row_bytes * peer.num_layers
+        head_row_bytes = peer.row_bytes // peer.num_kv_heads
+        return len(blocks) * peer.block_size * head_row_bytes * (stop - first) * peer.num_layers
+
+    def read_all(self, plan: ReadPlan) -> int:
+        """`read` from every rank of the peer, sharing the plan's timeout; a failure forgets
+        them all, so the next read connects anew."""
+        deadline = time.monotonic() + plan.timeout_s
+        read = 0
+        try:
+            for metadata, peer in plan.agents:
+                left = max(0.001, deadline - time.monotonic())
+                read += self.read(metadata, peer, plan.peer_blocks, plan.blocks, left)
+        except Exception:
+            for metadata, _ in plan.agents:
+                self.forget(metadata)
+            raise
+        return read
 
     def forget(self, peer_metadata: bytes) -> None:
         """Drop a peer (it refused, or a read from it failed): the next read connects anew."""

@@ -25,12 +25,14 @@ import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import count
+from typing import Protocol
 
 from tokenline.protocol import KVTransferParams
 from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.kv_transfer.config import KVTransferConfig
 from tokenline.scheduler.kv_transfer.ledger import prefix_digest
-from tokenline.scheduler.kv_transfer.link import NixlLink, TransferStuck
+from tokenline.scheduler.kv_transfer.link import NixlLink, ReadPlan, failure_reason
 from tokenline.scheduler.kv_transfer.side_channel import (
     Claim,
     Grant,
@@ -46,6 +48,20 @@ HELLO_TIMEOUT_S = 5.0
 # After a peer was unreachable, reads from it fail at once for this long, rather than each
 # waiting out a handshake's timeout in the worker's queue in front of other peers' reads.
 UNREACHABLE_MEMORY_S = 10.0
+# How long past a read's own timeout the other ranks of a tensor-parallel pod may take to
+# say theirs ended; one that has not by then may still be writing: its blocks stay out of use.
+RANK_GRACE_S = 5.0
+_WORST = ("stuck", "timeout", "transfer")  # a read failed on several ranks: said as the first
+RankRead = tuple[int, str, str]  # bytes read, failure reason ("" when none), its message
+
+
+class RankReads(Protocol):
+    """The other ranks of a tensor-parallel pod (the sharded runner): each reads its own
+    share of the KV heads into its own pool, on a thread of its own."""
+
+    def start_kv_reads(self, token: int, plan: ReadPlan) -> None: ...
+
+    def wait_kv_reads(self, token: int, timeout_s: float) -> list[RankRead]: ...
 
 
 class PullFailed(Exception):
@@ -66,10 +82,18 @@ class _Pull:
 
 
 class Pulls:
-    def __init__(self, pool: BlockPool, config: KVTransferConfig, link: NixlLink) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        config: KVTransferConfig,
+        link: NixlLink,
+        ranks: RankReads | None = None,
+    ) -> None:
         self.pool = pool
         self.config = config
         self.link = link
+        self.ranks = ranks
+        self._tokens = count()  # names each read to the other ranks
         self._client = SideChannelClient(config.side_channel_keys)  # the worker thread's
         self._welcomes: dict[tuple[str, int], Welcome] = {}  # the worker's too
         self._unreachable: dict[tuple[str, int], float] = {}  # the worker's too: since when
@@ -140,18 +164,7 @@ class Pulls:
             grant = self._claim(host, port, claim)
             # the prefill pod holds the blocks as long as it pinned them, no longer
             timeout = min(self.config.pull_timeout_s, grant.pinned_s)
-            try:
-                read = 0
-                deadline = time.monotonic() + timeout
-                for metadata, peer in welcome.agents():  # one a rank, sharing the timeout
-                    left = max(0.001, deadline - time.monotonic())
-                    read += self.link.read(metadata, peer, peer_blocks, blocks, left)
-            except TransferStuck as exc:
-                raise PullFailed("stuck", str(exc)) from None
-            except TimeoutError as exc:
-                raise PullFailed("timeout", str(exc)) from None
-            except Exception as exc:  # NIXL's errors: a dead or restarted peer
-                raise PullFailed("transfer", f"reading the prompt's KV failed: {exc}") from None
+            read = self._read_every_rank(ReadPlan(welcome.agents(), peer_blocks, blocks, timeout))
         except PullFailed as failure:
             if failure.reason in ("claim_refused", "expired"):
                 raise  # the peer is sound; the blocks may be another request's: no release
@@ -166,6 +179,28 @@ class Pulls:
             raise
         self._release(params, seq, read, grant.token)
         return read
+
+    def _read_every_rank(self, plan: ReadPlan) -> int:
+        """Each rank of this pod reads its heads of the plan's blocks from every rank of the
+        peer (rank 0 here, a tensor-parallel pod's workers beside it); raises PullFailed with
+        the worst failure once every rank has ended."""
+        token = next(self._tokens)
+        if self.ranks is not None:
+            self.ranks.start_kv_reads(token, plan)
+        results: list[RankRead] = []
+        try:
+            results.append((self.link.read_all(plan), "", ""))
+        except Exception as exc:  # NIXL's errors: a dead or restarted peer
+            results.append((0, failure_reason(exc), str(exc)))
+        if self.ranks is not None:  # they write into these blocks too: all end first
+            results += self.ranks.wait_kv_reads(token, plan.timeout_s + RANK_GRACE_S)
+        failures = [(reason, message) for _, reason, message in results if reason]
+        if failures:
+            reason, message = min(failures, key=lambda failure: _WORST.index(failure[0]))
+            if reason == "transfer":
+                message = f"reading the prompt's KV failed: {message}"
+            raise PullFailed(reason, message)
+        return sum(read for read, _, _ in results)
 
     def _claim(self, host: str, port: int, claim: Claim) -> Grant:
         """The prefill pod's grant of ``claim``; raises PullFailed when it refuses."""

@@ -13,7 +13,7 @@ from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.kv_transfer.config import KVTransferConfig
 from tokenline.scheduler.kv_transfer.lending import Lending
 from tokenline.scheduler.kv_transfer.link import KVLayout, NixlLink
-from tokenline.scheduler.kv_transfer.pulls import PullFailed, Pulls
+from tokenline.scheduler.kv_transfer.pulls import PullFailed, Pulls, RankReads
 from tokenline.scheduler.kv_transfer.side_channel import RankKV, SideChannelServer
 from tokenline.scheduler.policy import Chunk
 from tokenline.scheduler.refusals import InvalidRequest, KVLoadFailed
@@ -30,9 +30,11 @@ class KVTransfers:
         layout: KVLayout,
         config: KVTransferConfig,
         ranks: list[RankKV] | None = None,
+        rank_reads: RankReads | None = None,
     ) -> None:
         """``layout``: this rank's; ``ranks``: the other ranks of a tensor-parallel pod, each
-        with its agent over its own pool (a prefill pod's readers read them all)."""
+        with its agent over its own pool (a prefill pod's readers read them all), and
+        ``rank_reads`` what has them read their own heads (a decode pod's)."""
         if not pool.caching:
             raise SystemExit(
                 "--kv-transfer-config needs prefix caching: read blocks join the batch as "
@@ -57,7 +59,7 @@ class KVTransfers:
             )
             self.lending.port = int(self.server.address.rsplit(":", 1)[1])  # 0: the one bound
             log.info("kv transfer: lending prompts' KV, side channel at %s", self.server.address)
-        self.pulls = Pulls(pool, config, self.link) if config.consumes else None
+        self.pulls = Pulls(pool, config, self.link, rank_reads) if config.consumes else None
         self.bytes_sent = 0  # read from this pod's loans, as the readers said, since start
 
     def check(self, sampling: SamplingParams) -> None:
@@ -190,15 +192,12 @@ def transfers_for(pool: BlockPool, runner, config: KVTransferConfig | None) -> K
     shares = getattr(runner, "kv_shares", None)
     if shares is None:
         return KVTransfers(pool, runner.kv_cache, layout, config)
-    if config.consumes:  # start.py refuses it first; a direct caller hears it here
-        raise SystemExit(
-            "--kv-transfer-config: a tensor-parallel pod only lends its KV (kv_producer): "
-            "each decode rank would have to read its own share of the heads, not served yet"
-        )
+    # tensor parallel: every rank's agent over its own share of the heads, which a prefill
+    # pod lends and into which a decode pod's ranks read (each its own, the runner's workers)
     name = f"tokenline-{config.engine_id}"
     layout, others = shares(name, layout)
     ranks = [RankKV(metadata, share) for metadata, share in others]
-    return KVTransfers(pool, runner.kv_cache, layout, config, ranks)
+    return KVTransfers(pool, runner.kv_cache, layout, config, ranks, runner)
 
 
 def check_kv_transfer(transfers: KVTransfers | None, sampling: SamplingParams) -> None:

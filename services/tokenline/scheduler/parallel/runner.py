@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -24,13 +25,20 @@ import torch.distributed as dist
 
 from tokenline.model_source import ModelSource
 from tokenline.scheduler import models
-from tokenline.scheduler.kv_transfer.link import KVLayout, NixlLink, nixl_module
+from tokenline.scheduler.kv_transfer.link import (
+    KVLayout,
+    NixlLink,
+    ReadPlan,
+    failure_reason,
+    nixl_module,
+)
 from tokenline.scheduler.layers.linear import QKVLinear
 from tokenline.scheduler.layers.placement import Placement
 from tokenline.scheduler.parallel.group import COLLECTIVE_TIME, RANK_STEP_TIME, TensorParallel
 from tokenline.scheduler.runner import ModelRunner, RunnerOptions, StepInputs
 
 log = logging.getLogger(__name__)
+_READ_POLL_S = 0.002  # how often rank 0 asks the workers whether their KV reads ended
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +70,10 @@ class ShardedModelRunner(ModelRunner):
         self._lock = threading.RLock()  # one command (and its collectives) at a time
         self._last_command = time.monotonic()
         self._rank_labels = [str(r) for r in range(tp.world_size)]
+        # a decode pod's reads: a worker's in flight and rank 0's record of those that ended
+        self._kv_reader = ThreadPoolExecutor(1, thread_name_prefix="kv-read")
+        self._kv_reads: dict[int, Future] = {}
+        self._kv_reads_ended: dict[int, dict[int, tuple[int, str, str]]] = {}
 
     def _load_model(self, source: ModelSource, implementation: str) -> models.CausalLM:
         # every layer holds this rank's share and does its own collective (layers/)
@@ -115,16 +127,17 @@ class ShardedModelRunner(ModelRunner):
         self, name: str, layout: KVLayout
     ) -> tuple[KVLayout, list[tuple[bytes, KVLayout]]]:
         """Rank 0's layout of its KV heads, and each worker's NIXL agent (created now, over its
-        own pool, kept for the process's life) with its layout: a decode pod reads every rank
-        (one-sided: nothing here acts on a read). Raises SystemExit where the heads are not
-        split across the ranks."""
+        own pool, kept for the process's life) with its layout: on a prefill pod a decode pod
+        reads every rank (one-sided: nothing here acts on a read); on a decode pod each rank
+        reads into its own (`start_kv_reads`). Raises SystemExit where the heads are not split
+        across the ranks."""
         total = self.total_kv_heads()
         if total % self.tp.world_size:
             raise SystemExit(
                 f"--kv-transfer-config: the model's {total} KV heads are replicated or split "
                 f"unevenly across --tensor-parallel-size {self.tp.world_size}, so no rank's "
-                "share is a slice a decode pod could read; run the prefill pod at a tensor "
-                f"parallel size that divides {total}"
+                "share is a slice another pod's ranks could read or fill; run the pod at a "
+                f"tensor parallel size that divides {total}"
             )
         nixl_module()  # here first: a worker without NIXL would end the group instead
         with self._lock:
@@ -134,6 +147,35 @@ class ShardedModelRunner(ModelRunner):
             except Exception:
                 fatal("tensor parallel: a worker did not lend its KV pool; the stage exits")
                 raise  # unreachable
+
+    def start_kv_reads(self, token: int, plan: ReadPlan) -> None:
+        """A decode pod's read (pulls.py, its worker thread): each worker starts reading its
+        heads of the plan's blocks from the peer's ranks on a thread of its own, into its own
+        pool; rank 0 reads its share itself."""
+        with self._lock:
+            try:
+                self._send("kv_read", token, plan)
+            except Exception:
+                fatal("tensor parallel: a worker did not take a KV read; the stage exits")
+
+    def wait_kv_reads(self, token: int, timeout_s: float) -> list[tuple[int, str, str]]:
+        """Each worker's (bytes read, failure reason, message) of read ``token``, once all
+        have ended; a worker still reading after ``timeout_s`` is said "stuck"."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ended = self._kv_reads_ended.get(token, {})
+            if len(ended) == self.tp.world_size - 1 or time.monotonic() > deadline:
+                break
+            time.sleep(_READ_POLL_S)
+            with self._lock:  # between steps: a step holds it
+                try:
+                    self._send("kv_poll")
+                    self._gather_kv_reads()
+                except Exception:
+                    fatal("tensor parallel: a worker did not say how its KV read went")
+        ended = self._kv_reads_ended.pop(token, {})
+        stuck = (0, "stuck", f"a tensor-parallel rank's KV read did not end in {timeout_s:g} s")
+        return [ended.get(rank, stuck) for rank in range(1, self.tp.world_size)]
 
     def total_kv_heads(self) -> int:
         """The model's KV heads, all ranks together."""
@@ -187,6 +229,11 @@ class ShardedModelRunner(ModelRunner):
             super().logits(hidden)
         elif kind == "kv_agent":
             self._lend_kv(*command[1:])
+        elif kind == "kv_read":
+            _, token, plan = command
+            self._kv_reads[token] = self._kv_reader.submit(self._read_kv, plan)
+        elif kind == "kv_poll":
+            self._gather_kv_reads()
         elif kind == "release":
             super().release_decode_contexts()
         elif kind == "stop":
@@ -215,6 +262,27 @@ class ShardedModelRunner(ModelRunner):
         gathered: list | None = [None] * self.tp.world_size if self.tp.is_driver else None
         dist.gather_object(share, gathered, dst=0, group=self.tp.control_group)
         return gathered or []
+
+    def _read_kv(self, plan: ReadPlan) -> tuple[int, str, str]:
+        """A worker's share of a decode pod's read, on its reader thread."""
+        try:
+            return self.kv_link.read_all(plan), "", ""
+        except Exception as exc:
+            return 0, failure_reason(exc), str(exc)
+
+    def _gather_kv_reads(self) -> None:
+        """Every rank: the workers' reads that ended since the last poll, gathered on rank 0
+        (kept by token until `wait_kv_reads` takes them)."""
+        ended: dict[int, tuple[int, str, str]] = {}
+        for token, future in list(self._kv_reads.items()):
+            if future.done():
+                ended[token] = future.result()
+                del self._kv_reads[token]
+        gathered: list | None = [None] * self.tp.world_size if self.tp.is_driver else None
+        dist.gather_object(ended, gathered, dst=0, group=self.tp.control_group)
+        for rank, results in enumerate(gathered or []):
+            for token, result in (results or {}).items():
+                self._kv_reads_ended.setdefault(token, {})[rank] = result
 
     def _rebuild(self, message: dict[str, Any]) -> StepInputs:
         """The driver's StepInputs, rebuilt as `ModelRunner.step_inputs` builds them from the

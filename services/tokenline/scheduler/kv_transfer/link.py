@@ -14,6 +14,7 @@ rank's slot row is then read as one K and one V segment instead of whole.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -22,6 +23,9 @@ import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
+# How often a lending pod's agent is progressed: connections from readers wait for it, and
+# over TCP each read does too; each progress is a few microseconds.
+LENDER_PROGRESS_S = 0.002
 
 
 class KVLayout(msgspec.Struct, kw_only=True):
@@ -159,11 +163,24 @@ def failure_reason(error: BaseException) -> str:
 
 
 class NixlLink:
-    """This pod's NIXL agent over its KV pool."""
+    """This pod's NIXL agent over its KV pool.
 
-    def __init__(self, name: str, kv_cache: torch.Tensor, layout: KVLayout) -> None:
+    Without NIXL's own progress thread: its Python API starts that thread with no delay between
+    polls, so it spins a core even while idle, the core a decode pod's steps need. A reader
+    drives its reads itself (`read` polls the transfer's state); a pool that others read
+    (``lent``) is driven by a thread of ours every ``LENDER_PROGRESS_S``, which its readers'
+    connections and (over TCP) their reads need."""
+
+    def __init__(
+        self, name: str, kv_cache: torch.Tensor, layout: KVLayout, lent: bool = False
+    ) -> None:
         api = nixl_module()
-        self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        config = api.nixl_agent_config(
+            enable_prog_thread=False,
+            backends=["UCX"],
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,  # two threads call it
+        )
+        self.agent = api.nixl_agent(name, config)
         self.mem = "VRAM" if kv_cache.is_cuda else "DRAM"
         device = kv_cache.device.index or 0
         nbytes = kv_cache.numel() * kv_cache.element_size()
@@ -174,6 +191,19 @@ class NixlLink:
         )
         self.metadata: bytes = self.agent.get_agent_metadata()
         self._peers: dict[bytes, str] = {}  # remote metadata -> its agent's name
+        self._closed = threading.Event()
+        if lent:
+            threading.Thread(target=self._progress, name="kv-progress", daemon=True).start()
+
+    def _progress(self) -> None:
+        while not self._closed.wait(LENDER_PROGRESS_S):
+            try:
+                self.agent.get_new_notifs()  # progresses the agent's UCX workers
+            except Exception as exc:  # never fatal to the pod: its readers' reads fail
+                log.warning("kv transfer: progressing the NIXL agent failed: %s", exc)
+
+    def close(self) -> None:
+        self._closed.set()
 
     def read(
         self,

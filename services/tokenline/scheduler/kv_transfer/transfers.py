@@ -41,7 +41,7 @@ class KVTransfers:
                 "cached prefixes; drop --no-enable-prefix-caching"
             )
         self.config = config
-        self.link = NixlLink(f"tokenline-{config.engine_id}", kv_cache, layout)
+        self.link = NixlLink(f"tokenline-{config.engine_id}", kv_cache, layout, config.produces)
         self.lending: Lending | None = None
         self.server: SideChannelServer | None = None
         if config.produces:
@@ -161,6 +161,7 @@ class KVTransfers:
             self.pulls.tend()
 
     def close(self) -> None:
+        self.link.close()
         if self.server is not None:
             self.server.close()
         if self.pulls is not None:
@@ -195,7 +196,7 @@ def transfers_for(pool: BlockPool, runner, config: KVTransferConfig | None) -> K
     # tensor parallel: every rank's agent over its own share of the heads, which a prefill
     # pod lends and into which a decode pod's ranks read (each its own, the runner's workers)
     name = f"tokenline-{config.engine_id}"
-    layout, others = shares(name, layout)
+    layout, others = shares(name, layout, config.produces)
     ranks = [RankKV(metadata, share) for metadata, share in others]
     return KVTransfers(pool, runner.kv_cache, layout, config, ranks, runner)
 

@@ -124,7 +124,7 @@ class ShardedModelRunner(ModelRunner):
                     fatal("tensor parallel: a worker did not answer; the stage exits")
 
     def kv_shares(
-        self, name: str, layout: KVLayout
+        self, name: str, layout: KVLayout, lent: bool
     ) -> tuple[KVLayout, list[tuple[bytes, KVLayout]]]:
         """Rank 0's layout of its KV heads, and each worker's NIXL agent (created now, over its
         own pool, kept for the process's life) with its layout: on a prefill pod a decode pod
@@ -142,8 +142,8 @@ class ShardedModelRunner(ModelRunner):
         nixl_module()  # here first: a worker without NIXL would end the group instead
         with self._lock:
             try:
-                self._send("kv_agent", name, layout)
-                return self._kv_share(layout), self._lend_kv(name, layout)[1:]
+                self._send("kv_agent", name, layout, lent)
+                return self._kv_share(layout), self._share_kv(name, layout, lent)[1:]
             except Exception:
                 fatal("tensor parallel: a worker did not lend its KV pool; the stage exits")
                 raise  # unreachable
@@ -228,7 +228,7 @@ class ShardedModelRunner(ModelRunner):
             dist.broadcast(hidden, src=0, group=self.tp.device_group)
             super().logits(hidden)
         elif kind == "kv_agent":
-            self._lend_kv(*command[1:])
+            self._share_kv(*command[1:])
         elif kind == "kv_read":
             _, token, plan = command
             self._kv_reads[token] = self._kv_reader.submit(self._read_kv, plan)
@@ -250,13 +250,13 @@ class ShardedModelRunner(ModelRunner):
             tp_size=self.tp.world_size,
         )
 
-    def _lend_kv(self, name: str, layout: KVLayout) -> list[tuple[bytes, KVLayout]]:
-        """Every rank: an agent over this rank's pool (rank 0's is the engine's own), its
-        metadata and layout gathered on rank 0 (the others get [])."""
+    def _share_kv(self, name: str, layout: KVLayout, lent: bool) -> list[tuple[bytes, KVLayout]]:
+        """Every rank: an agent over this rank's pool (rank 0's is the engine's own; ``lent``:
+        other pods read it), its metadata and layout gathered on rank 0 (the others get [])."""
         share: tuple[bytes, KVLayout] | None = None
         if not self.tp.is_driver:
             self.kv_link = NixlLink(
-                f"{name}-rank{self.tp.rank}", self.kv_cache, self._kv_share(layout)
+                f"{name}-rank{self.tp.rank}", self.kv_cache, self._kv_share(layout), lent
             )
             share = (self.kv_link.metadata, self.kv_link.layout)
         gathered: list | None = [None] * self.tp.world_size if self.tp.is_driver else None

@@ -180,7 +180,7 @@ def test_the_checkpoint_dtype_is_read_from_its_config(tmp_path):
 def test_default_torch_threads_follow_the_weights_size(megabytes, threads, monkeypatch):
     """A tiny model's step is mostly the other stages' kind of work: they keep a core. A model
     whose weights outgrow the caches streams them every step: every core reads."""
-    monkeypatch.setattr(runner_module.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(runner_module, "usable_cores", lambda: 8)
     model = torch.nn.Module()
     model.weight = torch.nn.Parameter(
         torch.empty(megabytes << 19, dtype=torch.bfloat16, device="meta")
@@ -189,5 +189,5 @@ def test_default_torch_threads_follow_the_weights_size(megabytes, threads, monke
 
 
 def test_a_single_core_keeps_one_thread(monkeypatch):
-    monkeypatch.setattr(runner_module.os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(runner_module, "usable_cores", lambda: 1)
     assert runner_module.default_torch_threads(torch.nn.Linear(2, 2)) == 1

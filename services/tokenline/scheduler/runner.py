@@ -17,12 +17,12 @@ no row uses an adapter runs exactly as without LoRA (and with ``--compile``, com
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from tokenline.cores import usable_cores
 from tokenline.model_source import ModelSource
 from tokenline.scheduler import attention, models
 from tokenline.scheduler.attention import AttentionShape
@@ -86,7 +86,7 @@ def default_torch_threads(model: torch.nn.Module) -> int:
     other stages lose by it. Below, every core but one, which the api, tokenizer and
     detokenizer stages use: a small model's step is mostly their kind of work, and threads
     that spin against them cost more than they bring."""
-    cores = os.cpu_count() or 2
+    cores = usable_cores()
     return cores if weight_bytes(model) >= CACHE_SIZED_WEIGHTS else max(1, cores - 1)
 
 
@@ -131,7 +131,7 @@ class ModelRunner:
         self.device = pick_device(options.device)
         torch_threads = options.torch_threads
         if self.device.type == "cpu":
-            torch.set_num_threads(torch_threads or max(1, (os.cpu_count() or 2) - 1))
+            torch.set_num_threads(torch_threads or max(1, usable_cores() - 1))
         dtype = options.dtype
         self.dtype = pick_dtype(
             dtype, self.device, checkpoint_dtype(source) if dtype == "auto" else None

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
+from tokenline.cores import usable_cores
 from tokenline.model_source import ModelSource
 from tokenline.scheduler.parallel.runner import ShardedModelRunner
 from tokenline.scheduler.parallel.worker import serve_node, start
@@ -21,7 +21,7 @@ def rank_options(settings, options: RunnerOptions) -> RunnerOptions:
     ranks of a node share its cores, each taking its part (not all but one)."""
     if options.torch_threads is not None or settings.device == "cuda":
         return options
-    threads = max(1, ((os.cpu_count() or 2) - 1) // ranks_per_node(settings))
+    threads = max(1, (usable_cores() - 1) // ranks_per_node(settings))
     return dataclasses.replace(options, torch_threads=threads)
 
 

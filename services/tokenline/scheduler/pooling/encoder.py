@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 
 import torch
 
+from tokenline.cores import usable_cores
 from tokenline.model_source import ModelSource
 from tokenline.scheduler.layers.placement import ModelRefused
 from tokenline.scheduler.pooling.config import PoolingSetup
@@ -44,7 +44,7 @@ class EncoderRunner:
     def __init__(self, source: ModelSource, options: RunnerOptions, setup: PoolingSetup) -> None:
         self.device = pick_device(options.device)
         if self.device.type == "cpu":  # the other stages keep a core, as the decoder runner
-            torch.set_num_threads(options.torch_threads or max(1, (os.cpu_count() or 2) - 1))
+            torch.set_num_threads(options.torch_threads or max(1, usable_cores() - 1))
         checkpoint = checkpoint_dtype(source) if options.dtype == "auto" else None
         self.dtype = pick_dtype(options.dtype, self.device, checkpoint)
         self.setup = setup

@@ -56,19 +56,34 @@ def scenario_prefix_hits(engine: Engine) -> None:
     assert engine.prefix_cache_hits >= 64
 
 
+def scenario_long_and_short(engine: Engine) -> None:
+    """One context over four times the others' decodes beside them: on the dense rows it
+    attends apart, over its own context, and the others over theirs."""
+    for i, n in enumerate((150, 5, 9, 13)):
+        engine.add(f"l{i}", prompt(i, n), greedy(12))
+    run(engine)
+
+
 # the paths each scenario must have gone through, besides decode
 PATHS = {
     "decode": {"FirstChunkPrefill"},
     "chunked-prefill": {"FirstChunkPrefill", "ContinuedPrefill"},
     "prefix-hits": {"FirstChunkPrefill", "ContinuedPrefill"},
+    "long-and-short": {"FirstChunkPrefill"},
 }
 DECODE_PATH = {"sdpa": "GatherDecode", "dense-cpu": "DenseDecode"}
 # flex has one kind of batch for decode rows and for chunks: what each scenario must have used
-FLEX_PARTS = {"decode": {1, 23}, "chunked-prefill": {1, 16}, "prefix-hits": {1, 37}}
+FLEX_PARTS = {
+    "decode": {1, 23},
+    "chunked-prefill": {1, 16},
+    "prefix-hits": {1, 37},
+    "long-and-short": {1, 150},
+}
 SCENARIOS = {
     "decode": scenario_decode,
     "chunked-prefill": scenario_chunked_prefill,
     "prefix-hits": scenario_prefix_hits,
+    "long-and-short": scenario_long_and_short,
 }
 
 
@@ -116,6 +131,8 @@ def recorded_run(backend: str, path, scenario, compiled: bool = False):
             paths_used.update(part.shape[1] for part in metadata.parts)
         else:
             paths_used.update(type(path).__name__ for path, _ in metadata.parts)
+            if any(getattr(getattr(m, "plan", None), "long_rows", None) for _, m in metadata.parts):
+                paths_used.add("long rows apart")
         return metadata
 
     runner.attention.prepare = recording_prepare
@@ -143,7 +160,9 @@ def test_every_backend_matches_the_reference_forward(model, scenario, tmp_path):
         if name == "flex":
             assert FLEX_PARTS[scenario] <= paths_used, paths_used
         else:
-            assert paths_used == PATHS[scenario] | {DECODE_PATH[name]}, name
+            assert paths_used - {"long rows apart"} == PATHS[scenario] | {DECODE_PATH[name]}
+            if (name, scenario) == ("dense-cpu", "long-and-short"):
+                assert "long rows apart" in paths_used
         assert got_tokens == tokens, f"{name}: greedy tokens differ from {BUILT[0]}'s"
         assert_matches_reference(reference, name, got_tokens, logits_at)
 

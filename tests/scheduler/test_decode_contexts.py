@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from tokenline.scheduler.attention.decode_contexts import (
+    MAX_LONG_ROWS,
     MIN_CAPACITY,
     ZEROED_COLUMNS,
     DecodeContexts,
+    short_length,
 )
 
 LAYERS, KV_WIDTH, HEAD_DIM = 2, 4, 3
@@ -69,7 +71,12 @@ class FakeRunner:
             held = self.contexts.buffer[:, row, :, : n + 1]
             expected = torch.tensor([value(uid, p) for p in range(n + 1)])
             assert torch.equal(held, expected[None, None, :, None].expand_as(held)), uid
-            tail = self.contexts.buffer[:, row, :, n + 1 : plan.length]
+            # a long row reads only its own context; the others, the short call's columns
+            long_rows = dict(plan.long_rows)
+            assert long_rows.get(row, n + 1) == n + 1
+            read = n + 1 if row in long_rows else plan.short_length
+            assert read >= n + 1 or row in long_rows, f"{uid}: its context is not read whole"
+            tail = self.contexts.buffer[:, row, :, n + 1 : read]
             assert bool(tail.isfinite().all()), f"{uid}: a column past its context is not finite"
             if plan.mask is None:  # nothing to hide: every context is the longest
                 assert n + 1 == plan.length, uid
@@ -226,12 +233,53 @@ def test_a_growth_writes_the_columns_in_use_not_the_new_capacity():
     attention reads; the rest of the new capacity is left for later steps to make finite
     (under this file's fixture, untouched memory is NaN)."""
     runner = FakeRunner()
-    lens = {"u0": MIN_CAPACITY - 1, "u1": 3}
+    lens = {"u0": MIN_CAPACITY - 1, "u1": 20}  # within four times: one call reads both
     runner.step(lens)
-    lens = {"u0": MIN_CAPACITY, "u1": 4}
+    lens = {"u0": MIN_CAPACITY, "u1": 21}
     runner.assert_holds(runner.step(lens), lens)
     buffer = runner.contexts.buffer
     assert buffer.shape[3] == 2 * MIN_CAPACITY
     zeroed = MIN_CAPACITY + ZEROED_COLUMNS
     assert bool(buffer[:, :2, :, :zeroed].isfinite().all())
     assert bool(buffer[:, :2, :, zeroed:].isnan().all())
+
+
+def test_a_few_contexts_far_longer_than_the_rest_attend_apart():
+    assert short_length([10, 12, 400]) == 12  # 400 is over four times 12
+    assert short_length([11, 12, 40]) == 40  # 40 is not: one call reads 40 columns
+    assert short_length([100] * 3) == 100
+    many_long = [8] + [400] * (MAX_LONG_ROWS + 1)
+    assert short_length(many_long) == 400  # so many long rows: padding is the lesser cost
+    assert short_length([8] + [400] * MAX_LONG_ROWS) == 8
+
+
+def test_a_long_row_joining_short_ones_keeps_its_kv_past_the_columns_made_finite():
+    """A long context joins three short ones: its K/V is held whole, the short rows are made
+    finite only as far as the short call reads, and growths, a cut and the long row's
+    leaving keep every column read defined."""
+    runner = FakeRunner()
+    steps = [
+        {"u0": 5, "u1": 9, "u2": 3},
+        {"u0": 6, "u1": 10, "u2": 4, "u3": 2000},  # joins from a prefill elsewhere
+        {"u0": 7, "u1": 11, "u2": 5, "u3": 2001},
+        {"u0": 8, "u1": 12, "u3": 2002, "u4": 700},  # a second long one
+        {"u0": 9, "u1": 13, "u4": 701},  # the longest left
+        {"u0": 10, "u1": 14, "u4": 702, "u5": 30},
+        {"u0": 11, "u1": 15, "u5": 31},  # every long one left: the capacity is cut
+    ]
+    for lens in steps:
+        plan = runner.step(lens)
+        runner.assert_holds(plan, lens)
+    assert runner.contexts.buffer.shape[3] == MIN_CAPACITY
+
+
+def test_a_long_row_costs_one_growth_not_one_a_step():
+    runner = FakeRunner()
+    runner.step({"u0": 5, "u1": 1000})
+    buffer = runner.contexts.buffer
+    assert buffer.shape[3] == 1024  # a power of two that holds it
+    for n in range(1001, 1020):
+        runner.step({"u0": 5 + n - 1000, "u1": n})
+    assert runner.contexts.buffer.data_ptr() == buffer.data_ptr()
+    # the short row was never made finite out to the long row's columns
+    assert runner.contexts._finite_columns < 1000

@@ -121,14 +121,24 @@ class DenseDecode(AttentionPath):
         dense[plan.rows, :, plan.positions] = new_kv
         if plan.order is not None:  # attention runs in row order
             qd = qd.index_select(0, plan.order)
-        rows, length = plan.num_rows, plan.length
+        rows, short = plan.num_rows, plan.short_length
+        mask = _mask(layer, plan.mask, plan.window_mask)
         od = F.scaled_dot_product_attention(
             qd,
-            dense[:rows, :kvh, :length],
-            dense[:rows, kvh:, :length],
-            attn_mask=_mask(layer, plan.mask, plan.window_mask),
+            dense[:rows, :kvh, :short],
+            dense[:rows, kvh:, :short],
+            attn_mask=None if mask is None else mask[..., :short],
             scale=layer.scale,
         )
+        for row, length in plan.long_rows:  # their whole contexts, each alone
+            windowed = plan.window_mask if layer.slides else None
+            od[row : row + 1] = F.scaled_dot_product_attention(
+                qd[row : row + 1],
+                dense[row : row + 1, :kvh, :length],
+                dense[row : row + 1, kvh:, :length],
+                attn_mask=None if windowed is None else windowed[row : row + 1, ..., :length],
+                scale=layer.scale,
+            )
         od = od if plan.order is None else od.index_select(0, plan.rows)
         return od.reshape(batch, shape.num_heads, shape.head_dim)
 

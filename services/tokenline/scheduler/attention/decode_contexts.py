@@ -22,14 +22,16 @@ it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tokenline.scheduler.step_inputs import long_tensor
 
-MIN_CAPACITY = 64  # tokens per row; capacity doubles when a context outgrows it, and halves
-# back to twice the longest context when that falls to a quarter of it
+MIN_CAPACITY = 64  # tokens per row; capacity doubles (to a power of two that holds the
+# context) when a context outgrows it, and halves back to twice the longest context when that
+# falls to a quarter of it
+MAX_LONG_ROWS = 4  # rows attending apart from the others, each over its own context alone
 ZEROED_COLUMNS = 16  # columns made finite at a time as the longest context reaches them: 16
 # fp32 columns of a 64-wide head are one 4 KiB page, so each page is first touched by the
 # step that needs it, not all at once when the capacity doubles
@@ -43,11 +45,17 @@ class DecodePlan:
     positions: torch.Tensor  # [B] where its K/V goes in that row
     order: torch.Tensor | None  # [B] step index of each row; None when rows are in step order
     num_rows: int
-    length: int  # columns attention reads: the longest context including this step's token
+    length: int  # the longest context including this step's token
     # [rows, 1, 1, length] additive: 0 inside a row's context, -inf past it; None when every
     # row's context is ``length`` long (nothing to hide: always so for a single row)
     mask: torch.Tensor | None
     window_mask: torch.Tensor | None = None  # the same, also -inf before a sliding window
+    # Columns one attention call over every row reads: ``length``, or less when a few rows'
+    # contexts are far longer than the rest (``long_rows``): padding every row to those would
+    # multiply the call's work by the rows, so those few attend again, each over its own
+    # context alone, and their results replace what the short call gave them.
+    short_length: int = 0
+    long_rows: list[tuple[int, int]] = field(default_factory=list)  # (row, its context)
 
 
 def decode_masks(
@@ -124,14 +132,16 @@ class DecodeContexts:
         """
         lens, row_of = self._lens, self._row_of
         longest = max(starts) + 1
+        short = short_length([n + 1 for n in starts])
         if uids != self._uids or lens != starts:
-            self._rearrange(uids, starts, fill)
+            self._rearrange(uids, starts, fill, short)
         else:  # the same sequences, one token on: only capacity may need to grow
-            self._reserve(len(uids), longest)
+            self._reserve(len(uids), longest, short)
         rows = [row_of[uid] for uid in uids]
         for row in rows:
             lens[row] += 1
         num_rows = len(self._uids)
+        long_rows = [(row, n) for row, n in enumerate(lens) if n > short]
         row_index, positions = long_tensor(rows), long_tensor(starts)
         self._mask.index_put_((row_index, positions), torch.zeros((), dtype=self.dtype))
         mask = None
@@ -154,10 +164,16 @@ class DecodeContexts:
             length=longest,
             mask=mask,
             window_mask=window_mask,
+            short_length=short,
+            long_rows=long_rows,
         )
 
     def _rearrange(
-        self, uids: list[str], starts: list[int], fill: Callable[[int, int], torch.Tensor]
+        self,
+        uids: list[str],
+        starts: list[int],
+        fill: Callable[[int, int], torch.Tensor],
+        read: int,
     ) -> None:
         """Rows for a step whose decoding sequences are not those of the last step, one token
         on (steady decoding skips this): rows out of step dropped, new ones filled."""
@@ -166,7 +182,7 @@ class DecodeContexts:
             uid = self._uids[row]
             if wanted.get(uid) != self._lens[row]:  # not decoding now, or out of step
                 self._drop(row)
-        self._reserve(len(uids), max(starts) + 1)  # before the new rows are filled
+        self._reserve(len(uids), max(starts) + 1, read)  # before the new rows are filled
         for i, (uid, start) in enumerate(zip(uids, starts, strict=True)):
             if uid not in self._row_of:
                 row = len(self._uids)
@@ -194,8 +210,9 @@ class DecodeContexts:
         self._uids.pop()
         self._lens.pop()
 
-    def _reserve(self, rows: int, length: int) -> None:
-        """Room for ``rows`` rows of ``length`` tokens, finite as far as attention reads.
+    def _reserve(self, rows: int, length: int, read: int) -> None:
+        """Room for ``rows`` rows of ``length`` tokens, finite as far as the call over every
+        row reads (``read`` columns; a long row reads only its own K/V).
         Each dimension doubles when outgrown and halves back to twice the need when the need
         falls to a quarter of it, so memory follows the load down while busy and a load that
         wavers around a size does not reallocate every step (it must double or quarter again
@@ -205,7 +222,7 @@ class DecodeContexts:
         new_capacity = _resize(capacity, length, floor=MIN_CAPACITY)
         if new_rows != have_rows or new_capacity != capacity:
             self._reallocate(new_rows, new_capacity)
-        self._make_finite(length)
+        self._make_finite(read)
 
     def _reallocate(self, new_rows: int, new_capacity: int) -> None:
         num_layers, _, kv_width, _, head_dim = self.buffer.shape
@@ -218,29 +235,51 @@ class DecodeContexts:
             num_layers, new_rows, kv_width, new_capacity, head_dim, dtype=self.dtype
         )
         used, kept = len(self._uids), min(self._finite_columns, new_capacity)
-        resized[:, :used, :, :kept] = self.buffer[:, :used, :, :kept]
+        # a long row's K/V reaches past the finite columns: it is copied whole
+        copied = min(max(kept, *self._lens, 0), new_capacity)
+        resized[:, :used, :, :copied] = self.buffer[:, :used, :, :copied]
         self.buffer = resized
         self._finite_rows = used
         self._finite_columns = kept
         mask = torch.full((new_rows, new_capacity), -torch.inf, dtype=self.dtype)
-        mask[:used, :kept] = self._mask[:used, :kept]
+        mask[:used, :copied] = self._mask[:used, :copied]
         self._mask = mask
 
     def _make_finite(self, length: int) -> None:
-        """Every row taken from this buffer finite in its first ``length`` columns."""
+        """Every row taken from this buffer finite in its first ``length`` columns; a long
+        row's K/V past the finite columns is kept."""
         if length <= self._finite_columns:
             return
         start, capacity = self._finite_columns, self.buffer.shape[3]
         end = min(capacity, -(-length // ZEROED_COLUMNS) * ZEROED_COLUMNS)
-        self.buffer[:, : self._finite_rows, :, start:end] = 0
+        held = self._lens
+        if all(n <= start for n in held):
+            self.buffer[:, : self._finite_rows, :, start:end] = 0
+        else:
+            for row in range(self._finite_rows):
+                first = max(start, held[row] if row < len(held) else 0)
+                if first < end:
+                    self.buffer[:, row, :, first:end] = 0
         self._finite_columns = end
 
 
+def short_length(lengths: list[int]) -> int:
+    """The columns one attention call over every row reads: the longest of ``lengths``, or,
+    when at most MAX_LONG_ROWS rows are over four times as long as some other row, the
+    longest of the rest (those few attend apart, each over its own context)."""
+    longest = max(lengths)
+    short = [n for n in lengths if 4 * n <= longest]
+    if not short or len(lengths) - len(short) > MAX_LONG_ROWS:
+        return longest
+    return max(short)
+
+
 def _resize(have: int, need: int, floor: int) -> int:
-    """A dimension's new size: doubled (at least to ``need``) when outgrown, cut to twice the
+    """A dimension's new size: doubled, or to the power of two that holds ``need`` (a long
+    context joining must not grow it again a step later), when outgrown; cut to twice the
     need when the need is a quarter of it or less, else kept; never under ``floor``."""
     if need > have:
-        return max(need, 2 * have, floor)
+        return max(1 << (need - 1).bit_length(), 2 * have, floor)
     if 4 * need <= have and have > floor:
         return max(2 * need, floor)
     return have

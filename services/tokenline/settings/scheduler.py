@@ -94,8 +94,9 @@ ENGINE: tuple[Setting, ...] = (
     Setting(
         "torch-threads",
         int,
-        help="CPU threads for the model (default: every core when its weights outgrow a CPU's "
-        "caches, 64 MiB and more; else every core but one, which the other stages use)",
+        help="CPU threads for the model (default: every core this process may use, by its "
+        "CPU affinity and cgroup quota, when its weights outgrow a CPU's caches, 64 MiB and "
+        "more; else every core but one, which the other stages use)",
         stages=SCHEDULER,
     ),
     Setting(

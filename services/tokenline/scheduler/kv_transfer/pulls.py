@@ -9,7 +9,8 @@ request waits here, outside the batch, as one whose grammar is being built does.
 blocks are cached under their names and the request joins the batch policy, which admits it
 like any other: the blocks are prefix hits, so only the last, partial block is computed here.
 This pod holds a reference to the blocks until the request is admitted, so nothing evicts them
-in between.
+in between. On a tensor-parallel pod every rank reads its own share of the heads into its own
+pool (`RankReads`, the sharded runner); the blocks go back only once every rank has ended.
 
 A read that fails (an unreachable or dead prefill pod, a peer without the service's
 side-channel keys, a refused handshake or claim, a transfer error or timeout) gives the request

@@ -40,8 +40,10 @@ def cgroup_cpu_quota(root: Path = CGROUP, membership: str | None = None) -> floa
         _, controllers, path = fields
         if controllers == "":  # v2's unified hierarchy
             quotas += _along(root, path, "cpu.max", _v2_quota)
-        elif "cpu" in controllers.split(","):
-            quotas += _along(root / controllers, path, "cpu.cfs_quota_us", _v1_quota)
+        elif "cpu" in controllers.split(","):  # mounted as "cpu,cpuacct", or "cpu" beside it
+            hierarchy = root / controllers
+            hierarchy = hierarchy if hierarchy.is_dir() else root / "cpu"
+            quotas += _along(hierarchy, path, "cpu.cfs_quota_us", _v1_quota)
     return min(quotas) if quotas else None
 
 
@@ -49,7 +51,8 @@ def _along(base: Path, path: str, name: str, read) -> list[float]:
     """Quotas of ``name`` in the cgroup at ``path`` below ``base`` and in each parent (in a
     container the namespace's root is the container's own cgroup)."""
     found = []
-    parts = [p for p in path.strip().split("/") if p]
+    # under a cgroup namespace a path may climb out of it ("/../.."): those steps lead nowhere
+    parts = [p for p in path.strip().split("/") if p and p != ".."]
     for depth in range(len(parts), -1, -1):
         quota = read(base.joinpath(*parts[:depth]) / name)
         if quota is not None:

@@ -283,3 +283,24 @@ def test_a_long_row_costs_one_growth_not_one_a_step():
     assert runner.contexts.buffer.data_ptr() == buffer.data_ptr()
     # the short row was never made finite out to the long row's columns
     assert runner.contexts._finite_columns < 1000
+
+
+def test_a_growth_beside_a_long_row_copies_only_what_each_row_holds():
+    """Rows joining while a long context decodes grow the buffer: the short rows are copied
+    as far as they are finite, not out to the long row's length (under this file's fixture,
+    memory nobody wrote is NaN)."""
+    runner = FakeRunner()
+    first = {"u0": 5, "u1": 3, "u2": 1000}
+    plan = runner.step(first)
+    finite = runner.contexts._finite_columns
+    marked = runner.row_of(plan, list(first), "u0")
+    runner.contexts.buffer[:, marked, :, finite:1000] = 7.0  # past what it holds: not copied
+    lens = {"u0": 6, "u1": 4, "u2": 1001, "u3": 2, "u4": 7}  # five rows: the rows double
+    plan = runner.step(lens)
+    runner.assert_holds(plan, lens)
+    assert runner.contexts.buffer.shape[1] > 3  # it grew
+    finite = runner.contexts._finite_columns
+    assert finite < 1000
+    short_row = runner.row_of(plan, list(lens), "u0")
+    assert short_row == marked
+    assert bool(runner.contexts.buffer[:, short_row, :, finite:1000].isnan().all())

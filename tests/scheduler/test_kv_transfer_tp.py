@@ -11,6 +11,7 @@ the module's group is started (two groups cannot live in one process at once).
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -185,7 +186,7 @@ class _Ranks:
     def start_kv_reads(self, token: int, plan: ReadPlan) -> None:
         self.started.append(token)
 
-    def wait_kv_reads(self, token: int, timeout_s: float) -> list[tuple[int, str, str]]:
+    def wait_kv_reads(self, token: int, until: float) -> list[tuple[int, str, str]]:
         self.waited.append(token)
         return self.results
 
@@ -207,10 +208,12 @@ def test_a_read_ends_when_every_rank_has_and_says_the_worst_failure(
     reader = pulls.Pulls(None, consumer_config(), _Link(rank0), ranks)
     try:
         if isinstance(outcome, int):
-            assert reader._read_every_rank(ReadPlan([], [1], [2], 1.0)) == outcome
+            assert (
+                reader._read_every_rank(ReadPlan([], [1], [2], time.monotonic() + 1.0)) == outcome
+            )
         else:
             with pytest.raises(pulls.PullFailed) as failed:
-                reader._read_every_rank(ReadPlan([], [1], [2], 1.0))
+                reader._read_every_rank(ReadPlan([], [1], [2], time.monotonic() + 1.0))
             assert failed.value.reason == outcome
         # the workers were asked, and waited for even when rank 0 failed: they write too
         assert ranks.started == ranks.waited == [0]

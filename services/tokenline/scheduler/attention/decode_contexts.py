@@ -173,7 +173,7 @@ class DecodeContexts:
         uids: list[str],
         starts: list[int],
         fill: Callable[[int, int], torch.Tensor],
-        read: int,
+        short_columns: int,
     ) -> None:
         """Rows for a step whose decoding sequences are not those of the last step, one token
         on (steady decoding skips this): rows out of step dropped, new ones filled."""
@@ -182,7 +182,7 @@ class DecodeContexts:
             uid = self._uids[row]
             if wanted.get(uid) != self._lens[row]:  # not decoding now, or out of step
                 self._drop(row)
-        self._reserve(len(uids), max(starts) + 1, read)  # before the new rows are filled
+        self._reserve(len(uids), max(starts) + 1, short_columns)  # before new rows are filled
         for i, (uid, start) in enumerate(zip(uids, starts, strict=True)):
             if uid not in self._row_of:
                 row = len(self._uids)
@@ -210,9 +210,9 @@ class DecodeContexts:
         self._uids.pop()
         self._lens.pop()
 
-    def _reserve(self, rows: int, length: int, read: int) -> None:
+    def _reserve(self, rows: int, length: int, short_columns: int) -> None:
         """Room for ``rows`` rows of ``length`` tokens, finite as far as the call over every
-        row reads (``read`` columns; a long row reads only its own K/V).
+        row reads (``short_columns``; a long row reads only its own K/V).
         Each dimension doubles when outgrown and halves back to twice the need when the need
         falls to a quarter of it, so memory follows the load down while busy and a load that
         wavers around a size does not reallocate every step (it must double or quarter again
@@ -222,7 +222,7 @@ class DecodeContexts:
         new_capacity = _resize(capacity, length, floor=MIN_CAPACITY)
         if new_rows != have_rows or new_capacity != capacity:
             self._reallocate(new_rows, new_capacity)
-        self._make_finite(read)
+        self._make_finite(short_columns)
 
     def _reallocate(self, new_rows: int, new_capacity: int) -> None:
         num_layers, _, kv_width, _, head_dim = self.buffer.shape
@@ -235,13 +235,15 @@ class DecodeContexts:
             num_layers, new_rows, kv_width, new_capacity, head_dim, dtype=self.dtype
         )
         used, kept = len(self._uids), min(self._finite_columns, new_capacity)
-        # a long row's K/V reaches past the finite columns: it is copied whole
-        copied = min(max(kept, *self._lens, 0), new_capacity)
-        resized[:, :used, :, :copied] = self.buffer[:, :used, :, :copied]
+        resized[:, :used, :, :kept] = self.buffer[:, :used, :, :kept]
+        for row, held in enumerate(self._lens):  # a long row's K/V past them, its own only
+            if held > kept:
+                resized[:, row, :, kept:held] = self.buffer[:, row, :, kept:held]
         self.buffer = resized
         self._finite_rows = used
         self._finite_columns = kept
         mask = torch.full((new_rows, new_capacity), -torch.inf, dtype=self.dtype)
+        copied = min(max(kept, *self._lens, 0), new_capacity)
         mask[:used, :copied] = self._mask[:used, :copied]
         self._mask = mask
 
@@ -264,9 +266,10 @@ class DecodeContexts:
 
 
 def short_length(lengths: list[int]) -> int:
-    """The columns one attention call over every row reads: the longest of ``lengths``, or,
-    when at most MAX_LONG_ROWS rows are over four times as long as some other row, the
-    longest of the rest (those few attend apart, each over its own context)."""
+    """The columns one attention call over every row reads: the longest of ``lengths``; or,
+    when some row is at most a quarter of the longest and at most MAX_LONG_ROWS rows are
+    longer than that, the longest of those short rows (the longer ones attend apart, each
+    over its own context)."""
     longest = max(lengths)
     short = [n for n in lengths if 4 * n <= longest]
     if not short or len(lengths) - len(short) > MAX_LONG_ROWS:

@@ -152,7 +152,9 @@ class ReadPlan:
     agents: list[tuple[bytes, KVLayout]]  # the peer's ranks: NIXL metadata and layout
     peer_blocks: list[int]
     blocks: list[int]  # ours, in the same order
-    timeout_s: float
+    # time.monotonic() by which every rank's read ends, set when the prefill pod granted it
+    # (its pin runs from there): a clock every rank of a one-node group shares
+    deadline: float
 
 
 def failure_reason(error: BaseException) -> str:
@@ -255,13 +257,12 @@ class NixlLink:
         return len(blocks) * peer.block_size * head_row_bytes * (stop - first) * peer.num_layers
 
     def read_all(self, plan: ReadPlan) -> int:
-        """`read` from every rank of the peer, sharing the plan's timeout; a failure forgets
-        them all, so the next read connects anew."""
-        deadline = time.monotonic() + plan.timeout_s
+        """`read` from every rank of the peer, by the plan's deadline; a failure forgets them
+        all, so the next read connects anew."""
         read = 0
         try:
             for metadata, peer in plan.agents:
-                left = max(0.001, deadline - time.monotonic())
+                left = max(0.001, plan.deadline - time.monotonic())
                 read += self.read(metadata, peer, plan.peer_blocks, plan.blocks, left)
         except Exception:
             for metadata, _ in plan.agents:

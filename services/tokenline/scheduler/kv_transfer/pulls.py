@@ -49,8 +49,8 @@ HELLO_TIMEOUT_S = 5.0
 # After a peer was unreachable, reads from it fail at once for this long, rather than each
 # waiting out a handshake's timeout in the worker's queue in front of other peers' reads.
 UNREACHABLE_MEMORY_S = 10.0
-# How long past a read's own timeout the other ranks of a tensor-parallel pod may take to
-# say theirs ended; one that has not by then may still be writing: its blocks stay out of use.
+# How long past a read's deadline the other ranks of a tensor-parallel pod may take to say
+# theirs ended; one that has not by then may still be writing: its blocks stay out of use.
 RANK_GRACE_S = 5.0
 _WORST = ("stuck", "timeout", "transfer")  # a read failed on several ranks: said as the first
 RankRead = tuple[int, str, str]  # bytes read, failure reason ("" when none), its message
@@ -62,7 +62,7 @@ class RankReads(Protocol):
 
     def start_kv_reads(self, token: int, plan: ReadPlan) -> None: ...
 
-    def wait_kv_reads(self, token: int, timeout_s: float) -> list[RankRead]: ...
+    def wait_kv_reads(self, token: int, until: float) -> list[RankRead]: ...
 
 
 class PullFailed(Exception):
@@ -164,8 +164,8 @@ class Pulls:
             )
             grant = self._claim(host, port, claim)
             # the prefill pod holds the blocks as long as it pinned them, no longer
-            timeout = min(self.config.pull_timeout_s, grant.pinned_s)
-            read = self._read_every_rank(ReadPlan(welcome.agents(), peer_blocks, blocks, timeout))
+            deadline = time.monotonic() + min(self.config.pull_timeout_s, grant.pinned_s)
+            read = self._read_every_rank(ReadPlan(welcome.agents(), peer_blocks, blocks, deadline))
         except PullFailed as failure:
             if failure.reason in ("claim_refused", "expired"):
                 raise  # the peer is sound; the blocks may be another request's: no release
@@ -194,7 +194,7 @@ class Pulls:
         except Exception as exc:  # NIXL's errors: a dead or restarted peer
             results.append((0, failure_reason(exc), str(exc)))
         if self.ranks is not None:  # they write into these blocks too: all end first
-            results += self.ranks.wait_kv_reads(token, plan.timeout_s + RANK_GRACE_S)
+            results += self.ranks.wait_kv_reads(token, plan.deadline + RANK_GRACE_S)
         failures = [(reason, message) for _, reason, message in results if reason]
         if failures:
             reason, message = min(failures, key=lambda failure: _WORST.index(failure[0]))

@@ -74,6 +74,7 @@ class ShardedModelRunner(ModelRunner):
         self._kv_reader = ThreadPoolExecutor(1, thread_name_prefix="kv-read")
         self._kv_reads: dict[int, Future] = {}
         self._kv_reads_ended: dict[int, dict[int, tuple[int, str, str]]] = {}
+        self._stopped = False  # the workers were told to stop: no command reaches them
 
     def _load_model(self, source: ModelSource, implementation: str) -> models.CausalLM:
         # every layer holds this rank's share and does its own collective (layers/)
@@ -143,7 +144,7 @@ class ShardedModelRunner(ModelRunner):
         with self._lock:
             try:
                 self._send("kv_agent", name, layout, lent)
-                return self._kv_share(layout), self._share_kv(name, layout, lent)[1:]
+                return self._rank_layout(layout), self._share_kv(name, layout, lent)[1:]
             except Exception:
                 fatal("tensor parallel: a worker did not lend its KV pool; the stage exits")
                 raise  # unreachable
@@ -153,28 +154,32 @@ class ShardedModelRunner(ModelRunner):
         heads of the plan's blocks from the peer's ranks on a thread of its own, into its own
         pool; rank 0 reads its share itself."""
         with self._lock:
+            if self._stopped:  # the workers are gone: wait_kv_reads says so
+                return
             try:
                 self._send("kv_read", token, plan)
             except Exception:
                 fatal("tensor parallel: a worker did not take a KV read; the stage exits")
 
-    def wait_kv_reads(self, token: int, timeout_s: float) -> list[tuple[int, str, str]]:
+    def wait_kv_reads(self, token: int, until: float) -> list[tuple[int, str, str]]:
         """Each worker's (bytes read, failure reason, message) of read ``token``, once all
-        have ended; a worker still reading after ``timeout_s`` is said "stuck"."""
-        deadline = time.monotonic() + timeout_s
+        have ended; a worker still reading at ``until`` (time.monotonic()), or when the
+        workers were stopped, is said "stuck"."""
         while True:
             ended = self._kv_reads_ended.get(token, {})
-            if len(ended) == self.tp.world_size - 1 or time.monotonic() > deadline:
+            if len(ended) == self.tp.world_size - 1 or time.monotonic() > until:
                 break
             time.sleep(_READ_POLL_S)
             with self._lock:  # between steps: a step holds it
+                if self._stopped:  # the workers are gone: nobody answers
+                    break
                 try:
                     self._send("kv_poll")
                     self._gather_kv_reads()
                 except Exception:
                     fatal("tensor parallel: a worker did not say how its KV read went")
         ended = self._kv_reads_ended.pop(token, {})
-        stuck = (0, "stuck", f"a tensor-parallel rank's KV read did not end in {timeout_s:g} s")
+        stuck = (0, "stuck", "a tensor-parallel rank's KV read did not end in time")
         return [ended.get(rank, stuck) for rank in range(1, self.tp.world_size)]
 
     def total_kv_heads(self) -> int:
@@ -185,6 +190,7 @@ class ShardedModelRunner(ModelRunner):
     def stop_workers(self) -> None:
         with self._lock:
             self._send("stop")
+            self._stopped = True
 
     def _send(self, *command: Any) -> None:
         self._last_command = time.monotonic()
@@ -240,7 +246,7 @@ class ShardedModelRunner(ModelRunner):
             return False
         return True
 
-    def _kv_share(self, layout: KVLayout) -> KVLayout:
+    def _rank_layout(self, layout: KVLayout) -> KVLayout:
         heads = self.num_kv_heads
         return msgspec.structs.replace(
             layout,
@@ -256,7 +262,7 @@ class ShardedModelRunner(ModelRunner):
         share: tuple[bytes, KVLayout] | None = None
         if not self.tp.is_driver:
             self.kv_link = NixlLink(
-                f"{name}-rank{self.tp.rank}", self.kv_cache, self._kv_share(layout), lent
+                f"{name}-rank{self.tp.rank}", self.kv_cache, self._rank_layout(layout), lent
             )
             share = (self.kv_link.metadata, self.kv_link.layout)
         gathered: list | None = [None] * self.tp.world_size if self.tp.is_driver else None

@@ -7,6 +7,8 @@ metadata from a global (as vLLM's forward context does). ``--mode eager`` runs t
 serves. Both run the engine's decode steps over ``--batch`` sequences of 128-token prompts.
 
     python benchmarks/compiled_forward_probe.py --model-dir /tmp/smollm2-shape --mode compiled
+    python benchmarks/compiled_forward_probe.py --model-dir /tmp/smollm2-shape --mode compiled \\
+        --cpp-wrapper
     python benchmarks/compiled_forward_probe.py --model-dir /tmp/smollm2-shape --mode eager
 """
 
@@ -55,10 +57,11 @@ def layers_forward(model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return h
 
 
-def compile_whole(model) -> None:
+def compile_whole(model, cpp_wrapper: bool = False) -> None:
     import torch._inductor.config as inductor_config
 
     inductor_config.freezing = True
+    inductor_config.cpp_wrapper = cpp_wrapper  # the generated code's calls made from C++
     compiled = torch.compile(lambda h, cos, sin: layers_forward(model, h, cos, sin), dynamic=True)
 
     def forward(input_ids, context, rows):
@@ -77,6 +80,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--torch-threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--cpp-wrapper", action="store_true", help="inductor's C++ wrapper")
     args = parser.parse_args()
 
     from tokenline.model_source import ModelSource
@@ -93,7 +97,7 @@ def main() -> None:
         ),
     )
     if args.mode == "compiled":
-        compile_whole(runner.model)
+        compile_whole(runner.model, args.cpp_wrapper)
     for batch in args.batch:
         limits = EngineLimits(4096, max_num_seqs=batch, max_num_batched_tokens=4096)
         engine = Engine(runner, limits, eos_ids=[], prefix_caching=False)

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from tokenline.cli import build_parser, settings_from
+from tokenline.cli import build_parser, main, settings_from
 from tokenline.serve import stage_argv
 from tokenline.settings.vllm_flags import VLLM_FLAGS, translate
 
@@ -115,3 +117,19 @@ def test_the_readme_maps_every_vllm_flag_the_table_reads():
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     assert all(f"| `{flag}` |" in readme for flag in VLLM_FLAGS)
+
+
+def test_the_help_names_every_command_tokenline_runs(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    choices = re.search(r"\{([a-z,-]+)\}", capsys.readouterr().out).group(1)
+    assert set(choices.split(",")) == {
+        "serve", "api", "tokenizer", "scheduler", "detokenizer",
+        "operator", "bench", "fetch", "tiny-model", "ring-keys",
+    }  # fmt: skip
+
+
+def test_a_command_with_flags_of_its_own_shows_its_own_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["fetch", "--help"])
+    assert "usage: tokenline fetch" in capsys.readouterr().out

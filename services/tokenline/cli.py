@@ -1,4 +1,4 @@
-"""`tokenline serve|api|tokenizer|scheduler|detokenizer|operator|bench|tiny-model|ring-keys`.
+"""`tokenline serve|api|tokenizer|scheduler|detokenizer|operator|bench|fetch|tiny-model|ring-keys`.
 
 Every stage flag has an environment mirror: ``--max-model-len`` ↔ ``TOKENLINE_MAX_MODEL_LEN``.
 """
@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("operator", help="run the Kubernetes operator (kopf)", add_help=False)
     sub.add_parser("bench", help="OpenAI-compatible load generator", add_help=False)
+    sub.add_parser(
+        "fetch", help="download a model URI into a directory (the init container)", add_help=False
+    )
     return parser
 
 

@@ -1,19 +1,40 @@
-"""--compile: the layers' dense tail compiled with torch.compile gives the eager engine's
-tokens. It is for GPUs: on a CPU whose GEMMs take packed weights the layers stay eager over
-them, which measured faster than the compiled tail over plain weights (benchmarks/README.md);
-the tail is checked here with packing off."""
+"""--compile: on a CPU the decoder's layers run as one graph compiled by inductor, with frozen
+weights and attention outside the graph (layers/compiled.py). It gives transformers' greedy
+tokens for every Llama-style family (biases, per-head q/k norms, sliding windows), its logits
+follow transformers' in float32 and bfloat16, it gives the eager engine's tokens over steps of
+every token count, and steps with LoRA rows run eagerly. On a GPU --compile compiles each
+layer's tail (`layer_tail`), checked here on CPU by calling it."""
 
 from __future__ import annotations
 
 import pytest
-from scheduler_testkit import PROMPTS, drain, greedy
+import torch
+from scheduler_testkit import FAMILIES, PROMPTS, SLIDING, drain, greedy, saved_family_model
+from torch._dynamo.utils import counters
 
 from tokenline import tiny_model
-from tokenline.scheduler import runner as runner_module
+from tokenline.model_source import ModelSource
+from tokenline.protocol import SamplingParams
 from tokenline.scheduler.engine import Engine, EngineLimits
+from tokenline.scheduler.models.llama import layer_tail
 from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 
 MAX_TOKENS = 12
+COMPILED = {
+    "llama": FAMILIES["llama"],
+    "qwen3": FAMILIES["qwen3"],  # per-head q/k norms
+    "qwen2-window-8-layer-1": SLIDING["qwen2-window-8-layer-1"],  # biases, a sliding layer
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiler():
+    """Each compiled runner starts from torch's compiler as a serving process does (one model
+    to a process: a test process's many would reach dynamo's recompilation limit)."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
 
 
 @pytest.fixture(scope="module")
@@ -21,28 +42,161 @@ def prompt_ids(encode) -> dict[str, list[int]]:
     return {f"p{i}": encode(text) for i, text in enumerate(PROMPTS)}
 
 
-def _engine(tiny_source, eos_ids, compile_layers: bool) -> Engine:
-    runner = ModelRunner(
-        tiny_source, RunnerOptions(device="cpu", dtype="float32", compile_layers=compile_layers)
+def _runner(source: ModelSource, compiled: bool, dtype: str = "float32") -> ModelRunner:
+    return ModelRunner(
+        source,
+        RunnerOptions(
+            device="cpu",
+            dtype=dtype,
+            kv_cache_memory=2**20,
+            torch_threads=1,
+            compile_layers=compiled,
+        ),
     )
-    limits = EngineLimits(tiny_model.MAX_POSITIONS, max_num_batched_tokens=7)
-    return Engine(runner, limits, eos_ids)
 
 
-def test_compiled_layer_tails_give_the_eager_tokens(tiny_source, eos_ids, prompt_ids, monkeypatch):
-    monkeypatch.setattr(runner_module, "packs_weights", lambda place: False)
+def _assert_compiled(runner: ModelRunner) -> None:
+    """--compile took effect, and the graph ran (dynamo did not fall back to eager)."""
+    assert runner.compiled_layers and runner.model.compiled is not None
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert not counters["recompile_limit"], dict(counters["recompile_limit"])
+
+
+def _generate(model, ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.eval().generate(
+            torch.tensor([ids]),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("family", list(COMPILED))
+def test_compiled_layers_give_transformers_greedy_tokens(family, tmp_path):
+    model = saved_family_model(COMPILED[family], tmp_path)
+    runner = _runner(ModelSource(spec=family, path=str(tmp_path)), compiled=True)
+    # a 16-token budget: prompts are prefilled in chunks next to other prompts' decode rows
+    engine = Engine(runner, EngineLimits(256, max_num_batched_tokens=16), eos_ids=[])
+    prompts = {f"p{i}": [(7 * i + j) % 290 + 5 for j in range(9 + 5 * i)] for i in range(3)}
+    for uid, ids in prompts.items():
+        engine.add(uid, ids, greedy(MAX_TOKENS, ignore_eos=True))
+    got = drain(engine).tokens
+    _assert_compiled(runner)
+    for uid, ids in prompts.items():
+        assert got[uid] == _generate(model, ids), (family, uid)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_logits_follow_transformers(dtype, tmp_path):
+    """A prompt's logits and the decode step's after it, as test_model_families checks the
+    eager forward: float32 within rounding of another kernel order, bfloat16 within bf16's."""
+    from tokenline.scheduler.kv_cache import BlockPool
+    from tokenline.scheduler.policy import Chunk
+    from tokenline.scheduler.sequence import Sequence
+
+    model = saved_family_model(FAMILIES["qwen3"], tmp_path)
+    reference = type(model).from_pretrained(tmp_path, dtype=getattr(torch, dtype)).eval()
+    runner = _runner(ModelSource(spec="qwen3", path=str(tmp_path)), True, dtype)
+    tolerance = 1e-4 if dtype == "float32" else 0.1
+    ids = [(7 * j) % 290 + 5 for j in range(20)]
+    seq = Sequence(uid="a", prompt_ids=ids, sampling=SamplingParams(max_tokens=2), max_tokens=2)
+    BlockPool(runner.num_blocks, runner.block_size).grow(seq, len(ids) + 1)
+
+    def against_reference(chunk: Chunk) -> torch.Tensor:
+        got = runner.forward([chunk])[0]
+        with torch.inference_mode():
+            want = reference(torch.tensor([ids + seq.output_ids])).logits[0, -1].float()
+        assert (got - want).abs().max() < tolerance * want.std(), (dtype, chunk.start)
+        return got
+
+    first = against_reference(Chunk(seq, 0, len(ids)))
+    seq.num_computed = len(ids)
+    seq.output_ids.append(int(first.argmax()))
+    against_reference(Chunk(seq, len(ids), 1))
+    _assert_compiled(runner)
+
+
+def test_compiled_layers_give_the_eager_tokens_over_every_step_size(
+    tiny_source, eos_ids, prompt_ids
+):
+    """7-token steps: prefill chunks, decode rows and mixes of them, many token counts."""
     runs = {}
     for compiled in (False, True):
-        engine = _engine(tiny_source, eos_ids, compiled)
-        assert engine.runner.compiled_layers is compiled
-        for uid, ids in prompt_ids.items():  # 7-token steps: many different token counts
+        runner = _runner(tiny_source, compiled)
+        engine = Engine(runner, EngineLimits(tiny_model.MAX_POSITIONS, 7), eos_ids)
+        for uid, ids in prompt_ids.items():
             engine.add(uid, ids, greedy(MAX_TOKENS, ignore_eos=True))
         runs[compiled] = drain(engine).tokens
+    _assert_compiled(runner)
     assert runs[True] == runs[False]
 
 
-def test_on_a_cpu_that_packs_weights_compile_keeps_the_packed_eager_layers(tiny_source, eos_ids):
-    engine = _engine(tiny_source, eos_ids, compile_layers=True)
-    assert engine.runner.compiled_layers is False
-    projection = engine.runner.model.model.layers[0].mlp.down_proj
+def test_compiled_layers_leave_the_weights_plain_for_inductor_to_pack(tiny_source):
+    runner = _runner(tiny_source, compiled=True)
+    projection = runner.model.model.layers[0].mlp.down_proj
+    assert projection.packed is None and not projection.weight.is_mkldnn
+    eager = _runner(tiny_source, compiled=False).model.model.layers[0].mlp.down_proj
+    assert eager.packed is not None or eager.weight.is_mkldnn
+
+
+def test_a_step_with_lora_rows_runs_the_layers_eagerly(tiny_source, monkeypatch):
+    """The graph has no LoRA deltas: a step whose rows use an adapter must not enter it."""
+    runner = _runner(tiny_source, compiled=True)
+    runner.enable_lora(max_loras=1, max_rank=4)
+    entered = []
+    monkeypatch.setattr(
+        runner.model.compiled, "_compiled", lambda h, cos, sin: entered.append(1) or h
+    )
+    engine = Engine(runner, EngineLimits(tiny_model.MAX_POSITIONS, 64), eos_ids=[])
+    seq = engine.add("plain", [5, 6, 7], greedy(2, ignore_eos=True))
+    drain(engine)
+    assert entered and seq.output_ids  # the plain steps went through the graph
+    entered.clear()
+    seq = engine.add("adapted", [5, 6, 7], greedy(2, ignore_eos=True))
+    seq.lora_slot = 0
+    drain(engine)
+    assert not entered
+
+
+def test_the_gpu_layer_tail_is_the_eager_tail():
+    """`layer_tail` (compiled per layer on a GPU) computes o_proj, residual, RMSNorm and the
+    SiLU MLP as the eager layers do."""
+    from tokenline.scheduler.layers.linear import RowLinear
+    from tokenline.scheduler.layers.mlp import GatedMLP
+    from tokenline.scheduler.layers.norm import RMSNorm
+    from tokenline.scheduler.layers.placement import Placement
+
+    place = Placement(torch.device("cpu"), torch.float32)
+    torch.manual_seed(0)
+    o = RowLinear(32, 16, False, place, "heads")
+    norm, mlp = RMSNorm(16, 1e-6, place), GatedMLP(16, 24, "silu", place)
+    for param in (o.weight, norm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight):
+        param.data.normal_()
+    residual, attn = torch.randn(5, 16), torch.randn(5, 32)
+    hidden = o(attn, residual)
+    want = mlp(norm(hidden), hidden)
+    got = layer_tail(
+        residual,
+        attn,
+        (o.weight, None),
+        norm.weight,
+        norm.eps,
+        (mlp.gate_up_proj.weight, None),
+        (mlp.down_proj.weight, None),
+    )
+    torch.testing.assert_close(got, want)
+
+
+def test_with_flex_on_a_cpu_only_flex_is_compiled(tiny_source):
+    """Flex's CPU kernel, compiled afresh for each shape inside the layers' graph, fails to
+    build: with flex, the layers stay eager over packed weights and flex alone is compiled."""
+    runner = ModelRunner(
+        tiny_source,
+        RunnerOptions(device="cpu", dtype="float32", attention_backend="flex", compile_layers=True),
+    )
+    assert runner.attention.compiled and not runner.compiled_layers
+    projection = runner.model.model.layers[0].mlp.down_proj
     assert projection.packed is not None or projection.weight.is_mkldnn

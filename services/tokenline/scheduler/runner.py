@@ -204,10 +204,10 @@ class ModelRunner:
         self.lora_shape = ModelShape(self.num_layers, self.model.lora_dims)
         self._compiled = False
         packs = packs_weights(Placement(self.device, self.dtype))
-        if options.compile_layers and packs:
-            # the compiled tail multiplies plain weights, slower on CPU than oneDNN's packed
-            # ones (benchmarks/README.md, "The forward at real sizes")
-            log.info("--compile: the layers run eagerly over weights packed for oneDNN")
+        if options.compile_layers and packs and isinstance(self.attention, FlexAttentionBackend):
+            # flex on CPU: its kernel, compiled afresh for each shape inside the layers' graph,
+            # turns dynamic and fails to build; flex alone is compiled, the layers stay eager
+            log.info("--compile: flex attention compiled, the layers eager over packed weights")
         elif options.compile_layers:
             self._compiled = self.model.compile_layers()
             if not self._compiled:
@@ -216,7 +216,8 @@ class ModelRunner:
                     "one device have one); running it eagerly",
                     self.model.describe(),
                 )
-        if packs:
+        # compiled on CPU, inductor packs the frozen plain weights itself
+        if packs and not self._compiled:
             self.model.pack_weights()
         if self.model.implementation == "transformers":
             from tokenline.scheduler.models.generic import check_batch_exact

@@ -211,7 +211,9 @@ class RowLinear(Packable, Layer):
         """``residual + x @ weightᵀ + bias`` (without the residual when None)."""
         weight = self.weight_for(x)
         if self.place.tp is None:
-            if residual is not None and self.bias is None:  # one kernel
+            # one kernel, eagerly; traced (layers/compiled.py), a linear and an add, which
+            # inductor packs for oneDNN and fuses
+            if residual is not None and self.bias is None and not torch.compiler.is_compiling():
                 if weight.is_mkldnn:
                     return torch.ops.mkldnn._linear_pointwise.binary(
                         x, residual, weight, None, "add"

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from tokenline.scheduler.layers.attention import Attention
 from tokenline.scheduler.layers.base import Layer
+from tokenline.scheduler.layers.compiled import CompiledLayers
 from tokenline.scheduler.layers.context import ForwardContext
 from tokenline.scheduler.layers.embedding import LMHead, VocabEmbedding
 from tokenline.scheduler.layers.mlp import GatedMLP
@@ -117,6 +118,7 @@ class LlamaForCausalLM(CausalLM):
             rotary_module(config, family, name, place.device), place.dtype, place.device
         )
         first = self.model.layers[0].self_attn
+        self.compiled: CompiledLayers | None = None  # ``--compile`` on CPU
         self.geometry = Geometry(
             num_heads=first.num_heads,
             num_kv_heads=first.num_kv_heads,
@@ -171,6 +173,8 @@ class LlamaForCausalLM(CausalLM):
         cos, sin = self.rotary_emb.at(context.positions, context.max_position)
         if self.aux_layers:
             h = self._layers_keeping_aux(h, cos, sin, context)
+        elif self.compiled is not None and context.lora is None:
+            h = self.compiled(h, cos, sin, context)
         else:
             for layer in self.model.layers:
                 h = layer(h, cos, sin, context)
@@ -211,11 +215,16 @@ class LlamaForCausalLM(CausalLM):
         return dims
 
     def compile_layers(self) -> bool:
+        """On CPU every layer, as one graph with frozen weights (layers/compiled.py); on a GPU
+        each layer's tail after attention (`layer_tail`)."""
         layers = self.model.layers
         if self.place.tp is not None or not all(
             isinstance(layer.mlp, GatedMLP) and layer.mlp.act == "silu" for layer in layers
         ):
             return False
+        if self.place.device.type == "cpu":
+            self.compiled = CompiledLayers(layers)
+            return True
         tail = torch.compile(layer_tail, dynamic=True)  # one graph for every token count
         for layer in layers:
             layer.tail = tail

@@ -200,3 +200,21 @@ def test_with_flex_on_a_cpu_only_flex_is_compiled(tiny_source):
     assert runner.attention.compiled and not runner.compiled_layers
     projection = runner.model.model.layers[0].mlp.down_proj
     assert projection.packed is not None or projection.weight.is_mkldnn
+
+
+def test_warm_up_compiles_every_graph_a_step_needs(tmp_path):
+    """Two graphs, one row and any other count, both built by warm-up: serving compiles nothing
+    more (a recompilation stalls every stream for as long as the warm-up took). The warm-up
+    prefill is 2 * head_dim rows, cos's stride, which duck sizing would have tied it to."""
+    from tokenline.scheduler.warm_up import warm_up
+
+    saved_family_model(FAMILIES["qwen3"], tmp_path)  # head_dim 32
+    runner = _runner(ModelSource(spec="qwen3", path=str(tmp_path)), compiled=True)
+    warm_up(runner, 64)
+    built = counters["stats"]["unique_graphs"]
+    assert built == 2
+    engine = Engine(runner, EngineLimits(256, max_num_batched_tokens=24), eos_ids=[])
+    for i in range(5):  # steps of 1 to 24 rows: prefill chunks, decode rows and both
+        engine.add(f"p{i}", [(5 * i + j) % 290 + 5 for j in range(3 + 7 * i)], greedy(6))
+    drain(engine)
+    assert counters["stats"]["unique_graphs"] == built

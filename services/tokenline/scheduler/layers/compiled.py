@@ -20,6 +20,7 @@ import threading
 
 import torch
 import torch._inductor.config as inductor_config
+import torch.fx.experimental._config as shape_config
 from torch._inductor.compile_fx import compile_fx
 
 from tokenline.scheduler.attention import AttentionLayer
@@ -87,9 +88,11 @@ class CompiledLayers:
     ) -> torch.Tensor:
         _STEP.context = context
         try:
-            # dynamo reads it as it traces (torch.compile's options= come too late for it);
-            # patched per call, not set for the process, so no other graph is frozen
-            with inductor_config.patch(freezing=True):
+            # Both read as dynamo traces (torch.compile's options= come too late), patched per
+            # call so that no other graph is frozen: freezing, and no duck sizing, which
+            # would tie the row count to any size or stride equal to it when first traced
+            # (cos's stride is 2 * head_dim: a 128-row warm-up made a graph for 128 rows only)
+            with inductor_config.patch(freezing=True), shape_config.patch(use_duck_shape=False):
                 return self._compiled(h, cos, sin)
         finally:
             _STEP.context = None

@@ -56,9 +56,11 @@ def _runner(source: ModelSource, compiled: bool, dtype: str = "float32") -> Mode
 
 
 def _assert_compiled(runner: ModelRunner) -> None:
-    """--compile took effect, and the graph ran (dynamo did not fall back to eager)."""
+    """--compile took effect, and the layers ran as one graph (dynamo neither broke it nor
+    fell back to eager)."""
     assert runner.compiled_layers and runner.model.compiled is not None
     assert counters["stats"]["unique_graphs"] >= 1
+    assert not counters["graph_break"], dict(counters["graph_break"])
     assert not counters["recompile_limit"], dict(counters["recompile_limit"])
 
 
@@ -135,9 +137,12 @@ def test_compiled_layers_give_the_eager_tokens_over_every_step_size(
 
 
 def test_compiled_layers_leave_the_weights_plain_for_inductor_to_pack(tiny_source):
+    """Inductor packs the graph's weights; the LM head, outside the graph, is packed as ever."""
     runner = _runner(tiny_source, compiled=True)
     projection = runner.model.model.layers[0].mlp.down_proj
     assert projection.packed is None and not projection.weight.is_mkldnn
+    head = runner.model.lm_head
+    assert head.packed is not None or head.weight.is_mkldnn
     eager = _runner(tiny_source, compiled=False).model.model.layers[0].mlp.down_proj
     assert eager.packed is not None or eager.weight.is_mkldnn
 
@@ -158,7 +163,7 @@ def test_a_step_with_lora_rows_runs_the_layers_eagerly(tiny_source, monkeypatch)
     seq = engine.add("adapted", [5, 6, 7], greedy(2, ignore_eos=True))
     seq.lora_slot = 0
     drain(engine)
-    assert not entered
+    assert not entered and len(seq.output_ids) == 2
 
 
 def test_the_gpu_layer_tail_is_the_eager_tail():
@@ -190,16 +195,19 @@ def test_the_gpu_layer_tail_is_the_eager_tail():
     torch.testing.assert_close(got, want)
 
 
-def test_with_flex_on_a_cpu_only_flex_is_compiled(tiny_source):
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_with_flex_on_a_cpu_only_flex_is_compiled(tiny_source, dtype):
     """Flex's CPU kernel, compiled afresh for each shape inside the layers' graph, fails to
-    build: with flex, the layers stay eager over packed weights and flex alone is compiled."""
+    build: with flex, the layers stay eager (over packed weights where oneDNN packs the dtype;
+    it does not pack float16) and flex alone is compiled."""
     runner = ModelRunner(
         tiny_source,
-        RunnerOptions(device="cpu", dtype="float32", attention_backend="flex", compile_layers=True),
+        RunnerOptions(device="cpu", dtype=dtype, attention_backend="flex", compile_layers=True),
     )
     assert runner.attention.compiled and not runner.compiled_layers
     projection = runner.model.model.layers[0].mlp.down_proj
-    assert projection.packed is not None or projection.weight.is_mkldnn
+    packed = projection.packed is not None or projection.weight.is_mkldnn
+    assert packed is (dtype == "float32")
 
 
 def test_warm_up_compiles_every_graph_a_step_needs(tmp_path):

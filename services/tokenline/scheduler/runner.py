@@ -203,8 +203,8 @@ class ModelRunner:
         self.aux_sink: Callable[[list[Chunk], torch.Tensor], None] | None = None
         self.lora_shape = ModelShape(self.num_layers, self.model.lora_dims)
         self._compiled = False
-        packs = packs_weights(Placement(self.device, self.dtype))
-        if options.compile_layers and packs and isinstance(self.attention, FlexAttentionBackend):
+        on_cpu_flex = self.device.type == "cpu" and isinstance(self.attention, FlexAttentionBackend)
+        if options.compile_layers and on_cpu_flex:
             # flex on CPU: its kernel, compiled afresh for each shape inside the layers' graph,
             # turns dynamic and fails to build; flex alone is compiled, the layers stay eager
             log.info("--compile: flex attention compiled, the layers eager over packed weights")
@@ -216,9 +216,8 @@ class ModelRunner:
                     "one device have one); running it eagerly",
                     self.model.describe(),
                 )
-        # compiled on CPU, inductor packs the frozen plain weights itself
-        if packs and not self._compiled:
-            self.model.pack_weights()
+        if packs_weights(Placement(self.device, self.dtype)):
+            self.model.pack_weights()  # but for the compiled graph's: inductor packs those
         if self.model.implementation == "transformers":
             from tokenline.scheduler.models.generic import check_batch_exact
 

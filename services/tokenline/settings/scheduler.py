@@ -103,14 +103,15 @@ ENGINE: tuple[Setting, ...] = (
         "compile",
         parse_bool,
         False,
-        help="compile each layer's projections, norm and MLP with torch.compile: fewer kernel "
-        "launches on a GPU; the first steps wait for compilation (on a CPU the layers stay "
-        "eager over weights packed for oneDNN, measured faster; flex attention is compiled)",
+        help="torch.compile the layers: on a CPU a dense Llama-style model's layers as one graph "
+        "with frozen weights (start-up waits for it; measured no faster than the eager layers "
+        "in the stack, benchmarks/README.md); on a GPU each layer's projections, norm and MLP "
+        "(fewer kernel launches)",
         stages=SCHEDULER,
         crd=CrdField(
             "engine.compile",
-            "torch.compile each layer's projections, norm and MLP (fewer kernel launches on a "
-            "GPU); the first steps wait for compilation.",
+            "torch.compile the layers: on a CPU a dense Llama-style model's as one graph, on a "
+            "GPU each layer's projections, norm and MLP; start-up waits for compilation.",
         ),
         switch=True,
     ),

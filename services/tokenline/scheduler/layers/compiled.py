@@ -1,7 +1,7 @@
 """``--compile`` on CPU: a decoder's layers compiled whole by inductor, attention left outside.
 
-Inductor traces the layers' own eager code (there is no second copy of the model) with the
-weights frozen into the graph as constants: it packs the projections for oneDNN itself and
+Inductor traces the layers' own eager code (no second version of the model to keep exact) with
+the weights frozen into the graph as constants: it packs the projections for oneDNN itself and
 fuses the norms, rotary, activation and residual adds into a few generated kernels. Attention
 stays out of the graph as one opaque custom op per layer (`attend`): it writes the paged KV pool
 and reads the step's metadata, which change every step and, traced, would only be guards to
@@ -11,7 +11,9 @@ sets for the length of the call (vLLM's forward context works the same way).
 The graph is compiled for any number of token rows; torch specialises one row apart, so the
 first prefill and the first decode step (warm_up.py) each compile once, before the stage is
 ready. A step with LoRA deltas, or one whose model keeps auxiliary hidden states (EAGLE-3),
-runs the same layers eagerly.
+runs the same layers eagerly, over the plain weights (oneDNN's packed copies live inside the
+graphs). Memory: each of the two graphs holds its own packed copy of the layers' weights,
+beside the plain ones, so they take about three times their eager size.
 """
 
 from __future__ import annotations
@@ -74,6 +76,13 @@ def _inductor_rounding_as_eager(graph: torch.fx.GraphModule, example_inputs: lis
 class CompiledLayers:
     """``layers`` (each called as ``layer(h, cos, sin, context)``) as one compiled function."""
 
+    @staticmethod
+    def supported() -> bool:
+        """This torch has the compiler settings the graph needs (older ones lack them)."""
+        return hasattr(inductor_config, "emulate_precision_casts") and hasattr(
+            shape_config, "use_duck_shape"
+        )
+
     def __init__(self, layers: torch.nn.ModuleList) -> None:
         self._layers = layers  # a module: its parameters are what freezing folds in
         self._compiled = torch.compile(self._run, dynamic=True, backend=_inductor_rounding_as_eager)
@@ -86,6 +95,7 @@ class CompiledLayers:
     def __call__(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: ForwardContext
     ) -> torch.Tensor:
+        outer = getattr(_STEP, "context", None)
         _STEP.context = context
         try:
             # Both read as dynamo traces (torch.compile's options= come too late), patched per
@@ -95,4 +105,4 @@ class CompiledLayers:
             with inductor_config.patch(freezing=True), shape_config.patch(use_duck_shape=False):
                 return self._compiled(h, cos, sin)
         finally:
-            _STEP.context = None
+            _STEP.context = outer

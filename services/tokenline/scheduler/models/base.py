@@ -92,9 +92,17 @@ class CausalLM(torch.nn.Module):
         once every weight is loaded. A model whose weights fit the caches keeps the plain
         ones too, for single rows."""
         keep_plain = weight_bytes(self) < CACHE_SIZED_WEIGHTS
+        in_graph = {id(m) for m in self.graph_modules()}
         for module in self.modules():
-            if module is not self and hasattr(module, "pack_weights"):  # Packable, Experts
+            if module is self or id(module) in in_graph:
+                continue
+            if hasattr(module, "pack_weights"):  # Packable, Experts
                 module.pack_weights(keep_plain)
+
+    def graph_modules(self) -> list[torch.nn.Module]:
+        """The modules inside a graph compiled with frozen weights (``--compile`` on CPU),
+        whose plain weights inductor packs itself."""
+        return []
 
     def graph_refusal(self) -> str:
         """Why a decode step of this model cannot be replayed over fixed buffers (a CUDA

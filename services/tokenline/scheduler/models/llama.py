@@ -214,6 +214,9 @@ class LlamaForCausalLM(CausalLM):
             dims["down_proj"] = (inter, hidden)
         return dims
 
+    def graph_modules(self) -> list[torch.nn.Module]:
+        return list(self.model.layers.modules()) if self.compiled is not None else []
+
     def compile_layers(self) -> bool:
         """On CPU every layer, as one graph with frozen weights (layers/compiled.py); on a GPU
         each layer's tail after attention (`layer_tail`)."""
@@ -223,6 +226,8 @@ class LlamaForCausalLM(CausalLM):
         ):
             return False
         if self.place.device.type == "cpu":
+            if not CompiledLayers.supported():
+                return False
             self.compiled = CompiledLayers(layers)
             return True
         tail = torch.compile(layer_tail, dynamic=True)  # one graph for every token count

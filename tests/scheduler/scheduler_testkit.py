@@ -136,8 +136,28 @@ def saved_family_model(spec, path):
     return model
 
 
+def generate_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy continuation of ``ids``: the oracle for the engine's tokens."""
+    import torch
+
+    with torch.no_grad():
+        out = model.eval().generate(
+            torch.tensor([ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
+
+
 def family_runner(
-    family: str, path, dense_decode: bool = True, dtype: str = "float32", model_impl="auto"
+    family: str,
+    path,
+    dense_decode: bool = True,
+    dtype: str = "float32",
+    model_impl="auto",
+    compile_layers: bool = False,
 ):
     """A CPU runner over the model ``saved_family_model`` left in ``path``."""
     from tokenline.model_source import ModelSource
@@ -152,6 +172,7 @@ def family_runner(
             torch_threads=1,
             dense_decode=dense_decode,
             model_impl=model_impl,
+            compile_layers=compile_layers,
         ),
     )
 

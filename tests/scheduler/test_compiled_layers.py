@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scheduler_testkit import FAMILIES, PROMPTS, SLIDING, drain, greedy, saved_family_model
+from scheduler_testkit import (
+    FAMILIES,
+    PROMPTS,
+    SLIDING,
+    drain,
+    family_runner,
+    generate_greedy,
+    greedy,
+    saved_family_model,
+)
 from torch._dynamo.utils import counters
 
 from tokenline import tiny_model
@@ -43,16 +52,10 @@ def prompt_ids(encode) -> dict[str, list[int]]:
 
 
 def _runner(source: ModelSource, compiled: bool, dtype: str = "float32") -> ModelRunner:
-    return ModelRunner(
-        source,
-        RunnerOptions(
-            device="cpu",
-            dtype=dtype,
-            kv_cache_memory=2**20,
-            torch_threads=1,
-            compile_layers=compiled,
-        ),
+    options = RunnerOptions(
+        device="cpu", dtype=dtype, kv_cache_memory=2**20, compile_layers=compiled
     )
+    return ModelRunner(source, options)
 
 
 def _assert_compiled(runner: ModelRunner) -> None:
@@ -64,22 +67,10 @@ def _assert_compiled(runner: ModelRunner) -> None:
     assert not counters["recompile_limit"], dict(counters["recompile_limit"])
 
 
-def _generate(model, ids: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = model.eval().generate(
-            torch.tensor([ids]),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(ids) :].tolist()
-
-
 @pytest.mark.parametrize("family", list(COMPILED))
 def test_compiled_layers_give_transformers_greedy_tokens(family, tmp_path):
     model = saved_family_model(COMPILED[family], tmp_path)
-    runner = _runner(ModelSource(spec=family, path=str(tmp_path)), compiled=True)
+    runner = family_runner(family, tmp_path, compile_layers=True)
     # a 16-token budget: prompts are prefilled in chunks next to other prompts' decode rows
     engine = Engine(runner, EngineLimits(256, max_num_batched_tokens=16), eos_ids=[])
     prompts = {f"p{i}": [(7 * i + j) % 290 + 5 for j in range(9 + 5 * i)] for i in range(3)}
@@ -88,7 +79,7 @@ def test_compiled_layers_give_transformers_greedy_tokens(family, tmp_path):
     got = drain(engine).tokens
     _assert_compiled(runner)
     for uid, ids in prompts.items():
-        assert got[uid] == _generate(model, ids), (family, uid)
+        assert got[uid] == generate_greedy(model, ids, MAX_TOKENS), (family, uid)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -101,7 +92,7 @@ def test_compiled_logits_follow_transformers(dtype, tmp_path):
 
     model = saved_family_model(FAMILIES["qwen3"], tmp_path)
     reference = type(model).from_pretrained(tmp_path, dtype=getattr(torch, dtype)).eval()
-    runner = _runner(ModelSource(spec="qwen3", path=str(tmp_path)), True, dtype)
+    runner = family_runner("qwen3", tmp_path, dtype=dtype, compile_layers=True)
     tolerance = 1e-4 if dtype == "float32" else 0.1
     ids = [(7 * j) % 290 + 5 for j in range(20)]
     seq = Sequence(uid="a", prompt_ids=ids, sampling=SamplingParams(max_tokens=2), max_tokens=2)
@@ -217,7 +208,7 @@ def test_warm_up_compiles_every_graph_a_step_needs(tmp_path):
     from tokenline.scheduler.warm_up import warm_up
 
     saved_family_model(FAMILIES["qwen3"], tmp_path)  # head_dim 32
-    runner = _runner(ModelSource(spec="qwen3", path=str(tmp_path)), compiled=True)
+    runner = family_runner("qwen3", tmp_path, compile_layers=True)
     warm_up(runner, 64)
     built = counters["stats"]["unique_graphs"]
     assert built == 2

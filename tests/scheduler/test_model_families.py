@@ -19,6 +19,7 @@ from scheduler_testkit import (
     NATIVE,
     SLIDING,
     family_runner,
+    generate_greedy,
     saved_family_model,
 )
 
@@ -36,15 +37,7 @@ def _expected_path(family: str) -> str:
 
 
 def _generate(model, ids: list[int], max_new_tokens: int = MAX_TOKENS) -> list[int]:
-    with torch.no_grad():
-        out = model.eval().generate(
-            torch.tensor([ids]),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(ids) :].tolist()
+    return generate_greedy(model, ids, max_new_tokens)
 
 
 def _run(engine: Engine, prompts: dict[str, list[int]]) -> dict[str, list[int]]:

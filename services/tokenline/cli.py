@@ -6,6 +6,7 @@ Every stage flag has an environment mirror: ``--max-model-len`` ↔ ``TOKENLINE_
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -112,6 +113,15 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(**values)
 
 
+# Commands that parse their own flags, each imported only when run: module, help line.
+OWN_FLAGS: dict[str, tuple[str, str]] = {
+    "operator": ("tokenline_operator.cli", "run the Kubernetes operator (kopf)"),
+    "bench": ("tokenline.loadgen.cli", "OpenAI-compatible load generator"),
+    # the pod's init container: one download before any stage
+    "fetch": ("tokenline.fetch", "download a model URI into a directory (the init container)"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenline", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -136,29 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("ring-keys", help="write a CurveZMQ certificate for --ring-curve-keys")
     keys.add_argument("--out", required=True, help="directory to write (every stage's keys)")
 
-    sub.add_parser("operator", help="run the Kubernetes operator (kopf)", add_help=False)
-    sub.add_parser("bench", help="OpenAI-compatible load generator", add_help=False)
-    sub.add_parser(
-        "fetch", help="download a model URI into a directory (the init container)", add_help=False
-    )
+    for command, (_, help_text) in OWN_FLAGS.items():
+        sub.add_parser(command, help=help_text, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # operator, bench and fetch own their flags
-    if argv and argv[0] == "operator":
-        from tokenline_operator.cli import main as operator_main
-
-        return operator_main(argv[1:])
-    if argv and argv[0] == "bench":
-        from tokenline.loadgen.cli import main as bench_main
-
-        return bench_main(argv[1:])
-    if argv and argv[0] == "fetch":  # the pod's init container: one download before any stage
-        from tokenline.fetch import main as fetch_main
-
-        return fetch_main(argv[1:])
+    if argv and argv[0] in OWN_FLAGS:
+        module, _ = OWN_FLAGS[argv[0]]
+        return importlib.import_module(module).main(argv[1:])
     argv, said = translate(argv)  # vLLM's flags, as vLLM means them
     args = build_parser().parse_args(argv)
     if args.command == "tiny-model":
@@ -187,8 +184,6 @@ def main(argv: list[str] | None = None) -> int:
         "scheduler": "tokenline.scheduler.start",
         "detokenizer": "tokenline.detokenizer.stage",
     }
-    import importlib
-
     return importlib.import_module(runners[args.command]).run(settings)
 
 

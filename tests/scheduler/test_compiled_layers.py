@@ -217,3 +217,23 @@ def test_warm_up_compiles_every_graph_a_step_needs(tmp_path):
         engine.add(f"p{i}", [(5 * i + j) % 290 + 5 for j in range(3 + 7 * i)], greedy(6))
     drain(engine)
     assert counters["stats"]["unique_graphs"] == built
+
+
+def test_compile_without_a_cpp_compiler_stops_at_start_saying_what_to_do(tiny_source, tmp_path):
+    """With no C++ compiler, inductor would fail at warm-up's first step with a page of its
+    traceback; the runner refuses first, naming the compiler it tried and the way out."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpp_builder
+
+    missing = str(tmp_path / "no-such-c++")
+    cpp_builder.cpp_compiler_search.cache_clear()  # it remembers the compiler it found
+    try:
+        with inductor_config.patch({"cpp.cxx": (None, missing)}):
+            with pytest.raises(SystemExit) as stopped:
+                _runner(tiny_source, compiled=True)
+            _runner(tiny_source, compiled=False)  # the eager layers need no compiler
+    finally:
+        cpp_builder.cpp_compiler_search.cache_clear()
+    message = str(stopped.value)
+    assert message.startswith("--compile on a CPU builds its kernels with a C++ compiler")
+    assert f"tried {missing}" in message and "serve without --compile" in message

@@ -29,6 +29,7 @@ from tokenline.scheduler.attention import AttentionShape
 from tokenline.scheduler.attention.decode_contexts import DecodeContexts
 from tokenline.scheduler.attention.flex import FlexAttentionBackend, flex_block_size
 from tokenline.scheduler.decode_graphs import DecodeGraphs, capture_sizes
+from tokenline.scheduler.layers.compiled import missing_compiler
 from tokenline.scheduler.layers.context import ForwardContext
 from tokenline.scheduler.layers.linear import CACHE_SIZED_WEIGHTS, packs_weights, weight_bytes
 from tokenline.scheduler.layers.placement import ModelRefused, Placement
@@ -129,6 +130,13 @@ class RunnerOptions:
 class ModelRunner:
     def __init__(self, source: ModelSource, options: RunnerOptions = RunnerOptions()) -> None:
         self.device = pick_device(options.device)
+        if options.compile_layers and self.device.type == "cpu":  # before any weight is read
+            missing = missing_compiler()
+            if missing:
+                raise SystemExit(
+                    f"--compile on a CPU builds its kernels with a C++ compiler, and {missing}: "
+                    "install g++ (or set CXX to a C++ compiler) or serve without --compile"
+                )
         torch_threads = options.torch_threads
         if self.device.type == "cpu":
             torch.set_num_threads(torch_threads or max(1, usable_cores() - 1))

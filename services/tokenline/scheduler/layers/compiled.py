@@ -73,6 +73,22 @@ def _inductor_rounding_as_eager(graph: torch.fx.GraphModule, example_inputs: lis
         return compile_fx(graph, example_inputs)
 
 
+def missing_compiler() -> str | None:
+    """Why inductor cannot build CPU kernels in this process, or None when it can: it compiles
+    C++ with the compiler ``CXX`` names (else g++), and without one every
+    compiled call fails at its first step."""
+    from torch._inductor import cpp_builder, exc
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except exc.InvalidCxxCompiler:
+        cxx = inductor_config.cpp.cxx  # from CXX, else g++
+        names = cxx if isinstance(cxx, tuple | list) else [cxx]
+        tried = ", ".join(name for name in names if name)
+        return f"no C++ compiler runs here (tried {tried})"
+    return None
+
+
 class CompiledLayers:
     """``layers`` (each called as ``layer(h, cos, sin, context)``) as one compiled function."""
 

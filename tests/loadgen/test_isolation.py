@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tokenline.loadgen.isolation import frozen, parse_pids
+from tokenline.loadgen.isolation import frozen, parse_pids, with_descendants
 from tokenline.loadgen.load import wait_ready
 
 
@@ -37,6 +40,29 @@ def test_frozen_stops_then_continues_a_process_even_on_error():
     finally:
         child.kill()
         child.wait()
+
+
+def test_frozen_stops_a_process_with_its_descendants():
+    """`tokenline serve`'s pid stands for its stages, which are its children."""
+    grandchild = (
+        "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+        "'import time; time.sleep(60)']); time.sleep(60)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", grandchild])
+    try:
+        deadline = time.monotonic() + 10
+        while len(with_descendants([parent.pid])) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree = with_descendants([parent.pid])
+        assert tree[0] == parent.pid and len(tree) == 2
+        with frozen([parent.pid]):
+            assert all(_settles_in(pid, {"T"}) for pid in tree)
+        assert all(_settles_in(pid, {"S", "R"}) for pid in tree)
+    finally:
+        for pid in reversed(with_descendants([parent.pid])):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        parent.wait()
 
 
 def test_parse_pids():

@@ -203,15 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_pids,
         default=[],
         metavar="PID,...",
-        help="processes of the first server, stopped (SIGSTOP) while the second is measured",
+        help="processes of the first server, stopped (SIGSTOP) with their descendants while "
+        "the second is measured (`tokenline serve`'s pid stands for its stages)",
     )
     compare.add_argument(
         "--compare-pids",
         type=parse_pids,
         default=[],
         metavar="PID,...",
-        help="processes of the second server, stopped while the first is measured (a server "
-        "that polls while idle otherwise takes CPU from the one under load)",
+        help="processes of the second server, stopped with their descendants while the first "
+        "is measured (a server that polls while idle otherwise takes CPU from the one under load)",
     )
     _add_extra_body(compare, "--compare-extra-body", "the second server's request bodies")
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from scheduler_testkit import (
     FAMILIES,
+    MOE,
     PROMPTS,
     SLIDING,
     drain,
@@ -236,4 +237,20 @@ def test_compile_without_a_cpp_compiler_stops_at_start_saying_what_to_do(tiny_so
         cpp_builder.cpp_compiler_search.cache_clear()
     message = str(stopped.value)
     assert message.startswith("--compile on a CPU builds its kernels with a C++ compiler")
-    assert f"tried {missing}" in message and "serve without --compile" in message
+    assert f"tried: {missing}" in message and "serve without --compile" in message
+
+
+def test_a_model_compile_leaves_eager_needs_no_compiler(tmp_path):
+    """--compile on a family with no compiled path (a mixture of experts) runs eagerly, as it
+    did before the compiler check: nothing is compiled, so no compiler is needed."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpp_builder
+
+    saved_family_model(MOE["qwen3-moe"], tmp_path)
+    cpp_builder.cpp_compiler_search.cache_clear()
+    try:
+        with inductor_config.patch({"cpp.cxx": (None, str(tmp_path / "no-such-c++"))}):
+            runner = family_runner("qwen3-moe", tmp_path, compile_layers=True)
+    finally:
+        cpp_builder.cpp_compiler_search.cache_clear()
+    assert not runner.compiled_layers

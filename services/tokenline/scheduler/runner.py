@@ -130,13 +130,6 @@ class RunnerOptions:
 class ModelRunner:
     def __init__(self, source: ModelSource, options: RunnerOptions = RunnerOptions()) -> None:
         self.device = pick_device(options.device)
-        if options.compile_layers and self.device.type == "cpu":  # before any weight is read
-            missing = missing_compiler()
-            if missing:
-                raise SystemExit(
-                    f"--compile on a CPU builds its kernels with a C++ compiler, and {missing}: "
-                    "install g++ (or set CXX to a C++ compiler) or serve without --compile"
-                )
         torch_threads = options.torch_threads
         if self.device.type == "cpu":
             torch.set_num_threads(torch_threads or max(1, usable_cores() - 1))
@@ -223,6 +216,14 @@ class ModelRunner:
                     "--compile: %s has no compiled path (Llama-style layers with a SiLU MLP on "
                     "one device have one); running it eagerly",
                     self.model.describe(),
+                )
+        on_cpu = self.device.type == "cpu"
+        if options.compile_layers and (on_cpu_flex or (on_cpu and self._compiled)):
+            missing = missing_compiler()  # else warm-up's first step would fail
+            if missing:
+                raise SystemExit(
+                    f"--compile on a CPU builds its kernels with a C++ compiler, and {missing}: "
+                    "install one (g++ or clang++, or set CXX to one) or serve without --compile"
                 )
         if packs_weights(Placement(self.device, self.dtype)):
             self.model.pack_weights()  # but for the compiled graph's: inductor packs those

@@ -74,18 +74,23 @@ def _inductor_rounding_as_eager(graph: torch.fx.GraphModule, example_inputs: lis
 
 
 def missing_compiler() -> str | None:
-    """Why inductor cannot build CPU kernels in this process, or None when it can: it compiles
-    C++ with the compiler ``CXX`` names (else g++), and without one every
-    compiled call fails at its first step."""
-    from torch._inductor import cpp_builder, exc
-
+    """Why inductor cannot build CPU kernels in this process, or None when it can (or when
+    this torch cannot say): it compiles C++ with the first compiler of its ``cpp.cxx`` list
+    (``CXX``, else the platform's) that runs, and without one every compiled call fails."""
     try:
-        cpp_builder.get_cpp_compiler()
-    except exc.InvalidCxxCompiler:
-        cxx = inductor_config.cpp.cxx  # from CXX, else g++
+        from torch._inductor import cpp_builder
+        from torch._inductor.exc import InvalidCxxCompiler
+
+        search = cpp_builder.get_cpp_compiler
+    except (ImportError, AttributeError):  # an older torch: its first compile will tell
+        return None
+    try:
+        search()
+    except (InvalidCxxCompiler, OSError):  # none found; or CXX names what cannot run
+        cxx = inductor_config.cpp.cxx
         names = cxx if isinstance(cxx, tuple | list) else [cxx]
-        tried = ", ".join(name for name in names if name)
-        return f"no C++ compiler runs here (tried {tried})"
+        tried = ", ".join(str(name) for name in names if name) or "none"
+        return f"no C++ compiler runs here (tried: {tried})"
     return None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tokenline.loadgen.isolation import frozen, parse_pids, with_descendants
+from tokenline.loadgen.isolation import bench_line, frozen, parse_pids, with_descendants
 from tokenline.loadgen.load import wait_ready
 
 
@@ -67,6 +68,27 @@ def test_frozen_stops_a_process_with_its_descendants():
 
 def test_parse_pids():
     assert parse_pids("12, 34,") == [12, 34]
+    for group in ("0", "1", "12,-5"):  # a process group, init, every process: never a server
+        with pytest.raises(argparse.ArgumentTypeError, match="not a server's process id"):
+            parse_pids(group)
+
+
+def test_the_bench_its_parents_and_the_measured_server_are_never_stopped():
+    """A pattern that matched the shell running the bench (or the measured server's stages)
+    must not stop the bench or the server it measures."""
+    assert os.getpid() in bench_line() and os.getppid() in bench_line()
+    assert with_descendants([os.getppid(), os.getpid()]) == []
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with frozen([os.getppid(), server.pid, other.pid], spared=[server.pid]):
+            assert _settles_in(other.pid, {"T"})
+            assert _state(server.pid) in {"S", "R"} and _state(os.getppid()) != "T"
+        assert _settles_in(other.pid, {"S", "R"})
+    finally:
+        for child in (server, other):
+            child.kill()
+            child.wait()
 
 
 @pytest.mark.timeout(30)

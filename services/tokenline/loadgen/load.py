@@ -153,7 +153,8 @@ def _client(config: BenchConfig) -> aiohttp.ClientSession:
 
 def _others_frozen(config: BenchConfig, measured: TargetConfig):
     """Stop the other targets' processes (if given) while ``measured`` is under load."""
-    return frozen([pid for t in config.targets if t is not measured for pid in t.pids])
+    others = [pid for t in config.targets if t is not measured for pid in t.pids]
+    return frozen(others, spared=measured.pids)
 
 
 async def isolated_phase(

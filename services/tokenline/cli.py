@@ -117,7 +117,6 @@ def settings_from(args: argparse.Namespace) -> Settings:
 OWN_FLAGS: dict[str, tuple[str, str]] = {
     "operator": ("tokenline_operator.cli", "run the Kubernetes operator (kopf)"),
     "bench": ("tokenline.loadgen.cli", "OpenAI-compatible load generator"),
-    # the pod's init container: one download before any stage
     "fetch": ("tokenline.fetch", "download a model URI into a directory (the init container)"),
 }
 

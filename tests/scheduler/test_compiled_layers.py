@@ -220,9 +220,9 @@ def test_warm_up_compiles_every_graph_a_step_needs(tmp_path):
     assert counters["stats"]["unique_graphs"] == built
 
 
-def test_compile_without_a_cpp_compiler_stops_at_start_saying_what_to_do(tiny_source, tmp_path):
-    """With no C++ compiler, inductor would fail at warm-up's first step with a page of its
-    traceback; the runner refuses first, naming the compiler it tried and the way out."""
+@pytest.fixture
+def no_cpp_compiler(tmp_path):
+    """Inductor searching only a C++ compiler that does not exist; the path it tried."""
     from torch._inductor import config as inductor_config
     from torch._inductor import cpp_builder
 
@@ -230,27 +230,27 @@ def test_compile_without_a_cpp_compiler_stops_at_start_saying_what_to_do(tiny_so
     cpp_builder.cpp_compiler_search.cache_clear()  # it remembers the compiler it found
     try:
         with inductor_config.patch({"cpp.cxx": (None, missing)}):
-            with pytest.raises(SystemExit) as stopped:
-                _runner(tiny_source, compiled=True)
-            _runner(tiny_source, compiled=False)  # the eager layers need no compiler
+            yield missing
     finally:
         cpp_builder.cpp_compiler_search.cache_clear()
+
+
+def test_compile_without_a_cpp_compiler_stops_at_start_saying_what_to_do(
+    tiny_source, no_cpp_compiler
+):
+    """With no C++ compiler, inductor would fail at warm-up's first step with a page of its
+    traceback; the runner refuses first, naming the compiler it tried and the way out."""
+    with pytest.raises(SystemExit) as stopped:
+        _runner(tiny_source, compiled=True)
+    _runner(tiny_source, compiled=False)  # the eager layers need no compiler
     message = str(stopped.value)
     assert message.startswith("--compile on a CPU builds its kernels with a C++ compiler")
-    assert f"tried: {missing}" in message and "serve without --compile" in message
+    assert f"tried: {no_cpp_compiler}" in message and "serve without --compile" in message
 
 
-def test_a_model_compile_leaves_eager_needs_no_compiler(tmp_path):
+def test_a_model_compile_leaves_eager_needs_no_compiler(tmp_path, no_cpp_compiler):
     """--compile on a family with no compiled path (a mixture of experts) runs eagerly, as it
     did before the compiler check: nothing is compiled, so no compiler is needed."""
-    from torch._inductor import config as inductor_config
-    from torch._inductor import cpp_builder
-
     saved_family_model(MOE["qwen3-moe"], tmp_path)
-    cpp_builder.cpp_compiler_search.cache_clear()
-    try:
-        with inductor_config.patch({"cpp.cxx": (None, str(tmp_path / "no-such-c++"))}):
-            runner = family_runner("qwen3-moe", tmp_path, compile_layers=True)
-    finally:
-        cpp_builder.cpp_compiler_search.cache_clear()
+    runner = family_runner("qwen3-moe", tmp_path, compile_layers=True)
     assert not runner.compiled_layers

@@ -204,7 +204,8 @@ class ModelRunner:
         self.aux_sink: Callable[[list[Chunk], torch.Tensor], None] | None = None
         self.lora_shape = ModelShape(self.num_layers, self.model.lora_dims)
         self._compiled = False
-        on_cpu_flex = self.device.type == "cpu" and isinstance(self.attention, FlexAttentionBackend)
+        on_cpu = self.device.type == "cpu"
+        on_cpu_flex = on_cpu and isinstance(self.attention, FlexAttentionBackend)
         if options.compile_layers and on_cpu_flex:
             # flex on CPU: its kernel, compiled afresh for each shape inside the layers' graph,
             # turns dynamic and fails to build; flex alone is compiled, the layers stay eager
@@ -217,7 +218,6 @@ class ModelRunner:
                     "one device have one); running it eagerly",
                     self.model.describe(),
                 )
-        on_cpu = self.device.type == "cpu"
         if options.compile_layers and (on_cpu_flex or (on_cpu and self._compiled)):
             missing = missing_compiler()  # else warm-up's first step would fail
             if missing:

@@ -94,9 +94,11 @@ def test_tenants_share_the_pool_by_weight(tenants_stack) -> None:
 
 def test_an_urgent_request_is_not_held_back_by_a_flood(tenants_stack) -> None:
     """team-c floods at priority 10 (long requests, every sequence slot taken); a request at
-    priority -1 gets its first token within a step or two, one at priority 10 waits. Seven
-    flood threads for four slots: a queue stands ahead of the waiting request even while a
-    thread is between two of its requests (with five, a slot could free with none queued)."""
+    priority -1 gets its first token within a step or two, one at priority 10 waits. Eight
+    flood threads for four slots, each asking a different length: a queue of four stands ahead
+    of the waiting request, and slots free one at a time. (Equal lengths kept the flood in
+    lockstep: four requests ended in one step, the queue emptied into the slots, and a request
+    arriving before the threads asked again found a slot free.)"""
     stop = threading.Event()
     api = client(tenants_stack, "team-c")
 
@@ -114,8 +116,9 @@ def test_an_urgent_request_is_not_held_back_by_a_flood(tenants_stack) -> None:
             first = first or time.perf_counter()
         return first - started
 
-    with ThreadPoolExecutor(7) as pool:
-        floods = [pool.submit(flood, tenants_stack, "team-c", stop, 300, 10) for _ in range(7)]
+    with ThreadPoolExecutor(8) as pool:
+        lengths = [300 + 47 * i for i in range(8)]  # four waiting + the probe: under PER_TENANT
+        floods = [pool.submit(flood, tenants_stack, "team-c", stop, n, 10) for n in lengths]
         time.sleep(2)
         urgent = ttft(-1)
         waiting = ttft(10)

@@ -18,7 +18,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from tokenline.bounded import LruCache
@@ -32,6 +31,15 @@ CACHE_BYTES = 64 * 2**20  # estimated matcher memory kept, over every cached gra
 MATCHER_BASE_BYTES = 64 * 2**10
 MATCHER_BYTES_PER_CHAR = 64
 _BITS = 32
+
+
+def packed_masks(rows: int, vocab_size: int) -> torch.Tensor:
+    """``rows`` masks in llguidance's layout (32 tokens an int32, every token allowed), for
+    its matchers to write. llguidance.torch has the same helper, but importing that module
+    compiles a kernel with torch.compile, which brings dynamo and inductor into every
+    scheduler: seconds of start-up on two cores for a kernel this module never calls."""
+    width = (vocab_size + _BITS - 1) // _BITS
+    return torch.full((rows, width), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
 
 
 class GrammarError(ValueError):
@@ -104,8 +112,8 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         # The first mask builds the lexer's start states: do that here too, not in a step.
-        first = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
-        llguidance.torch.fill_next_token_bitmask(matcher, first, 0)
+        first = packed_masks(1, self.vocab_size)
+        matcher.unsafe_compute_mask_ptr(first.data_ptr(), first.numel() * first.element_size())
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         self._latency.observe(time.perf_counter() - started)
@@ -124,9 +132,10 @@ class GrammarCompiler:
         on the device; the logits never leave it. Columns past the tokenizer's vocabulary (a
         model may pad its embedding) are never allowed.
         """
-        packed = llguidance.torch.allocate_token_bitmask(len(matchers), self.vocab_size)
-        llguidance.torch.fill_next_token_bitmask_par(
-            self._executor, [(m, i) for i, m in enumerate(matchers)], packed
+        packed = packed_masks(len(matchers), self.vocab_size)
+        row_bytes = packed.shape[1] * packed.element_size()
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)], packed.data_ptr(), row_bytes, len(matchers)
         )
         packed = packed.to(device, non_blocking=True)
         bits = torch.arange(_BITS, device=device, dtype=torch.int32)

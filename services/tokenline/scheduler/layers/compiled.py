@@ -21,9 +21,7 @@ from __future__ import annotations
 import threading
 
 import torch
-import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as shape_config
-from torch._inductor.compile_fx import compile_fx
 
 from tokenline.scheduler.attention import AttentionLayer
 from tokenline.scheduler.layers.context import ForwardContext
@@ -69,8 +67,18 @@ def _inductor_rounding_as_eager(graph: torch.fx.GraphModule, example_inputs: lis
     """Inductor, rounding each fused operation's result to the dtype eager torch would: a
     fused bf16 kernel otherwise keeps float32 between operations and drifts from the
     checkpoint's own (transformers') bf16 forward by more than bf16's rounding."""
-    with inductor_config.patch(emulate_precision_casts=True):
+    from torch._inductor.compile_fx import compile_fx
+
+    with _inductor_config().patch(emulate_precision_casts=True):
         return compile_fx(graph, example_inputs)
+
+
+def _inductor_config():
+    """Inductor's settings, imported where something compiles: importing inductor takes
+    seconds of a two-core scheduler's start, and only ``--compile`` needs it."""
+    import torch._inductor.config
+
+    return torch._inductor.config
 
 
 def missing_compiler() -> str | None:
@@ -87,7 +95,7 @@ def missing_compiler() -> str | None:
     try:
         search()
     except (InvalidCxxCompiler, OSError):  # none found; or CXX names what cannot run
-        cxx = inductor_config.cpp.cxx
+        cxx = _inductor_config().cpp.cxx
         names = cxx if isinstance(cxx, tuple | list) else [cxx]
         tried = ", ".join(str(name) for name in names if name) or "none"
         return f"no C++ compiler runs here (tried: {tried})"
@@ -100,7 +108,7 @@ class CompiledLayers:
     @staticmethod
     def supported() -> bool:
         """This torch has the compiler settings the graph needs (older ones lack them)."""
-        return hasattr(inductor_config, "emulate_precision_casts") and hasattr(
+        return hasattr(_inductor_config(), "emulate_precision_casts") and hasattr(
             shape_config, "use_duck_shape"
         )
 
@@ -123,7 +131,8 @@ class CompiledLayers:
             # call so that no other graph is frozen: freezing, and no duck sizing, which
             # would tie the row count to any size or stride equal to it when first traced
             # (cos's stride is 2 * head_dim: a 128-row warm-up made a graph for 128 rows only)
-            with inductor_config.patch(freezing=True), shape_config.patch(use_duck_shape=False):
+            freezing = _inductor_config().patch(freezing=True)
+            with freezing, shape_config.patch(use_duck_shape=False):
                 return self._compiled(h, cos, sin)
         finally:
             _STEP.context = outer

@@ -35,6 +35,13 @@ TINY_BYTES_PER_BLOCK = 16 * 2 * 2 * 64 * 4 * 4
 
 
 @pytest.fixture(scope="module")
+def launch_stack(launch_stack):
+    """Stacks that drain for 5 s at the most: a prefill stack holds its unread loans through a
+    drain, for the default 30 s, at every stop in this module."""
+    return lambda *flags, **kwargs: launch_stack(*flags, "--drain-timeout", "5", **kwargs)
+
+
+@pytest.fixture(scope="module")
 def lora_flags(model_cache, tmp_path_factory) -> tuple[str, ...]:
     """Both stacks serve one adapter: its blocks are named with it on either side."""
     from test_lora_e2e import write_adapter

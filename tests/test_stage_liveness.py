@@ -107,7 +107,7 @@ def test_heartbeats_are_answered_while_a_long_step_runs():
     beats = [(at, m) for at, m in ring.sent if isinstance(m, protocol.Heartbeat)]
     assert len(beats) == 1
     answered, heartbeat = beats[0]
-    assert answered - sent_heartbeat < 0.2 and answered < stage.step_ended
+    assert answered - sent_heartbeat < 0.5 and answered < stage.step_ended
     assert heartbeat.statuses[0].running == 7  # the status read before the step
     # the abort waited for the step, then was handled
     assert [uid for _, uid in stage.handled] == ["late"]

@@ -75,10 +75,12 @@ def flood(stack, tenant: str, stop: threading.Event, max_tokens: int, priority: 
 def test_tenants_share_the_pool_by_weight(tenants_stack) -> None:
     stop = threading.Event()
     with ThreadPoolExecutor(2 * PER_TENANT) as pool:
+        # lengths that differ, so the slots free one at a time and each tenant's queue stays
+        # stocked (equal lengths finish together and can empty a queue for a step)
         floods = [
-            pool.submit(flood, tenants_stack, tenant, stop, 16)
+            pool.submit(flood, tenants_stack, tenant, stop, 16 + 8 * i)
             for tenant in ("team-a", "team-b")
-            for _ in range(PER_TENANT)
+            for i in range(PER_TENANT)
         ]
         time.sleep(3)  # both tenants saturate the four sequences
         before = generated(tenants_stack)

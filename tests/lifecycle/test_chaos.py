@@ -161,7 +161,10 @@ def test_shutdown_lets_streams_finish_and_leaves_no_process(launch_stack):
             while not stack.metric("scheduler", "tokenline_num_requests_running"):  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
             stack.process.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.3)
+            deadline = time.monotonic() + 5  # the signal reaches the api through serve
+            while (await client.get("/ready")).status_code == 200:
+                assert time.monotonic() < deadline, "still ready 5 s after SIGTERM"
+                await asyncio.sleep(0.05)
             refused = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
             assert refused.status_code == 503
             return await asyncio.wait_for(asyncio.gather(*streams), 60)

@@ -212,7 +212,7 @@ def test_with_a_request_rate_conversations_arrive_on_the_schedule(
     recs = {(r["conversation"], r["turn"]): r for r in phase["records"]}
     for conversation, arrival in enumerate(poisson_arrivals(4, 20.0, seed=3)):
         first, second = recs[(conversation, 0)], recs[(conversation, 1)]
-        assert first["start"] - phase["start"] == pytest.approx(arrival, abs=0.03)
+        assert -0.005 <= first["start"] - phase["start"] - arrival <= 0.08  # never early
         assert second["start"] >= first["start"] + first["e2e"]
 
 

@@ -223,7 +223,8 @@ def test_request_rate_starts_requests_on_the_poisson_schedule(
     phase = result["phases"][0]
     expected = poisson_arrivals(10, 25.0, seed=11)
     for r, arrival in zip(phase["records"], expected, strict=True):
-        assert r["start"] - phase["start"] == pytest.approx(arrival, abs=0.03)
+        # never early; late by at most an event loop's hiccup on a busy machine
+        assert -0.005 <= r["start"] - phase["start"] - arrival <= 0.08
 
 
 def test_compare_interleaves_rounds_and_prints_ratios_json_and_plot(

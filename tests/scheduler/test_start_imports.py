@@ -12,7 +12,8 @@ import sys
 import tokenline.scheduler.stage
 import tokenline.scheduler.grammar
 import tokenline.scheduler.layers.compiled
-print(sorted({m.split(".")[1] for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor"))}))
+compiler = ("torch._dynamo", "torch._inductor")
+print(sorted({m.split(".")[1] for m in sys.modules if m.startswith(compiler)}))
 """
 
 

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 from ring_sim import run_scenario
 
-BUDGET_S = float(os.environ.get("TOKENLINE_SIM_BUDGET_S", "40"))
+BUDGET_S = float(os.environ.get("TOKENLINE_SIM_BUDGET_S", "20"))
 MAX_SCENARIOS = int(os.environ.get("TOKENLINE_SIM_SCENARIOS", "2000"))
 
 

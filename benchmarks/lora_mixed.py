@@ -29,7 +29,7 @@ from tokenline.loadgen.workload import LengthDist, build_workload
 from tokenline.model_source import resolve
 from tokenline.protocol import SamplingParams
 from tokenline.scheduler.engine import Engine
-from tokenline.scheduler.limits import EngineLimits, default_token_budget
+from tokenline.scheduler.engine_limits import EngineLimits, default_token_budget
 from tokenline.scheduler.lora.options import LoraOptions
 from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 

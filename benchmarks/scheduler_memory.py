@@ -43,8 +43,8 @@ import torch
 from tokenline import protocol, tiny_model
 from tokenline.model_source import resolve
 from tokenline.scheduler.engine import Engine
+from tokenline.scheduler.engine_limits import EngineLimits, default_token_budget
 from tokenline.scheduler.grammar import GrammarCompiler
-from tokenline.scheduler.limits import EngineLimits, default_token_budget
 from tokenline.scheduler.runner import ModelRunner, RunnerOptions
 from tokenline.scheduler.stage import SchedulerStage
 

@@ -12,11 +12,11 @@ from concurrent.futures import Future
 from tokenline.protocol import SamplingParams, TokenOutput
 from tokenline.reasoning import ReasoningFormat, ReasoningSplit
 from tokenline.scheduler import prompt_logprobs
+from tokenline.scheduler.engine_limits import DEADLINE_MARGIN_S, EngineLimits
 from tokenline.scheduler.grammar import GrammarCompiler, GrammarError
 from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.kv_transfer.config import KVTransferConfig
 from tokenline.scheduler.kv_transfer.transfers import check_kv_transfer, transfers_for
-from tokenline.scheduler.limits import DEADLINE_MARGIN_S, EngineLimits
 from tokenline.scheduler.lora.options import LoraOptions, lora_slots
 from tokenline.scheduler.lora.slots import LoraSlots
 from tokenline.scheduler.policy import BatchPolicy, Chunk, StepOutput

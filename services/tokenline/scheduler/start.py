@@ -15,10 +15,10 @@ from tokenline.metrics import serve_metrics
 from tokenline.model_source import ModelSource, resolve
 from tokenline.reasoning import parser_for
 from tokenline.scheduler.engine import Engine
+from tokenline.scheduler.engine_limits import EngineLimits, default_token_budget
 from tokenline.scheduler.grammar import GrammarCompiler
 from tokenline.scheduler.kv_events import attach
 from tokenline.scheduler.kv_transfer import config as kv_transfer
-from tokenline.scheduler.limits import EngineLimits, default_token_budget
 from tokenline.scheduler.lora.adapters import LoraError
 from tokenline.scheduler.lora.options import LoraOptions
 from tokenline.scheduler.lora_config import LoraConfigWatcher

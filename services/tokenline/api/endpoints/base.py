@@ -26,7 +26,7 @@ from tokenline.api.http.errors import (
     unencodable,
 )
 from tokenline.api.http.sse import EventStream
-from tokenline.api.openai.limits import check_request
+from tokenline.api.openai.request_limits import check_request
 from tokenline.api.ring.client import RingClient
 from tokenline.api.ring.exchange import NORMAL_ENDS, Exchange
 

@@ -3,7 +3,7 @@
 Pure ASGI middleware: a declared ``Content-Length`` over the limit is refused before a byte of
 the body is read, and a chunked body is counted as it arrives and refused the moment it passes
 the limit, so an oversized body is never held in memory. What a parsed request may ask of the
-stages is api/openai/limits.py.
+stages is api/openai/request_limits.py.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from pydantic import (
 from tokenline.protocol import KVTransferParams, SamplingParams
 
 # Hard bounds: what the wire format and the stages can carry. The operator's tighter limits
-# (--max-n, --max-tokens-limit, ...) are checked after parsing, in api/openai/limits.py.
+# (--max-n, --max-tokens-limit, ...) are checked after parsing, in api/openai/request_limits.py.
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI allows
 MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs, as OpenAI allows
 INT32_MAX = 2**31 - 1  # token counts and ids: far beyond any model, safe in every stage
@@ -108,7 +108,7 @@ class SamplingFields(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1, le=INT32_MAX)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)  # at most --max-n (openai/limits.py); never encoded itself
+    n: int = Field(default=1, ge=1)  # at most --max-n (request_limits.py); never encoded itself
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = None
@@ -160,7 +160,7 @@ class SamplingFields(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> list[str]:
-        # how many and how long: api/openai/limits.py, from the operator's flags
+        # how many and how long: api/openai/request_limits.py, from the operator's flags
         stops = [value] if isinstance(value, str) else list(value or [])
         return [s for s in stops if s]
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tokenline.api.http.errors import invalid
 from tokenline.api.openai.chat import ChatMessageIn, template_variables
-from tokenline.api.openai.limits import check_messages
+from tokenline.api.openai.request_limits import check_messages
 from tokenline.api.openai.sampling import Text, TokenId
 from tokenline.api.openai.tools import Tool
 from tokenline.protocol import ChatMessage

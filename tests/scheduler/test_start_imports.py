@@ -9,6 +9,7 @@ import sys
 
 PROBE = """
 import sys
+import tokenline.scheduler.start
 import tokenline.scheduler.stage
 import tokenline.scheduler.grammar
 import tokenline.scheduler.layers.compiled

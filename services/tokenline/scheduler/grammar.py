@@ -35,11 +35,17 @@ _BITS = 32
 
 def packed_masks(rows: int, vocab_size: int) -> torch.Tensor:
     """``rows`` masks in llguidance's layout (32 tokens an int32, every token allowed), for
-    its matchers to write. llguidance.torch has the same helper, but importing that module
-    compiles a kernel with torch.compile, which brings dynamo and inductor into every
-    scheduler: seconds of start-up on two cores for a kernel this module never calls."""
-    width = (vocab_size + _BITS - 1) // _BITS
-    return torch.full((rows, width), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+    its matchers to write; pinned where a GPU will read them. llguidance.torch has the same
+    helper, but importing that module wraps a kernel in torch.compile, which imports dynamo
+    and inductor into every scheduler: seconds of start-up on two cores, for a kernel this
+    module never calls."""
+    shape = (rows, (vocab_size + _BITS - 1) // _BITS)
+    if torch.cuda.is_available():
+        try:
+            return torch.full(shape, -1, dtype=torch.int32, pin_memory=True)
+        except RuntimeError:  # no page-locked memory to be had: a plain copy still works
+            pass
+    return torch.full(shape, -1, dtype=torch.int32)
 
 
 class GrammarError(ValueError):

@@ -114,6 +114,7 @@ class CompiledLayers:
 
     def __init__(self, layers: torch.nn.ModuleList) -> None:
         self._layers = layers  # a module: its parameters are what freezing folds in
+        self._inductor = _inductor_config()  # once, not in every step
         self._compiled = torch.compile(self._run, dynamic=True, backend=_inductor_rounding_as_eager)
 
     def _run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -131,7 +132,7 @@ class CompiledLayers:
             # call so that no other graph is frozen: freezing, and no duck sizing, which
             # would tie the row count to any size or stride equal to it when first traced
             # (cos's stride is 2 * head_dim: a 128-row warm-up made a graph for 128 rows only)
-            freezing = _inductor_config().patch(freezing=True)
+            freezing = self._inductor.patch(freezing=True)
             with freezing, shape_config.patch(use_duck_shape=False):
                 return self._compiled(h, cos, sin)
         finally:

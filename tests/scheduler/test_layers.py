@@ -7,17 +7,20 @@ against the module it stands in for, on small random models of every native fami
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import transformers
 from scheduler_testkit import COMMON, FAMILIES
+from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from tokenline.scheduler.layers.embedding import VocabEmbedding
 from tokenline.scheduler.layers.linear import ColumnLinear, QKVLinear, RowLinear
 from tokenline.scheduler.layers.norm import GemmaRMSNorm, RMSNorm
 from tokenline.scheduler.layers.placement import Placement
-from tokenline.scheduler.layers.rotary import Rotary, rotate
+from tokenline.scheduler.layers.rotary import RopeFrequencies, Rotary, rotate
 
 SMALL = {**COMMON, "num_hidden_layers": 1, "max_position_embeddings": 512}
 CPU = torch.device("cpu")
@@ -81,13 +84,13 @@ def test_gemma_norm_gives_the_modules_bits(dtype):
             assert torch.equal(norm(x), module(x))
 
 
-def _rotation_matches(module, positions, head_dim, layer_type=None) -> None:
-    rotary = Rotary(module, torch.float32, CPU, layer_type)
+def _rotation_matches(reference, ours, positions, head_dim, layer_type=None) -> None:
+    rotary = Rotary(ours, torch.float32, CPU, layer_type)
     q = torch.randn(len(positions), 4, head_dim)
     k = torch.randn(len(positions), 2, head_dim)
     with torch.inference_mode():
         args = (q, positions.unsqueeze(0)) + ((layer_type,) if layer_type else ())
-        cos, sin = module(*args)
+        cos, sin = reference(*args)
         want_q, want_k = apply_rotary_pos_emb(
             q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), cos, sin
         )
@@ -103,7 +106,7 @@ def test_rotation_gives_transformers_bits(family):
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // 4
     positions = torch.tensor([0, 1, 7, 255, 256, 300, 511])  # past the table's first size
-    _rotation_matches(model.model.rotary_emb, positions, head_dim)
+    _rotation_matches(model.model.rotary_emb, RopeFrequencies(config), positions, head_dim)
 
 
 @pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
@@ -115,8 +118,9 @@ def test_gemma3_rotation_of_each_layer_type_gives_transformers_bits(layer_type):
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
     }
     model = _gemma3(rope_parameters=rope)
+    ours = RopeFrequencies(model.config, sorted(set(model.config.layer_types)))
     positions = torch.tensor([0, 3, 9, 300])
-    _rotation_matches(model.model.rotary_emb, positions, 16, layer_type)
+    _rotation_matches(model.model.rotary_emb, ours, positions, 16, layer_type)
 
 
 def test_dynamic_rotary_is_computed_for_each_step():
@@ -125,18 +129,99 @@ def test_dynamic_rotary_is_computed_for_each_step():
     rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     model = _model("llama", rope_parameters=rope)
     model.config.max_position_embeddings = 64  # scaling starts past 64 positions
-    model.model.rotary_emb.original_max_seq_len = 64
-    rotary = Rotary(model.model.rotary_emb, torch.float32, CPU)
+    module = model.model.rotary_emb
+    module.original_max_seq_len = module.max_seq_len_cached = 64
+    rotary = Rotary(RopeFrequencies(model.config), torch.float32, CPU)
     x = torch.randn(3, 4, 16)
-    for positions in (torch.tensor([1, 2, 3]), torch.tensor([1, 2, 200])):
+    for positions in (torch.tensor([1, 2, 3]), torch.tensor([1, 2, 200]), torch.tensor([5])):
         with torch.inference_mode():
-            cos, sin = model.model.rotary_emb(x, positions.unsqueeze(0))
+            cos, sin = module(x, positions.unsqueeze(0))
             want, _ = apply_rotary_pos_emb(
                 x.transpose(0, 1).unsqueeze(0), x.transpose(0, 1).unsqueeze(0), cos, sin
             )
             got = rotate(x, *rotary.at(positions, int(positions.max())))
         assert torch.equal(got, want[0].transpose(0, 1))
     assert rotary._table.shape[0] == 0  # nothing was tabulated
+
+
+# Every rope type transformers computes, past the trained length (64 here) where they scale.
+ROPE_TYPES = {
+    "default": {"rope_type": "default", "rope_theta": 10_000.0},
+    "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10_000.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10_000.0},
+    "yarn": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "rope_theta": 10_000.0,
+        "original_max_position_embeddings": 64,
+    },
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 500_000.0,
+    },
+    "longrope": {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + i / 16 for i in range(8)],
+        "long_factor": [2.0 + i / 4 for i in range(8)],
+        "original_max_position_embeddings": 64,
+        "rope_theta": 10_000.0,
+    },
+}
+# Each native family's config and its own transformers rotary module, with 16-wide heads.
+ROTARY_FAMILIES = {
+    "llama": ("LlamaConfig", "llama", "LlamaRotaryEmbedding"),
+    "mistral": ("MistralConfig", "mistral", "MistralRotaryEmbedding"),
+    "qwen2": ("Qwen2Config", "qwen2", "Qwen2RotaryEmbedding"),
+    "qwen3": ("Qwen3Config", "qwen3", "Qwen3RotaryEmbedding"),
+    "qwen3_moe": ("Qwen3MoeConfig", "qwen3_moe", "Qwen3MoeRotaryEmbedding"),
+    "mixtral": ("MixtralConfig", "mixtral", "MixtralRotaryEmbedding"),
+}
+# Steps of growing, then shrinking lengths: the dynamic types grow their frequencies past the
+# trained length and go back to the originals below it.
+STEP_POSITIONS = (range(0, 9), range(0, 40), range(60, 70), range(0, 130), range(200, 256), [3])
+
+
+def _same_steps(reference, ours, layer_type=None) -> None:
+    x = torch.empty(0, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for step in STEP_POSITIONS:
+            positions = torch.tensor(list(step)).unsqueeze(0)
+            by_type = (layer_type,) if layer_type else ()
+            want, got = reference(x, positions, *by_type), ours(x, positions, *by_type)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), list(step)
+
+
+@pytest.mark.parametrize("rope", sorted(ROPE_TYPES))
+@pytest.mark.parametrize("family", sorted(ROTARY_FAMILIES))
+def test_rope_frequencies_are_each_familys_module_in_every_rope_type(family, rope):
+    config_name, module_family, module_name = ROTARY_FAMILIES[family]
+    shapes = {**COMMON, "head_dim": 16, "max_position_embeddings": 64}
+    config = getattr(transformers, config_name)(**shapes, rope_parameters=ROPE_TYPES[rope])
+    modeling = importlib.import_module(f"transformers.models.{module_family}.modeling_{family}")
+    reference = getattr(modeling, module_name)(config=config)
+    _same_steps(reference, RopeFrequencies(config))
+
+
+@pytest.mark.parametrize("rope", sorted(ROPE_TYPES))
+def test_gemma3_frequencies_are_its_modules_for_each_layer_type(rope):
+    """The sliding layers keep their own default rotary while the full layers scale."""
+    layer_types = ["sliding_attention", "full_attention"]
+    config = transformers.Gemma3TextConfig(
+        **{**SMALL, "head_dim": 16, "num_hidden_layers": 2, "max_position_embeddings": 64},
+        layer_types=layer_types,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": ROPE_TYPES[rope],
+        },
+    )
+    reference = modeling_gemma3.Gemma3RotaryEmbedding(config=config)
+    ours = RopeFrequencies(config, sorted(set(layer_types)))
+    for layer_type in layer_types:
+        _same_steps(reference, ours, layer_type)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

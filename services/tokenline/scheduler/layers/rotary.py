@@ -1,5 +1,6 @@
-"""Rotary position embeddings: the family's own transformers module computes the tables (every
-rope type it knows: llama3, yarn, longrope, dynamic...), and a step looks its positions up.
+"""Rotary position embeddings: `RopeFrequencies` computes the tables as the families' transformers
+modules do, with transformers' own rope functions (every rope type: llama3, yarn, longrope,
+dynamic...), and a step looks its positions up.
 
 transformers rotates x into ``x * cos + rotate_half(x) * sin``, with ``rotate_half(x) =
 cat(-x2, x1)``; ``roll(x, D/2) * cat(-sin1, sin2)`` is the same product with the sign moved onto
@@ -10,9 +11,68 @@ together instead of about fourteen.
 from __future__ import annotations
 
 import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 # rotary types whose frequencies depend on the step's longest position (recomputed each step)
 _DYNAMIC_ROPE = {"dynamic", "longrope"}
+
+
+class RopeFrequencies(torch.nn.Module):
+    """The cos and sin of positions as transformers' rotary modules compute them for ``config``:
+    one set of frequencies, or one per layer type (``layer_types``: Gemma 3's sliding and full
+    layers, each with its own rope parameters).
+
+    The families' own modules (``LlamaRotaryEmbedding`` and its copies, ``Gemma3RotaryEmbedding``)
+    live in their modeling modules, whose import brings in transformers' model classes and
+    torch's compiler, seconds of a scheduler's start on two cores. This is the same computation:
+    the non-default rope types' frequencies from transformers' ``ROPE_INIT_FUNCTIONS``, their
+    per-step updates (dynamic, longrope) from its ``dynamic_rope_update``, under the attribute
+    names that decorator reads. tests/scheduler/test_layers.py holds it to every family's module,
+    bit for bit, in every rope type.
+    """
+
+    def __init__(self, config, layer_types: list[str] | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        if layer_types is None:
+            self.rope_type = config.rope_parameters["rope_type"]
+            self._frequencies(config.rope_parameters, self.rope_type, None)
+            return
+        self.rope_type = {}
+        for layer_type in layer_types:
+            params = config.rope_parameters[layer_type]
+            if params is not None:
+                self.rope_type[layer_type] = params["rope_type"]
+                self._frequencies(params, params["rope_type"], layer_type)
+
+    def _frequencies(self, params: dict, rope_type: str, layer_type: str | None) -> None:
+        if rope_type == "default":
+            config = self.config
+            dim = getattr(config, "head_dim", None) or (
+                config.hidden_size // config.num_attention_heads
+            )
+            exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
+            inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponents), 1.0
+        else:
+            by_type = {} if layer_type is None else {"layer_type": layer_type}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, None, **by_type)
+        prefix = "" if layer_type is None else f"{layer_type}_"
+        self.register_buffer(f"{prefix}inv_freq", inv_freq, persistent=False)
+        self.register_buffer(f"{prefix}original_inv_freq", inv_freq.clone(), persistent=False)
+        setattr(self, f"{prefix}attention_scaling", scaling)
+
+    @dynamic_rope_update
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        prefix = "" if layer_type is None else f"{layer_type}_"
+        inv_freq = getattr(self, f"{prefix}inv_freq")
+        scaling = getattr(self, f"{prefix}attention_scaling")
+        freqs = position_ids[..., None].float() * inv_freq.to(device=x.device, dtype=torch.float)
+        both = torch.cat((freqs, freqs), dim=-1)
+        return (both.cos() * scaling).to(dtype=x.dtype), (both.sin() * scaling).to(dtype=x.dtype)
 
 
 class Rotary:

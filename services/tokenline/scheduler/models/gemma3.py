@@ -25,9 +25,9 @@ from tokenline.scheduler.layers.embedding import LMHead, VocabEmbedding
 from tokenline.scheduler.layers.mlp import GatedMLP
 from tokenline.scheduler.layers.norm import GemmaRMSNorm
 from tokenline.scheduler.layers.placement import ModelRefused, Placement
-from tokenline.scheduler.layers.rotary import Rotary
+from tokenline.scheduler.layers.rotary import RopeFrequencies, Rotary
 from tokenline.scheduler.models.base import CausalLM, Geometry
-from tokenline.scheduler.models.llama import head_dim_of, rotary_module, window_by_layer_type
+from tokenline.scheduler.models.llama import head_dim_of, window_by_layer_type
 from tokenline.scheduler.models.weights import Target, packed_target
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -100,10 +100,11 @@ class Gemma3ForCausalLM(CausalLM):
         tied = self.model.embed_tokens if self.tied else None
         self.lm_head = LMHead(hidden, config.vocab_size, place, tied)
         self.softcap = getattr(config, "final_logit_softcapping", None)
-        module = rotary_module(config, "gemma3", "Gemma3RotaryEmbedding", place.device)
+        layer_types = sorted(set(config.layer_types))
+        frequencies = RopeFrequencies(config, layer_types).to(place.device)
         self.rotary = {
-            layer_type: Rotary(module, place.dtype, place.device, layer_type)
-            for layer_type in sorted(set(config.layer_types))
+            layer_type: Rotary(frequencies, place.dtype, place.device, layer_type)
+            for layer_type in layer_types
         }
         attention = [layer.self_attn for layer in self.model.layers]
         self.geometry = Geometry(

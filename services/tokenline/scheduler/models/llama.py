@@ -14,8 +14,6 @@ mixtral.py) are this decoder with another feed-forward block.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.nn.functional as F
 
@@ -27,7 +25,7 @@ from tokenline.scheduler.layers.embedding import LMHead, VocabEmbedding
 from tokenline.scheduler.layers.mlp import GatedMLP
 from tokenline.scheduler.layers.norm import RMSNorm
 from tokenline.scheduler.layers.placement import Placement
-from tokenline.scheduler.layers.rotary import Rotary
+from tokenline.scheduler.layers.rotary import RopeFrequencies, Rotary
 from tokenline.scheduler.models.base import CausalLM, Geometry
 from tokenline.scheduler.models.weights import Target, packed_target
 
@@ -84,20 +82,13 @@ def layer_tail(
     return hidden + F.linear(F.silu(gate) * up, *down)
 
 
-def rotary_module(config, family: str, name: str, device: torch.device) -> torch.nn.Module:
-    """The family's own transformers rotary module (every rope type it knows), on ``device``."""
-    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    return getattr(module, name)(config=config).to(device)
-
-
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class LlamaForCausalLM(CausalLM):
-    """Llama. Subclasses change the switches (`biases`, `qk_norm`, `window`, `mlp`, `rotary`)."""
+    """Llama. Subclasses change the switches (`biases`, `qk_norm`, `window`, `mlp`)."""
 
-    rotary = ("llama", "LlamaRotaryEmbedding")
     captures_aux = True  # EAGLE-3 heads can read its layers (`_layers_keeping_aux`)
 
     def __init__(self, config, place: Placement) -> None:
@@ -113,10 +104,8 @@ class LlamaForCausalLM(CausalLM):
         self.model.norm = self.norm(hidden)
         tied = self.model.embed_tokens if self.tied else None
         self.lm_head = LMHead(hidden, config.vocab_size, place, tied)
-        family, name = self.rotary
-        self.rotary_emb = Rotary(
-            rotary_module(config, family, name, place.device), place.dtype, place.device
-        )
+        frequencies = RopeFrequencies(config).to(place.device)
+        self.rotary_emb = Rotary(frequencies, place.dtype, place.device)
         first = self.model.layers[0].self_attn
         self.compiled: CompiledLayers | None = None  # ``--compile`` on CPU
         self.geometry = Geometry(
@@ -237,8 +226,6 @@ class LlamaForCausalLM(CausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    rotary = ("mistral", "MistralRotaryEmbedding")
-
     def biases(self, config) -> tuple[bool, bool, bool]:
         return False, False, False
 
@@ -255,8 +242,6 @@ def window_by_layer_type(config, index: int) -> int | None:
 
 
 class Qwen2ForCausalLM(MistralForCausalLM):
-    rotary = ("qwen2", "Qwen2RotaryEmbedding")
-
     def biases(self, config) -> tuple[bool, bool, bool]:
         return True, False, False  # q, k and v have biases; o and the MLP do not
 
@@ -265,7 +250,6 @@ class Qwen2ForCausalLM(MistralForCausalLM):
 
 
 class Qwen3ForCausalLM(Qwen2ForCausalLM):
-    rotary = ("qwen3", "Qwen3RotaryEmbedding")
     qk_norm = True
 
     def biases(self, config) -> tuple[bool, bool, bool]:

@@ -16,8 +16,6 @@ from tokenline.scheduler.models.weights import Target, packed_target
 
 
 class MixtralForCausalLM(MistralForCausalLM):
-    rotary = ("mixtral", "MixtralRotaryEmbedding")
-
     def mlp(self, config, index: int) -> torch.nn.Module:
         return SparseMoE(
             config.hidden_size,

@@ -20,8 +20,6 @@ from tokenline.scheduler.models.weights import Target, packed_target
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    rotary = ("qwen3_moe", "Qwen3MoeRotaryEmbedding")
-
     def window(self, config, index: int) -> int | None:
         return getattr(config, "sliding_window", None) or None
 

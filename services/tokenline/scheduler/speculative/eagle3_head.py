@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from tokenline.scheduler.layers.rotary import Rotary, rotate
-from tokenline.scheduler.models.llama import head_dim_of, rotary_module
+from tokenline.scheduler.layers.rotary import RopeFrequencies, Rotary, rotate
+from tokenline.scheduler.models.llama import head_dim_of
 from tokenline.scheduler.speculative.whole_vocabulary import MissingVocabulary, whole_vocabulary
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -156,8 +156,7 @@ class Eagle3Head:
             self.embed = lambda ids: F.embedding(ids, self.w["embed_tokens.weight"])
         if "lm_head.weight" in self.w:
             self.lm_head = lambda x: F.linear(x, self.w["lm_head.weight"])
-        module = rotary_module(config, "llama", "LlamaRotaryEmbedding", device)
-        self.rotary = Rotary(module, dtype, device)
+        self.rotary = Rotary(RopeFrequencies(config).to(device), dtype, device)
 
     def new_cache(self) -> HeadCache:
         return HeadCache(self.num_kv_heads, self.head_dim, self.dtype, self.device)

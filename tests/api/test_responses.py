@@ -390,8 +390,12 @@ def test_input_longer_than_the_context_fails_before_any_event(client, stack, str
     started = time.monotonic()
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model=stack.model, input="river mountain " * 3000, stream=stream)
-    assert caught.value.body["code"] == "context_length_exceeded"
+    error = caught.value.body
+    assert error["code"] == "context_length_exceeded"
     assert time.monotonic() - started < 5
+    # the tokenizer stage names chat's fields; a Responses client reads its own
+    assert error["param"] == "input"
+    assert "max_output_tokens" in error["message"] and "max_tokens" not in error["message"]
 
 
 # ── openai-agents' default model ──────────────────────────────────────────────────────────────

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenline import protocol
 from tokenline.api.http.errors import (
+    ApiError,
     ended_with,
     invalid,
     model_not_found,
@@ -52,6 +53,10 @@ class Endpoint:
         self.lora = ""  # the LoRA adapter the request names ("" the base model), once checked
         self.alias = ""  # the base model's name the request gave, once checked
         self.admitted = False
+
+    def named(self, error: ApiError) -> ApiError:
+        """``error`` in the names of this endpoint's request (the stages name chat's fields)."""
+        return error
 
     # ── what every endpoint checks ─────────────────────────────────────────────────────────────
     def check_model(self, model: str | None) -> str:
@@ -149,7 +154,7 @@ class Endpoint:
             # stage down) gets its own status code instead of a broken 200 stream.
             first = await ex.next_batch()
             if ex.error is not None and not first:
-                return ex.error.response()
+                return self.named(ex.error).response()
             meta = {
                 "id": self.id_prefix + ex.uids[0],
                 "created": int(time.time()),
@@ -162,7 +167,7 @@ class Endpoint:
             await ex.collect()
             ring_client.close(ex)
             if ex.error is not None:
-                return ex.error.response()
+                return self.named(ex.error).response()
             failed = [c for c in ex.choices if c.finish_reason not in NORMAL_ENDS]
             if failed:
                 return ended_with(failed[0].finish_reason).response()

@@ -47,6 +47,9 @@ class Responses(Chat):
         except ApiError as exc:  # the tool plan and the limits name chat's fields
             raise renamed(exc) from exc
 
+    def named(self, error: ApiError) -> ApiError:
+        return renamed(error)
+
 
 def not_stored(response_id: str) -> ApiError:
     return ApiError(
@@ -353,9 +356,9 @@ class ResponsesAnswer:
                     yield chunk
                 return
             if reply.finish_reason:
-                for chunk in builder.fail(ex.error_for(reply), _usage(ex)):
+                for chunk in builder.fail(renamed(ex.error_for(reply)), _usage(ex)):
                     yield chunk
                 return
         # over without a terminal reply: aborted (deadline, shutdown, a stage failing)
-        for chunk in builder.fail(ex.error_for(None), _usage(ex)):
+        for chunk in builder.fail(renamed(ex.error_for(None)), _usage(ex)):
             yield chunk

@@ -353,6 +353,7 @@ _RENAMES = (
     ("response_format.json_schema.schema", "text.format.schema"),
     ("response_format", "text.format"),
     ("max_completion_tokens", "max_output_tokens"),
+    ("max_tokens", "max_output_tokens"),
     ("].function.", "]."),
     ("messages", "input"),
 )

@@ -28,7 +28,7 @@ def run(stage: TokenizerStage, *messages: msgspec.Struct) -> list[msgspec.Struct
 
 
 def generate(uid: str, **fields) -> protocol.Generate:
-    return protocol.Generate(uid=uid, sampling=SAMPLING, timeout_s=30, **fields)
+    return protocol.Generate(uid=uid, **{"sampling": SAMPLING, "timeout_s": 30, **fields})
 
 
 # ── prompts as token ids ───────────────────────────────────────────────────────────────────────
@@ -100,6 +100,37 @@ def test_a_text_prompt_that_tokenizes_to_nothing_fails(stage):
         "prompt",
     )
     assert "empty after tokenization" in failed.message
+
+
+def test_min_tokens_above_what_the_request_may_generate_is_refused(stage):
+    """vLLM's rule: min_tokens at most max_tokens, the one sent or the context's rest; the
+    engine would otherwise end at max_tokens with min_tokens unmet."""
+    prompt = [7] * 10
+    at_most, above, above_rest = run(
+        stage,
+        generate(
+            "at-most",
+            prompt_ids=prompt,
+            sampling=protocol.SamplingParams(max_tokens=4, min_tokens=4),
+        ),
+        generate(
+            "above", prompt_ids=prompt, sampling=protocol.SamplingParams(max_tokens=4, min_tokens=5)
+        ),
+        generate(
+            "above-rest",
+            prompt_ids=prompt,
+            sampling=protocol.SamplingParams(min_tokens=MAX_MODEL_LEN),
+        ),
+    )
+    assert isinstance(at_most, protocol.Tokenized) and at_most.sampling.min_tokens == 4
+    for failed, most in ((above, 4), (above_rest, MAX_MODEL_LEN - len(prompt))):
+        assert isinstance(failed, protocol.Failed)
+        assert (failed.http_status, failed.code, failed.param) == (
+            400,
+            "invalid_request_error",
+            "min_tokens",
+        )
+        assert f"the {most} tokens this request may generate" in failed.message
 
 
 def test_a_text_prompt_is_held_to_the_context_and_given_the_rest_of_it(stage):

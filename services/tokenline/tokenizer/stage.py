@@ -1,8 +1,9 @@
 """The tokenizer stage: chat templates and tokenization, batched.
 
 It owns the rules on a prompt's length (`PromptEncoder._check`): an empty prompt and one past
-the context with its ``max_tokens`` are refused here, and an unset ``max_tokens`` becomes the
-rest of the context; the scheduler's engine relies on both.
+the context with its ``max_tokens`` are refused here, an unset ``max_tokens`` becomes the rest
+of the context, and a ``min_tokens`` above it is refused; the scheduler's engine relies on all
+three.
 
 It holds no per-request state between batches: every message is forwarded, in order, in the
 same loop iteration that received it, so aborts can never overtake their request here. It also
@@ -225,6 +226,14 @@ class PromptEncoder:
         sampling = request.sampling
         if sampling.max_tokens is None:
             sampling = msgspec.structs.replace(sampling, max_tokens=limit - len(ids))
+        if sampling.min_tokens > sampling.max_tokens:
+            return _invalid(
+                request.uid,
+                "min_tokens",
+                f"min_tokens is {sampling.min_tokens}, more than the {sampling.max_tokens} "
+                "tokens this request may generate (its max_tokens, or the context the prompt "
+                "leaves); lower min_tokens",
+            )
         return protocol.Tokenized(
             uid=request.uid,
             prompt_ids=ids,

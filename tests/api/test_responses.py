@@ -340,6 +340,11 @@ INVALID = [
         {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strin"}}}},
         "text.format.schema",
     ),
+    # a schema beside another type would be dropped
+    (
+        {"text": {"format": {"type": "json_object", "name": "x", "schema": ANSWER_SCHEMA}}},
+        "text.format.schema",
+    ),
     ({"input": [{"type": "function_call_output", "output": "21"}]}, "input[0].call_id"),
     ({"input": [{"role": "tool", "content": "21"}]}, "input[0].role"),
 ]

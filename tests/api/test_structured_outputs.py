@@ -272,6 +272,15 @@ BAD = [
         "response_format.json_schema.schema",
     ),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    # a schema beside another type would be dropped: a 400, not free or any-object output
+    (
+        {"response_format": {**_schema_format({"type": "object"}), "type": "json_object"}},
+        "response_format.json_schema",
+    ),
+    (
+        {"response_format": {**_schema_format({"type": "object"}), "type": "text"}},
+        "response_format.json_schema",
+    ),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"tools": [{"type": "function", "function": {"description": "x"}}]}, "tools[0].function.name"),
     (

@@ -148,6 +148,12 @@ def _json_rule(schema: dict[str, Any]) -> str:
 
 def response_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
     """The schema a JSON ``response_format`` asks for (validated), or None for text."""
+    if fmt is not None and fmt.type != "json_schema" and fmt.json_schema is not None:
+        raise invalid(
+            "response_format.json_schema",
+            f"a response_format of type {fmt.type} takes no json_schema; set type to "
+            "json_schema to constrain the output to it, or leave json_schema out",
+        )
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":

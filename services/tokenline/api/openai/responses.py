@@ -336,6 +336,12 @@ def _tool_choice_of(choice: str | dict[str, Any] | None) -> str | dict[str, Any]
 
 def _response_format_of(text: TextConfig | None) -> dict[str, Any] | None:
     fmt = text.format if text is not None else None
+    if fmt is not None and fmt.type != "json_schema" and fmt.schema_ is not None:
+        raise invalid(
+            "text.format.schema",
+            f"a text.format of type {fmt.type} takes no schema; set type to json_schema to "
+            "constrain the output to it, or leave schema out",
+        )
     if fmt is None or fmt.type != "json_schema":
         return None if fmt is None else {"type": fmt.type}
     if not fmt.name:

@@ -111,6 +111,7 @@ def test_detokenize_refuses_an_out_of_vocab_id(http, stack, tiny_tokenizer):
         ({}, "prompt"),
         ({"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
         ({"prompt": "x", "tools": TOOLS}, "tools"),
+        ({"prompt": "x", "add_generation_prompt": False}, "add_generation_prompt"),
         ({"messages": []}, "messages"),
         ({"messages": CHAT, "tools": [{"type": "function", "function": {}}]}, None),
     ],

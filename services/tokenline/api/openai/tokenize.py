@@ -65,6 +65,11 @@ class TokenizeRequest(BaseModel):
             for param in ("tools", "continue_final_message", "chat_template_kwargs"):
                 if getattr(self, param):
                     raise invalid(param, f"{param} applies to messages only, not to a prompt")
+            if "add_generation_prompt" in self.model_fields_set:  # its default means nothing here
+                raise invalid(
+                    "add_generation_prompt",
+                    "add_generation_prompt applies to messages only, not to a prompt",
+                )
             if len(self.prompt) > settings.max_prompt_chars:
                 raise invalid(
                     "prompt",

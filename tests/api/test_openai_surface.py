@@ -253,6 +253,19 @@ def test_echo_puts_the_prompt_in_front(client, stack):
     assert "".join(c.choices[0].text for c in streamed) == PROMPT + plain
 
 
+def test_echo_gives_a_text_prompt_back_as_it_was_sent(client, stack, tiny_tokenizer):
+    """Special tokens' text in a prompt is part of what was sent (decoding the prompt's ids
+    without special tokens would drop it); token ids come back decoded."""
+    prompt = f"the river{tiny_tokenizer.eos_token} and the road"
+    plain = _greedy(client, stack, prompt=prompt).choices[0].text
+    assert _greedy(client, stack, prompt=prompt, echo=True).choices[0].text == prompt + plain
+    streamed = _greedy(client, stack, prompt=prompt, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == prompt + plain
+    ids = tiny_tokenizer("the river road", add_special_tokens=False)["input_ids"]
+    by_ids = _greedy(client, stack, prompt=ids, echo=True, max_tokens=1).choices[0].text
+    assert by_ids.startswith("the river road")
+
+
 def test_echo_gives_each_choice_its_own_prompt_and_stop_strings_skip_it(client, stack):
     prompts = ["ab", "river"]
     reply = _greedy(client, stack, prompt=prompts, n=2, echo=True, logprobs=1, max_tokens=2)

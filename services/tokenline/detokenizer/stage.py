@@ -235,8 +235,8 @@ class DetokenizerStage(StepFreeHandler):
         """The prompt as echo and prompt logprobs report it; both come with the first reply
         (the scheduler sends prompt logprobs on the first output only)."""
         if live.echo_ids is not None:
-            # decoded as the output is (skip_special_tokens), so a plain completions prompt
-            # comes back as it was sent
+            # decoded as the output is (skip_special_tokens): echo's text for a prompt sent as
+            # token ids (the api echoes a text prompt as it was sent)
             reply.prompt_text = self.tokenizer.decode(live.echo_ids, skip_special_tokens=True)
             live.echo_ids = None
         if out.prompt_logprobs is not None:

@@ -55,6 +55,13 @@ class CompletionsAnswer:
 
     def __init__(self, body: CompletionRequest) -> None:
         self.body = body
+        self.prompts = body.prompts()
+
+    def echo_text(self, ex: Exchange, index: int) -> str:
+        """Choice ``index``'s prompt as echo gives it back: a text prompt as it was sent (as
+        vLLM does; decoding its ids would drop special tokens' text), token ids decoded."""
+        sent = self.prompts[index // self.body.n]
+        return sent if isinstance(sent, str) else ex.choices[index].prompt_text or ""
 
     def whole(self, ex: Exchange, meta: dict) -> dict:
         body = self.body
@@ -65,7 +72,8 @@ class CompletionsAnswer:
             logprobs = completion_logprobs(ex.logprobs[choice.index]) if wanted else None
             if body.echo:
                 borrowed = _prompt_logprobs(ex, choice.index, body.n)
-                text, logprobs = echoed(choice.prompt_text or "", borrowed, text, logprobs)
+                prompt = self.echo_text(ex, choice.index)
+                text, logprobs = echoed(prompt, borrowed, text, logprobs)
             choices.append(
                 {
                     "index": choice.index,
@@ -94,9 +102,9 @@ class CompletionsAnswer:
             if echo_pending[index]:
                 echo_pending[index] = False
                 borrowed = _prompt_logprobs(ex, index, body.n)
-                prompt = ex.choices[index].prompt_text or ""
+                prompt = self.echo_text(ex, index)
                 text, logprobs = echoed(prompt, borrowed, text, logprobs)
-                offsets[index] += len(ex.choices[index].prompt_text or "")
+                offsets[index] += len(prompt)
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
             return event({**head, "choices": [choice], **running.of_chunk()})
 

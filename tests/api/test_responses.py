@@ -346,6 +346,8 @@ INVALID = [
         "text.format.schema",
     ),
     ({"input": [{"type": "function_call_output", "output": "21"}]}, "input[0].call_id"),
+    # checked when the request becomes chat's: named as sent, not blamed on the input
+    ({"kv_transfer_params": {"do_remote_prefill": "yes"}}, "kv_transfer_params"),
     ({"input": [{"role": "tool", "content": "21"}]}, "input[0].role"),
 ]
 

@@ -399,8 +399,13 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         chat["reasoning_effort"] = effort
     try:
         return ChatCompletionRequest.model_validate(chat)
-    except pydantic.ValidationError as exc:  # what the input items hold, checked by chat's rules
+    except pydantic.ValidationError as exc:  # checked by chat's rules: mostly the input items
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
+        loc = first.get("loc", ())
+        where = ".".join(str(p) for p in loc)
         reason = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+        if loc and loc[0] != "messages":  # a field passed on as it was sent, or renamed
+            field = str(loc[0])
+            message = reason if reason.startswith(field) else f"{field}: {reason}"
+            raise renamed(invalid(field, message)) from exc
         raise invalid("input", f"the input is not valid ({where}: {reason})") from exc

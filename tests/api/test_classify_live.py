@@ -83,6 +83,18 @@ def test_one_text_and_token_ids(classify_stack, oracle):
     assert unknown.status_code == 400
 
 
+def test_a_user_id_is_accepted_and_an_unknown_model_is_a_404(classify_stack, oracle):
+    probs, _ = oracle
+    reply = post(classify_stack, "/classify", {"input": TEXTS, "user": "end-user-7"})
+    assert reply.status_code == 200, reply.text
+    np.testing.assert_allclose([d["probs"] for d in reply.json()["data"]], probs, atol=2e-5)
+    unknown = post(classify_stack, "/classify", {"input": "x", "model": "gpt-9"})
+    assert unknown.status_code == 404, unknown.text
+    error = unknown.json()["error"]
+    assert (error["code"], error["param"]) == ("model_not_found", "model")
+    assert f"`{NAME}`" in error["message"]
+
+
 def test_a_classifier_of_several_labels_is_no_cross_encoder(classify_stack):
     reply = post(classify_stack, "/rerank", {"query": "q", "documents": ["d"]})
     assert reply.status_code == 400

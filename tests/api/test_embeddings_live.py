@@ -115,6 +115,27 @@ def test_rerank_and_score_on_an_embedding_model_are_cosines(pooling_stack, oracl
     np.testing.assert_allclose(got, cosines, atol=ATOL)
 
 
+def test_a_user_id_is_accepted_and_changes_nothing(client, oracle):
+    expected = oracle.encode(TEXTS, batch_size=1)
+    reply = client.embeddings.create(model=NAME, input=TEXTS, user="end-user-7")
+    np.testing.assert_allclose([d.embedding for d in reply.data], expected, atol=ATOL)
+
+
+def test_an_unknown_model_is_a_404_on_every_pooling_endpoint(pooling_stack):
+    bodies = {
+        "/v1/embeddings": {"input": "x"},
+        "/v1/rerank": {"query": "q", "documents": ["d"]},
+        "/score": {"text_1": "q", "text_2": "d"},
+    }
+    for path, body in bodies.items():
+        url = f"{pooling_stack.api_url}{path}"
+        reply = httpx.post(url, json={**body, "model": "gpt-9"}, timeout=60)
+        assert reply.status_code == 404, (path, reply.text)
+        error = reply.json()["error"]
+        assert (error["code"], error["param"]) == ("model_not_found", "model"), path
+        assert f"`{NAME}`" in error["message"], path
+
+
 def test_generation_on_a_pooling_model_is_a_400_naming_the_mismatch(client, pooling_stack):
     with pytest.raises(BadRequestError, match="--runner pooling"):
         client.completions.create(model=NAME, prompt="hello", max_tokens=3)

@@ -21,12 +21,19 @@ from pydantic import BaseModel
 
 from tokenline.api.openai.chat import ChatCompletionRequest
 from tokenline.api.openai.completions import CompletionRequest
+from tokenline.api.openai.pooling import (
+    ClassifyRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from tokenline.api.openai.responses import ResponsesRequest
 from tokenline.api.openai.tokenize import DetokenizeRequest, TokenizeRequest
 
 TESTS = Path(__file__).parent
 ROOTS = (ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest)
 ROOTS += (DetokenizeRequest,)
+ROOTS += (EmbeddingRequest, RerankRequest, ScoreRequest, ClassifyRequest)
 
 CLIENT = "test_openai_client.py"
 SURFACE = "test_openai_surface.py"
@@ -36,6 +43,9 @@ LIMITS = "test_limits.py"
 RESPONSES = "test_responses.py"
 TOKENIZE = "test_tokenize.py"
 AGENTS = "test_agent_requests.py"
+EMBEDDINGS = "test_embeddings_live.py"
+RERANK = "test_rerank_live.py"
+CLASSIFY = "test_classify_live.py"
 
 
 def t(file: str, *names: str) -> tuple[str, ...]:
@@ -70,6 +80,16 @@ DISAGGREGATION = "test_disaggregation_live.py"
 _KV_TRANSFER = t(DISAGGREGATION, "test_disaggregated_output_is_one_stacks") + t(
     DISAGGREGATION, "test_kv_transfer_params_on_a_plain_stack_are_refused"
 )
+
+_EMBED = t(EMBEDDINGS, "test_openai_client_float_and_base64_equal_sentence_transformers")
+_EMBED_IDS = t(EMBEDDINGS, "test_token_id_inputs_and_matryoshka_dimensions")
+_UNKNOWN_POOLING_MODEL = t(EMBEDDINGS, "test_an_unknown_model_is_a_404_on_every_pooling_endpoint")
+_COSINES = t(EMBEDDINGS, "test_rerank_and_score_on_an_embedding_model_are_cosines")
+_RERANKED = t(RERANK, "test_rerank_order_and_scores_are_the_cross_encoders")
+_RERANK_TOP_N = t(RERANK, "test_rerank_top_n_and_documents_left_out")
+_SCORED = t(RERANK, "test_score_one_to_many_and_pairwise")
+_CLASSIFIED = t(CLASSIFY, "test_probs_and_labels_are_transformers_softmax")
+_CLASSIFY_USER_MODEL = t(CLASSIFY, "test_a_user_id_is_accepted_and_an_unknown_model_is_a_404")
 
 EXERCISED: dict[str, tuple[str, ...]] = {
     "ChatCompletionRequest.kv_transfer_params": _KV_TRANSFER,
@@ -363,6 +383,22 @@ EXERCISED: dict[str, tuple[str, ...]] = {
     "DetokenizeRequest.tokens": t(
         TOKENIZE, "test_detokenize_undoes_tokenize", "test_detokenize_refuses_an_out_of_vocab_id"
     ),
+    # ── embeddings, rerank, score, classify (a --runner pooling model) ──
+    "EmbeddingRequest.model": _EMBED + _UNKNOWN_POOLING_MODEL,
+    "EmbeddingRequest.input": _EMBED + _EMBED_IDS + t(EMBEDDINGS, "test_limits_and_context_length"),
+    "EmbeddingRequest.encoding_format": _EMBED,
+    "EmbeddingRequest.dimensions": _EMBED_IDS,
+    "RerankRequest.model": _RERANKED + _UNKNOWN_POOLING_MODEL,
+    "RerankRequest.query": _RERANKED + _COSINES,
+    "RerankRequest.documents": _RERANKED + _RERANK_TOP_N + _COSINES,
+    "Document.text": _RERANK_TOP_N,
+    "RerankRequest.top_n": _RERANK_TOP_N + _COSINES,
+    "RerankRequest.return_documents": _RERANK_TOP_N,
+    "ScoreRequest.model": _SCORED + _UNKNOWN_POOLING_MODEL,
+    "ScoreRequest.text_1": _SCORED + _COSINES,
+    "ScoreRequest.text_2": _SCORED + _COSINES,
+    "ClassifyRequest.model": _CLASSIFIED + _CLASSIFY_USER_MODEL,
+    "ClassifyRequest.input": _CLASSIFIED + t(CLASSIFY, "test_one_text_and_token_ids"),
 }
 
 # ── fields that are refused, or accepted only where they ask for nothing ─────────────────────
@@ -435,6 +471,9 @@ REFUSED_OR_NO_OP: dict[str, tuple[str, ...]] = {
     "responses.FunctionToolIn.defer_loading": _UNSERVED,
     "responses.FunctionToolIn.allowed_callers": _UNSERVED,
     "responses.FunctionToolIn.output_schema": _UNSERVED,
+    # OpenAI's end-user id: accepted, not used
+    "EmbeddingRequest.user": t(EMBEDDINGS, "test_a_user_id_is_accepted_and_changes_nothing"),
+    "ClassifyRequest.user": _CLASSIFY_USER_MODEL,
 }
 
 # Models that do not forbid unknown fields, and the tests that check what happens to them.
@@ -516,6 +555,7 @@ def test_the_walk_reaches_the_nested_models():
         "responses.TextConfig",
         "responses.TextFormat",
         "responses.StreamOptions",
+        "Document",
     } <= labels
     assert "JsonSchemaFormat.schema" in accepted_fields()  # the wire name, not `schema_`
 

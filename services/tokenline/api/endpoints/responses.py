@@ -1,12 +1,12 @@
 """``POST /v1/responses``, stateless: a chat completion in other clothes.
 
-The request is translated into a chat completion request (api/openai/responses.py), so limits,
-tool plans and grammars are the very code chat runs; only the answer differs: a response
-object, whole or built up by a stream of events. One `OutputBuilder` turns a reply's text into
-output items (messages and function calls), whether the text arrives at once or piece by
-piece, so a streamed response always ends in the very object the non-streamed one is. Events
-are framed as the real API frames them (``event: <type>`` then ``data: {...}``, each with a
-``sequence_number``), with no ``data: [DONE]`` after the terminal event.
+The request is translated into a chat completion request (api/openai/responses_as_chat.py),
+so limits, tool plans and grammars are the very code chat runs; only the answer differs: a
+response object, whole or built up by a stream of events. One `OutputBuilder` turns a reply's
+text into output items (messages and function calls), whether the text arrives at once or
+piece by piece, so a streamed response always ends in the very object the non-streamed one is.
+Events are framed as the real API frames them (``event: <type>`` then ``data: {...}``, each
+with a ``sequence_number``), with no ``data: [DONE]`` after the terminal event.
 
 Nothing is stored: ``previous_response_id`` and ``conversation`` are refused, ``store`` is
 answered ``false``, and the retrieval routes say so (`not_stored`).
@@ -27,7 +27,8 @@ from tokenline.api.function_calling.formats import ToolCallFormat
 from tokenline.api.function_calling.parsers import ArgumentsPiece, Call, CallEnd, CallStart, Content
 from tokenline.api.http.errors import ApiError
 from tokenline.api.http.sse import event
-from tokenline.api.openai.responses import ResponsesRequest, renamed, to_chat
+from tokenline.api.openai.responses import ResponsesRequest
+from tokenline.api.openai.responses_as_chat import renamed, to_chat
 from tokenline.api.openai.usage import Usage
 from tokenline.api.ring.exchange import NORMAL_ENDS, Exchange
 

@@ -58,11 +58,21 @@ class ModelSource:
         if override:
             return override
         config = self.load_config().get_text_config()  # a multimodal model's decoder
+        exact = positions_computed_alike(config)
         for attr in ("max_position_embeddings", "n_positions", "max_sequence_length"):
             value = getattr(config, attr, None)
             if value:
+                if exact is not None and exact < int(value):
+                    log.warning(
+                        "%s: serving %d positions, not %d: its rope frequencies change with a "
+                        "sequence's length past that (see positions_computed_alike)",
+                        self.spec,
+                        exact,
+                        int(value),
+                    )
+                    return exact
                 return int(value)
-        return 2048
+        return exact or 2048
 
     def eos_token_ids(self) -> list[int]:
         """Every EOS id the model declares, from its generation config and its tokenizer."""
@@ -78,6 +88,29 @@ class ModelSource:
         eos = getattr(self.load_config(), "eos_token_id", None)
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         return sorted(ids)
+
+
+def positions_computed_alike(config) -> int | None:
+    """How many positions a model's rotary embedding computes the same whatever else a step
+    holds; None: all of them.
+
+    transformers' ``dynamic`` and ``longrope`` rope types choose their frequencies from the
+    longest position of each forward call (past ``max_position_embeddings``, and past
+    ``original_max_position_embeddings``): a sequence run alone gets its own length's, while a
+    batched step, a chunk of a prompt or a prefix computed for another request would get
+    another's. Up to this many positions the frequencies never change, so a model is served
+    exactly within them; the scheduler refuses a longer --max-model-len.
+    """
+    params = getattr(config, "rope_parameters", None) or {}
+    by_type = [params] if "rope_type" in params else [p for p in params.values() if p]
+    limits = []
+    for rope in by_type:
+        kind = rope.get("rope_type", "default")
+        if "dynamic" in kind:  # transformers' own test of the type
+            limits.append(int(config.max_position_embeddings))
+        elif kind == "longrope":
+            limits.append(int(rope["original_max_position_embeddings"]))
+    return min(limits) if limits else None
 
 
 #: The architectures tokenline runs with modules of its own (scheduler/models' NATIVE, which a

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenline.cores import usable_cores
-from tokenline.model_source import ModelSource
+from tokenline.model_source import ModelSource, positions_computed_alike
 from tokenline.scheduler import attention, models
 from tokenline.scheduler.attention import AttentionShape
 from tokenline.scheduler.attention.decode_contexts import DecodeContexts
@@ -155,6 +155,14 @@ class ModelRunner:
         self.head_dim = geometry.head_dim
         self.vocab_size = self.model.vocab_size
         self.max_model_len = options.max_model_len or source.max_model_len()
+        alike = positions_computed_alike(self.model.text_config)
+        if alike is not None and self.max_model_len > alike:
+            raise SystemExit(
+                f"{source.spec}: --max-model-len {self.max_model_len}: past {alike} positions "
+                "this model's rope frequencies (rope_type dynamic or longrope) follow each "
+                "forward call's longest sequence, which a batched, chunked, cached engine cannot "
+                f"reproduce per request; serve it with --max-model-len {alike} or less"
+            )
         backend = attention.backend_name(
             options.attention_backend, self.device, options.dense_decode
         )

@@ -10,8 +10,9 @@ Two paths (``--model-impl``, vLLM's ``--model-impl`` with ``tokenline`` for ``vl
   start to compute each sequence of a batch as the model does alone. Slower, one device, no
   LoRA, but exact.
 
-``auto`` (the default) takes the native module when the architecture has one and the config and
-checkpoint fit it, else transformers' modules. A model neither path runs exactly is refused at
+``auto`` (the default) takes the native module when the architecture has one and the config (its
+``model_type`` too: transformers picks a model's code by it) and checkpoint fit it, else
+transformers' modules. A model neither path runs exactly is refused at
 start (`ModelRefused`), with the architecture and what would be needed: never half-loaded, never
 served wrong.
 """
@@ -32,7 +33,7 @@ from tokenline.scheduler.models.llama import (
 )
 from tokenline.scheduler.models.mixtral import MixtralForCausalLM
 from tokenline.scheduler.models.qwen3_moe import Qwen3MoeForCausalLM
-from tokenline.scheduler.models.weights import load_weights
+from tokenline.scheduler.models.weights import load_weights, stores_own_head
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,18 @@ def load(source: ModelSource, implementation: str, place: Placement) -> CausalLM
     refused = ""
     if native is not None and implementation != "transformers":
         try:
+            if config.model_type != native.model_type:
+                raise ModelRefused(
+                    f"config.json's model_type is {config.model_type!r}, which transformers "
+                    f"runs as its own model, not as {architecture} ({native.model_type!r})"
+                )
+            if getattr(config, "tie_word_embeddings", False) and stores_own_head(source):
+                log.warning(
+                    "%s: tie_word_embeddings is set but lm_head.weight differs from the "
+                    "embedding: the stored head is used, as transformers does",
+                    source.spec,
+                )
+                config.tie_word_embeddings = False
             model = native(config, place)
             load_weights(model, source)
             return model

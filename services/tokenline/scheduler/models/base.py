@@ -48,6 +48,10 @@ class CausalLM(torch.nn.Module):
 
     #: which path runs it: "tokenline" (a native module) or "transformers" (their modules)
     implementation: ClassVar[str] = "tokenline"
+    #: the config.json ``model_type`` a native module computes: transformers chooses a model's
+    #: code by it, not by ``architectures``, so a checkpoint naming this class over another
+    #: model_type (Granite, Mistral's window...) is that other model
+    model_type: ClassVar[str] = ""
 
     def __init__(self, config, place: Placement) -> None:
         super().__init__()

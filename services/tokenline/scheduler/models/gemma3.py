@@ -77,6 +77,8 @@ class Gemma3DecoderLayer(Layer):
 
 
 class Gemma3ForCausalLM(CausalLM):
+    model_type = "gemma3_text"  # the decoder alone; "gemma3" is the multimodal model
+
     def __init__(self, config, place: Placement) -> None:
         super().__init__(config, place)
         if getattr(config, "attn_logit_softcapping", None):

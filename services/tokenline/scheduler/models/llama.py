@@ -89,6 +89,7 @@ def head_dim_of(config) -> int:
 class LlamaForCausalLM(CausalLM):
     """Llama. Subclasses change the switches (`biases`, `qk_norm`, `window`, `mlp`)."""
 
+    model_type = "llama"
     captures_aux = True  # EAGLE-3 heads can read its layers (`_layers_keeping_aux`)
 
     def __init__(self, config, place: Placement) -> None:
@@ -226,6 +227,8 @@ class LlamaForCausalLM(CausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
+    model_type = "mistral"
+
     def biases(self, config) -> tuple[bool, bool, bool]:
         return False, False, False
 
@@ -242,6 +245,8 @@ def window_by_layer_type(config, index: int) -> int | None:
 
 
 class Qwen2ForCausalLM(MistralForCausalLM):
+    model_type = "qwen2"
+
     def biases(self, config) -> tuple[bool, bool, bool]:
         return True, False, False  # q, k and v have biases; o and the MLP do not
 
@@ -250,6 +255,7 @@ class Qwen2ForCausalLM(MistralForCausalLM):
 
 
 class Qwen3ForCausalLM(Qwen2ForCausalLM):
+    model_type = "qwen3"
     qk_norm = True
 
     def biases(self, config) -> tuple[bool, bool, bool]:

@@ -16,6 +16,8 @@ from tokenline.scheduler.models.weights import Target, packed_target
 
 
 class MixtralForCausalLM(MistralForCausalLM):
+    model_type = "mixtral"
+
     def mlp(self, config, index: int) -> torch.nn.Module:
         return SparseMoE(
             config.hidden_size,

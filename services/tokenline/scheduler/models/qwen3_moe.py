@@ -20,6 +20,8 @@ from tokenline.scheduler.models.weights import Target, packed_target
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    model_type = "qwen3_moe"
+
     def window(self, config, index: int) -> int | None:
         return getattr(config, "sliding_window", None) or None
 

@@ -40,6 +40,7 @@ PACKED: dict[str, tuple[str, Hashable]] = {
 }
 
 Target = tuple[str, str, Hashable]
+HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 
 def packed_target(name: str) -> Target | str:
@@ -92,6 +93,30 @@ def checkpoint_files(source: ModelSource) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
+def stores_own_head(source: ModelSource) -> bool:
+    """Whether the checkpoint holds an LM head that is not its embedding. transformers keeps
+    such a head even where the config ties the two (it warns and does not tie them), so the
+    native module must not tie them either."""
+    from safetensors import safe_open
+
+    files = checkpoint_files(source)
+    if HEAD not in files or EMBEDDING not in files:
+        return False
+    with ExitStack() as stack:
+        head, embedding = (
+            stack.enter_context(safe_open(files[name], framework="pt")).get_slice(name)
+            for name in (HEAD, EMBEDDING)
+        )
+        shape = head.get_shape()
+        if shape != embedding.get_shape():
+            return True
+        rows = max(1, (64 << 20) // max(1, 4 * shape[-1]))  # compared a slice at a time
+        return any(
+            not torch.equal(head[start : start + rows], embedding[start : start + rows])
+            for start in range(0, shape[0], rows)
+        )
+
+
 def load_weights(model: torch.nn.Module, source: ModelSource) -> None:
     """Fill every parameter of ``model`` from the checkpoint (``model.checkpoint_target``
     maps names); refuses the model when a tensor or a parameter is left over."""
@@ -103,8 +128,8 @@ def load_weights(model: torch.nn.Module, source: ModelSource) -> None:
     with ExitStack() as stack, torch.no_grad():
         handles: dict[Path, object] = {}
         for name in sorted(files):
-            if name == "lm_head.weight" and getattr(model, "tied", False):
-                continue  # the LM head is the embedding (some checkpoints store both)
+            if name == HEAD and getattr(model, "tied", False):
+                continue  # the embedding, stored twice (`stores_own_head` untied one that differs)
             target = model.checkpoint_target(name)
             if target == IGNORE:
                 continue

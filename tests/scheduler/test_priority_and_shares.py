@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 from scheduler_testkit import (
@@ -192,3 +193,33 @@ def test_priority_preemption_keeps_greedy_output_exact(make_engine, encode) -> N
     assert engine.policy.num_preemptions > 0
     assert out.tokens == expected
     assert_idle(engine)
+
+
+def test_tenants_clients_invent_do_not_grow_the_scheduler() -> None:
+    """Tenants come from a header: a client sending a new one with every request must leave
+    bounded state behind, while the most-served idle tenant keeps its debt."""
+    from tokenline.scheduler.tenant_metrics import MAX_PRIORITIES, MAX_TENANTS, TenantMetrics
+    from tokenline.scheduler.waiting import IDLE_TENANTS_KEPT
+
+    shares = FairShare({})
+    shares.enter("steady")
+    shares.charge("steady", 10)
+    shares.enter("heavy")
+    shares.charge("heavy", 10**6)
+    shares.leave("heavy")
+    for n in range(5 * IDLE_TENANTS_KEPT):
+        tenant = f"t{n}"
+        shares.enter(tenant)
+        shares.charge(tenant, 1 + n % 7)
+        shares.leave(tenant)
+        shares.charge("steady", 1)
+    assert len(shares.usage) <= IDLE_TENANTS_KEPT + 2
+    assert shares.owed("heavy") == 10 + 10**6  # its debt outlives the crowd
+    shares.enter("heavy")
+    assert shares.owed("heavy") > shares.owed("steady")
+
+    metrics = TenantMetrics(SimpleNamespace(tenant_log=[]))
+    for n in range(MAX_TENANTS + 500):
+        assert metrics._labels(f"x{n}", n)[0] == (f"x{n}" if n < MAX_TENANTS else "other")
+    assert len(metrics._tenants) == MAX_TENANTS
+    assert len(metrics._priorities) == MAX_PRIORITIES

@@ -29,14 +29,18 @@ class TenantMetrics:
         self._shown: set[tuple[str, str, str]] = set()  # request gauges set before
 
     def _labels(self, tenant: str, priority: int) -> tuple[str, str]:
+        """Past the bounds nothing is remembered: a client sending a new tenant each time must
+        not grow the scheduler."""
         label = self._tenants.get(tenant)
         if label is None:
-            label = (tenant or "default") if len(self._tenants) < MAX_TENANTS else "other"
-            self._tenants[tenant] = label
+            label = "other"
+            if len(self._tenants) < MAX_TENANTS:
+                label = self._tenants[tenant] = tenant or "default"
         level = self._priorities.get(priority)
         if level is None:
-            level = str(priority) if len(self._priorities) < MAX_PRIORITIES else "other"
-            self._priorities[priority] = level
+            level = "other"
+            if len(self._priorities) < MAX_PRIORITIES:
+                level = self._priorities[priority] = str(priority)
         return label, level
 
     def after_step(self) -> None:

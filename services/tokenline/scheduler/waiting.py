@@ -55,6 +55,10 @@ def parse_weights(text: str | None) -> dict[str, float]:
     return weights
 
 
+# idle tenants whose service is remembered (`FairShare._forget_idle`)
+IDLE_TENANTS_KEPT = 1024
+
+
 class FairShare:
     """Service per tenant, in tokens per unit of weight; who is owed the next turn."""
 
@@ -80,6 +84,22 @@ class FairShare:
         self._held[tenant] -= 1
         if self._held[tenant] <= 0:
             del self._held[tenant]
+            if len(self.usage) > len(self._held) + IDLE_TENANTS_KEPT:
+                self._forget_idle()
+
+    def _forget_idle(self) -> None:
+        """Tenants come from clients, so the idle ones' usage is bounded. An idle tenant served
+        no more than the least-served busy one would come back level with it anyway
+        (`enter`): forgetting it changes nothing. Past the bound, the least-served idle
+        tenants go first; the most-served keep their debt longest."""
+        busy = [self.usage.get(t, 0.0) for t in self._held]
+        floor = min(busy) if busy else float("inf")
+        idle = sorted((u, t) for t, u in self.usage.items() if t not in self._held)
+        excess = len(idle) - IDLE_TENANTS_KEPT // 2
+        for n, (used, tenant) in enumerate(idle):
+            if used > floor and n >= excess:
+                break
+            del self.usage[tenant]
 
     def charge(self, tenant: str, tokens: int) -> None:
         self.usage[tenant] = self.usage.get(tenant, 0.0) + tokens / self.weight(tenant)

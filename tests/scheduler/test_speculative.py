@@ -176,6 +176,25 @@ def test_wrong_guesses_give_the_same_tokens(make_engine, prompt_ids, reference) 
     assert engine.acceptance.drafts > 0 and engine.acceptance.accepted_tokens == 0
 
 
+def test_a_proposer_that_fails_costs_its_sequence_the_guesses_not_the_answer(
+    make_engine, prompt_ids, reference
+) -> None:
+    """Guesses only save steps: a proposer raising (a draft model out of memory) leaves that
+    sequence decoding a token a step, with the same tokens, and the others speculating."""
+
+    class FailsFor(Oracle):
+        def propose(self, seq: Sequence, limit: int) -> list[int]:
+            if seq.uid == "p1":
+                raise RuntimeError("out of memory")
+            return super().propose(seq, limit)
+
+    engine = make_engine(speculative=NGRAM)
+    oracle = FailsFor(reference)
+    out = run(engine, prompt_ids, oracle)
+    assert out.tokens == reference
+    assert oracle.proposed > 0 and engine.acceptance.accepted_tokens == oracle.proposed
+
+
 def test_ngram_proposals_give_the_same_tokens(make_engine, prompt_ids, reference) -> None:
     engine = make_engine(
         speculative='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'

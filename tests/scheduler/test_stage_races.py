@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 import msgspec
 
@@ -121,3 +122,63 @@ def test_a_pooling_request_on_a_generating_model_is_refused_by_the_scheduler(mak
         stage.step()
     assert ring.terminals() == {"ok": "length"}
     assert len(stage.ledger) == 0
+
+
+def _ends(ring: RecordingRing) -> list[tuple[str, str]]:
+    """Every terminal the stage sent, in order: (uid, finish reason or failure code)."""
+    ends = []
+    for m in ring.sent:
+        if isinstance(m, protocol.Failed):
+            ends.append((m.uid, m.code))
+        elif isinstance(m, protocol.TokenBatch):
+            ends += [(o.uid, o.finish_reason) for o in m.outputs if o.finish_reason]
+    return ends
+
+
+def test_a_request_failing_while_scheduled_ends_alone_and_once(make_engine, monkeypatch):
+    """A sequence whose admission raises (its adapter's files gone bad since it was loaded)
+    ends with internal_error, once; the request decoding beside it and the one queued behind
+    it run to their ends, each ended once."""
+    stage = ring = RecordingRing(make_engine())
+    stage.handle(_request("innocent"))
+    stage.step()
+    policy = stage.engine.policy
+    acquire = policy._acquire_slot
+
+    def acquire_or_fail(seq):
+        if seq.uid == "bad":
+            raise OSError("adapter_model.safetensors: no such file")
+        return acquire(seq)
+
+    monkeypatch.setattr(policy, "_acquire_slot", acquire_or_fail)
+    stage.handle(_request("bad"))
+    stage.handle(_request("later"))
+    while stage.engine.has_work():
+        stage.step()
+    ends = _ends(ring)
+    assert sorted(ends) == [("bad", "internal_error"), ("innocent", "length"), ("later", "length")]
+    assert len(stage.ledger) == 0 and not stage.engine.held_uids()
+
+
+def test_a_grammar_compiler_crash_ends_its_request_alone(make_engine, monkeypatch):
+    """Not a grammar the compiler refuses (a 400) but the compiler itself failing: that request
+    ends with internal_error, nothing else does."""
+    from tokenline.scheduler.grammar import GrammarCompiler
+
+    stage = ring = RecordingRing(make_engine(grammars=True))
+    stage.handle(_request("innocent"))
+    stage.step()
+    monkeypatch.setattr(GrammarCompiler, "cached", lambda self, grammar: None)
+
+    def submit(self, grammar):
+        future = Future()
+        future.set_exception(RuntimeError("the compiler panicked"))
+        return future
+
+    monkeypatch.setattr(GrammarCompiler, "submit", submit)
+    sampling = msgspec.structs.replace(_request("g").sampling, grammar="any grammar")
+    stage.handle(msgspec.structs.replace(_request("g"), sampling=sampling))
+    while stage.engine.has_work():
+        stage.step()
+    assert sorted(_ends(ring)) == [("g", "internal_error"), ("innocent", "length")]
+    assert len(stage.ledger) == 0 and not stage.engine.held_uids()

@@ -5,6 +5,7 @@ The engine is usable in-process (benchmarks, tests) and is what the scheduler st
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from concurrent.futures import Future
@@ -35,6 +36,8 @@ from tokenline.scheduler.speculative.verify import Acceptance, emitted
 from tokenline.scheduler.step_inputs import long_tensor, to_device
 from tokenline.scheduler.step_times import StepTimes, lap
 from tokenline.scheduler.waiting import Scheduling
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -81,6 +84,7 @@ class Engine:
         # requests refused after add() returned (a grammar that failed to build); the caller
         # takes them with take_rejected() and reports each as the request's error
         self._rejected: list[tuple[str, InvalidRequest]] = []
+        self._failed: list[tuple[str, Exception]] = []  # see take_failed
         self.pool = BlockPool(runner.num_blocks, runner.block_size, caching=prefix_caching)
         # prefill/decode disaggregation (kv_transfer/): prompts' KV lent to or read from others
         self.transfers = transfers_for(self.pool, runner, kv_transfer)
@@ -192,11 +196,21 @@ class Engine:
                 )
                 self._rejected.append((uid, error))
                 continue
+            except Exception as exc:  # the compiler's failure, on this request alone
+                log.exception("%s: building its grammar failed", uid)
+                self._failed.append((uid, exc))
+                continue
             self._join(seq)
 
     def take_rejected(self) -> list[tuple[str, InvalidRequest]]:
         rejected, self._rejected = self._rejected, []
         return rejected
+
+    def take_failed(self) -> list[tuple[str, Exception]]:
+        """Requests that failed on their own outside a forward pass (already out of the
+        engine): each ends with an internal error, the others run on."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def abort(self, uid: str, finish_reason: str = "abort") -> Sequence | None:
         """End a uid now; its KV blocks go back to the pool at once."""
@@ -260,11 +274,15 @@ class Engine:
         outputs made before it wait for the next step, and `step_uids` names the sequences
         that were in it (their state is suspect; the caller ends them)."""
         started = time.perf_counter()
+        self.step_uids = []  # a failure before the forward is no sequence's but its own
         if self.compiling:
             self._admit_compiled()
         if self.transfers is not None:  # reads ended: join, recompute or fail
             self.transfers.admit(self._join, self._rejected)
         chunks = self.policy.schedule()
+        if self.policy.failed:
+            self._failed += self.policy.failed
+            self.policy.failed = []
         self.step_uids = [c.seq.uid for c in chunks]
         computed: list[TokenOutput] = []
         if chunks:

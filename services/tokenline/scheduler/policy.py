@@ -35,6 +35,7 @@ and the stage only read sequences.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -49,6 +50,8 @@ from tokenline.scheduler.sequence import Sequence, Status
 from tokenline.scheduler.speculative import proposals as speculation
 from tokenline.scheduler.speculative.config import speculation_serves
 from tokenline.scheduler.waiting import Scheduling, WaitingQueue, preemption_order
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -129,6 +132,9 @@ class BatchPolicy:
         # Nothing is counted while prefix caching is off.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # sequences that failed on their own while being scheduled (an adapter's files gone
+        # bad since it was loaded): already out; the engine ends each with an internal error
+        self.failed: list[tuple[str, Exception]] = []
 
     # ── requests in and out ────────────────────────────────────────────────────────────────────
     def fits_at_all(self, num_tokens: int) -> bool:
@@ -211,9 +217,7 @@ class BatchPolicy:
                 continue
             proposals = []
             if n == 1 and seq.speculates and self.proposer is not None:
-                proposals = speculation.step_proposals(
-                    self.proposer, seq, budget, self.max_model_len, self.pool, len(self.running)
-                )
+                proposals = self._proposals(seq, budget)
             n += len(proposals)
             # most decode steps land in a block the sequence holds: nothing to make room for
             if seq.num_computed + n > len(seq.block_table) * block_size:
@@ -231,7 +235,14 @@ class BatchPolicy:
             hits = self.pool.lookup(seq) if looks_up else []
             if not self.pool.can_admit(seq, seq.num_tokens + 1, hits):
                 break
-            if not self._acquire_slot(seq):
+            try:
+                acquired = self._acquire_slot(seq)
+            except Exception as exc:  # this sequence's failure, not the step's
+                log.exception("%s: its adapter %s could not be put in a slot", seq.uid, seq.lora)
+                self.remove(seq.uid)
+                self.failed.append((seq.uid, exc))
+                continue
+            if not acquired:
                 held_back.append(self.waiting.popleft())
                 continue
             self.waiting.popleft()
@@ -252,6 +263,18 @@ class BatchPolicy:
         for seq in reversed(held_back):
             self.waiting.appendleft(seq)
         return chunks
+
+    def _proposals(self, seq: Sequence, budget: int) -> list[int]:
+        """The proposer's guesses for ``seq``; a proposer that fails costs the sequence its
+        speculation, not its answer (guesses only ever save steps)."""
+        try:
+            return speculation.step_proposals(
+                self.proposer, seq, budget, self.max_model_len, self.pool, len(self.running)
+            )
+        except Exception:
+            log.exception("%s: proposing its next tokens failed; it decodes without", seq.uid)
+            seq.speculates = False
+            return []
 
     def _preempt_for_waiting(self) -> None:
         """Priority: while the most urgent waiting sequence cannot be admitted (no sequence

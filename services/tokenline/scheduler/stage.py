@@ -37,6 +37,7 @@ from tokenline.scheduler.kv_events import KVEventPublisher
 from tokenline.scheduler.lora.adapters import LoraError
 from tokenline.scheduler.step_times import STEP_PHASES
 from tokenline.scheduler.tenant_metrics import TenantMetrics
+from tokenline.stage_runtime import internal_error
 
 log = logging.getLogger(__name__)
 PROMPT_TAIL = 8  # prompt ids the detokenizer primes its stream with
@@ -156,6 +157,7 @@ class SchedulerStage(EngineStage):
         sent: list[msgspec.Struct] = [
             self._failed(uid, exc) for uid, exc in self.engine.take_rejected()
         ]
+        sent += [internal_error(uid, self.stage, exc) for uid, exc in self.engine.take_failed()]
         if not outputs:
             return sent
         for out in outputs:

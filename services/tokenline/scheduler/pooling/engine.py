@@ -139,6 +139,7 @@ class PoolingEngine(PoolingEngineBase):
     def step(self) -> list[Reply]:
         """One forward pass over the scheduled chunks; the replies of every request whose
         prompt it finished, and of those ended since the last step."""
+        self.step_uids = []  # a failure before the forward is no request's
         chunks = self.policy.schedule()
         self.step_uids = [c.seq.uid for c in chunks]
         computed = self._run(chunks) if chunks else []

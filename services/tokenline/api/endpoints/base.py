@@ -145,9 +145,10 @@ class Endpoint:
         watcher = asyncio.create_task(self._watch_disconnect(ex))
         handed_over = False  # once a stream owns the exchange, it closes it
 
-        def close() -> None:
+        def close(failure: Exception | None = None) -> None:
             watcher.cancel()
-            ring_client.close(ex)
+            # An exception here is the api's own failure, not the client's going away.
+            ring_client.close(ex, "client_disconnect" if failure is None else "stage_failure")
 
         try:
             # Wait for the first reply before answering, so an early error (prompt too long,
@@ -162,7 +163,9 @@ class Endpoint:
             }
             if body.stream:
                 handed_over = True
-                return EventStream(answer.stream(ex, first, meta), close)
+                stream = EventStream(answer.stream(ex, first, meta), close)
+                ex.cut_off = stream.cut_off  # a slow client's abort ends the stuck response
+                return stream
             ex.keep(first)
             await ex.collect()
             ring_client.close(ex)
@@ -170,12 +173,16 @@ class Endpoint:
                 return self.named(ex.error).response()
             failed = [c for c in ex.choices if c.finish_reason not in NORMAL_ENDS]
             if failed:
-                return ended_with(failed[0].finish_reason).response()
+                return self.named(failed[0].error or ended_with(failed[0].finish_reason)).response()
             headers = {"X-Tokenline-Timings": _timings_header(ex)}
             whole = answer.whole(ex, meta)
             if ex.kv_transfer is not None:  # vLLM's top-level field, for llm-d's sidecar
                 whole["kv_transfer_params"] = msgspec.to_builtins(ex.kv_transfer)
             return JSONResponse(whole, headers=headers)
+        except Exception as exc:
+            if not handed_over:
+                close(exc)
+            raise
         finally:
             if not handed_over:
                 close()

@@ -96,14 +96,19 @@ class Pooling(Endpoint):
                         results[index] = np.frombuffer(reply.pooled, dtype="<f4")
                 if not batch and ex.done:
                     break
+        except Exception:
+            ring_client.close(ex, "stage_failure")  # the api's own failure, not the client's
+            raise
         finally:
             watcher.cancel()
             ring_client.close(ex)
         if ex.error is not None:
             raise ex.error
         failed = [c for c in ex.choices if c.finish_reason not in NORMAL_ENDS]
-        if failed or any(r is None for r in results):
-            raise ended_with(failed[0].finish_reason if failed else "error")
+        if failed:
+            raise failed[0].error or ended_with(failed[0].finish_reason)
+        if any(r is None for r in results):
+            raise ended_with("error")
         self.prompt_tokens = sum(c.prompt_tokens for c in ex.choices)
         return results
 

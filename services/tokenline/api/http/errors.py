@@ -108,9 +108,13 @@ def model_not_found(model: str, served: str) -> ApiError:
     )
 
 
-def ended_with(reason: str | None, code: str | None = None) -> ApiError:
-    """A generation that ended neither ``stop`` nor ``length`` (its code, when a stage gave one)."""
-    return ApiError(500, f"generation ended with {reason or 'error'}", code or "engine_error")
+def ended_with(
+    reason: str | None, code: str | None = None, message: str | None = None, status: int = 0
+) -> ApiError:
+    """A generation that ended neither ``stop`` nor ``length``: its code, message and status,
+    when a stage gave them."""
+    text = message or f"generation ended with {reason or 'error'}"
+    return ApiError(status or 500, text, code or "engine_error")
 
 
 def unencodable(exc: Exception) -> ApiError:

@@ -9,6 +9,8 @@ and sends no ``[DONE]``.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
@@ -18,6 +20,7 @@ from tokenline.api.openai.usage import Usage
 from tokenline.api.ring.exchange import Exchange
 from tokenline.protocol import Reply
 
+log = logging.getLogger(__name__)
 SSE_HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",  # proxies such as nginx must not buffer the stream
@@ -34,7 +37,8 @@ def event(payload: dict, name: str | None = None) -> bytes:
 
 class EventStream(StreamingResponse):
     """An SSE response that always runs ``on_close`` (closing the exchange and its disconnect
-    watcher), however it ends.
+    watcher), however it ends; ``on_close`` gets the exception the events raised (the
+    endpoint's own code failed, not the client), else None.
 
     It writes to the connection itself instead of through Starlette's ``StreamingResponse``,
     whose task group (ASGI before 2.4, what uvicorn speaks) starts the writer one event-loop
@@ -45,19 +49,47 @@ class EventStream(StreamingResponse):
     gone before the first byte) would never run its cleanup.
     """
 
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self, events: AsyncIterator[bytes], on_close: Callable[[Exception | None], None]
+    ) -> None:
         super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
         self._events, self._on_close = events, on_close
+        self._task: asyncio.Task | None = None
+        self._cut = False
+
+    def cut_off(self) -> None:
+        """End the response now, even while a write waits for a client that stopped reading
+        (uvicorn's wait for the socket has no timeout): the connection is closed unfinished."""
+        self._cut = True
+        if self._task is not None:
+            self._task.cancel()
 
     async def __call__(self, scope, receive, send) -> None:
+        failure: Exception | None = None
+        self._task = asyncio.current_task()
         try:
             start = {"type": "http.response.start", "status": self.status_code}
             await send({**start, "headers": self.raw_headers})
-            async for chunk in self._events:
+            while not self._cut:
+                try:
+                    chunk = await anext(self._events)
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:
+                    failure = exc
+                    raise
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if not self._cut:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not self._cut:
+                raise
+            # Ours: returning with the response unfinished makes uvicorn close the connection.
+            self._task.uncancel()
+            log.info("a stream to a client that stopped reading was cut off")
         finally:
-            self._on_close()
+            self._task = None
+            self._on_close(failure)
             await self._events.aclose()
 
 

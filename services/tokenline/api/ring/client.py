@@ -5,9 +5,11 @@ calls (the tokenizer's to /tokenize and /detokenize, the scheduler's to LoRA loa
 into the waiting `call`. Whether the ring can take a request is `RingHealth`'s one answer,
 shared by `/ready` and admission, so the two never disagree. A stage that dies (its
 connections drop) or hangs (heartbeats stop coming back) fails every in-flight request at once
-with ``stage_failure`` instead of letting it hang; after a restart, aborts the dead stage may
-have swallowed go again (`AbortLog`). A watchdog enforces deadlines and slow-client limits and
-sweeps the leak ledger.
+with ``stage_failure`` instead of letting it hang (during a drain, once what a stage that
+stopped on purpose passed on had time to arrive); after a restart, aborts the dead stage may
+have swallowed go again (`AbortLog`). A watchdog enforces deadlines and slow-client limits (a
+slow client's request is freed at its abort, and its stuck response cut off) and sweeps the
+leak ledger. A send the outbox refuses is logged; it stops neither a loop nor a cleanup.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import msgspec
+import zmq
 
 from tokenline import protocol
 from tokenline.api.http.endpoint_metrics import EndpointMetrics
@@ -28,7 +31,7 @@ from tokenline.api.http.errors import ApiError, abort_error
 from tokenline.api.http.lora_metrics import LoraInfo
 from tokenline.api.ring.abort_log import AbortLog
 from tokenline.api.ring.calls import Calls
-from tokenline.api.ring.exchange import Exchange
+from tokenline.api.ring.exchange import NORMAL_ENDS, Exchange, ended_as
 from tokenline.api.ring.health import RingHealth
 from tokenline.api.ring.lora_names import LoraNames
 from tokenline.api.ring.request_metrics import RequestMetrics
@@ -42,6 +45,12 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 0.5
 RECOVERY_HEARTBEAT_INTERVAL_S = 0.05  # while the ring is down: trusted again soon after
 WATCHDOG_INTERVAL_S = 0.25
+# The stages drain with the api (one SIGTERM reaches them all): one stopped on purpose held
+# nothing, so what it passed on reaches the api within this; a crashed one strands the rest.
+DRAIN_STRAND_GRACE_S = 1.0
+# Their loss strands every request in flight; the tokenizer leaves each drain at its start,
+# holding nothing, and what already passed it needs it no more.
+STRANDING_STAGES = ("scheduler", "detokenizer")
 
 
 class RingClient:
@@ -66,6 +75,7 @@ class RingClient:
         # answered by the scheduler
         self.calls = Calls(horizon_s=horizon)
         self.draining = False
+        self._stranded_at: float | None = None  # draining, a stage was lost: fail them then
         self.ledger = Ledger("api")
         self.health = RingHealth(heartbeat_timeout)
         self.aborts = AbortLog(horizon_s=horizon)
@@ -181,22 +191,36 @@ class RingClient:
         frames = [self.ring.encode(message) for message in messages]
         timeout = self.settings.request_timeout
         ex = Exchange(uids=uids, deadline=time.monotonic() + timeout, flow=self, tenant=tenant)
-        for uid, frame in zip(uids, frames, strict=True):
+        ex.pausable = not all(_one_reply(message) for message in messages)
+        for uid in uids:
             self.exchanges[uid] = ex
             self.ledger.open(uid, timeout)
-            self.ring.send_frame(frame)
+        try:
+            for frame in frames:
+                self.ring.send_frame(frame)
+        except zmq.ZMQError as exc:
+            self.close(ex, "stage_failure")  # the choices already sent are aborted
+            raise ApiError(
+                503,
+                f"the request could not be sent into the ring ({exc}); retry shortly",
+                "stage_unavailable",
+                retry_after=1,
+            ) from exc
         ex.sent_at = time.monotonic()
         return ex
 
-    def close(self, ex: Exchange) -> None:
-        """Free the request; unfinished choices (client gone, handler cancelled) are aborted."""
+    def close(self, ex: Exchange, reason: str = "client_disconnect") -> None:
+        """Free the request; unfinished choices are aborted with ``reason`` (the default: the
+        client went away or the handler was cancelled)."""
         if ex.closed:
             return
         ex.closed = True
-        if not ex.done:
-            self.abort(ex, "client_disconnect")
-        self._forget(ex)
-        self.metrics.end(ex)
+        try:
+            if not ex.done:
+                self.abort(ex, reason)
+        finally:  # whatever the abort met, the request's state must not outlive it
+            self._forget(ex)
+            self.metrics.end(ex)
 
     def _forget(self, ex: Exchange) -> None:
         for uid in ex.uids:
@@ -204,8 +228,20 @@ class RingClient:
                 del self.exchanges[uid]
             self.ledger.close(uid)
 
+    def _send(self, message: msgspec.Struct) -> bool:
+        """Send ``message`` into the ring; False (logged) when the outbox refused it, which must
+        not stop what sends it (a loop, a close, the other uids of an abort)."""
+        try:
+            self.ring.send_nowait(message)
+        except zmq.ZMQError as exc:  # zmq.Again: the outbox is at its high-water mark
+            log.error("api: could not send %s into the ring (%s)", type(message).__name__, exc)
+            return False
+        return True
+
     def _send_abort(self, uid: str, reason: str) -> None:
-        self.ring.send_nowait(protocol.Abort(uid=uid, reason=reason))
+        self._send(protocol.Abort(uid=uid, reason=reason))
+        # Logged even when unsent: a restarted stage's re-send gets another chance, and the
+        # uid's terminal reply still settles it.
         self.aborts.sent(uid, reason, time.monotonic())
 
     def abort(self, ex: Exchange, reason: str) -> None:
@@ -223,6 +259,15 @@ class RingClient:
         for ex in self._distinct_exchanges():
             self.abort(ex, reason)
         self.calls.fail_all(abort_error(reason))
+
+    def _cut_off(self, ex: Exchange) -> None:
+        """Free a request whose client stopped reading, now: its handler waits on a write that
+        may never end (and would close it only then), so its uids, ledger entries and buffered
+        replies go at once, and its response is ended, which closes the connection."""
+        self.close(ex)
+        ex.drop_replies()
+        if ex.cut_off is not None:
+            ex.cut_off()
 
     # ── calls a stage answers alone ────────────────────────────────────────────────────────────
     async def call(self, build: Callable[[str], msgspec.Struct]):
@@ -257,11 +302,11 @@ class RingClient:
     # ── flow control (called by exchanges) ─────────────────────────────────────────────────────
     def pause(self, ex: Exchange) -> None:
         for uid in ex.live_uids():
-            self.ring.send_nowait(protocol.Pause(uid=uid))
+            self._send(protocol.Pause(uid=uid))
 
     def resume(self, ex: Exchange) -> None:
         for uid in ex.live_uids():
-            self.ring.send_nowait(protocol.Resume(uid=uid))
+            self._send(protocol.Resume(uid=uid))
 
     # ── listener ───────────────────────────────────────────────────────────────────────────────
     async def _listen(self) -> None:
@@ -301,12 +346,24 @@ class RingClient:
                 self._late.inc()
             return
         self.metrics.tokens(ex, reply, now)
+        failing = ex.error is None and reply.finish_reason not in (None, *NORMAL_ENDS)
         ex.deliver(reply)
         if ex.done:
             ex.finished_at = now
         if reply.finish_reason:
             del self.exchanges[reply.uid]
             self.ledger.close(reply.uid)
+        if failing:
+            self._end_on_choice_error(ex, reply)
+
+    def _end_on_choice_error(self, ex: Exchange, reply: protocol.Reply) -> None:
+        """A choice that ended in an error (a grammar error, say) ends its request, as a
+        `Failed` uid does: counted by its own code, its other choices freed at once."""
+        error = ended_as(reply)
+        self.metrics.error(error.code)
+        for uid in ex.live_uids():
+            self._send_abort(uid, "stage_failure")
+        ex.fail(error)
 
     def _route_failed(self, failed: protocol.Failed) -> None:
         error = ApiError(failed.http_status or 400, failed.message, failed.code, failed.param)
@@ -332,7 +389,7 @@ class RingClient:
             return  # the tokenizer reporting us: we know
         self.health.on_link(observer, stage, up)
         if not up:
-            self._check_health(f"{stage} disconnected")
+            self._check_health(f"{stage} disconnected", lost=(stage,))
 
     async def _watch_links(self) -> None:
         await self.ring.watch_peers(lambda stage, up: self._on_link("api", stage, up))
@@ -350,7 +407,7 @@ class RingClient:
         if restarted:
             log.error("api: stage(s) %s restarted", ", ".join(restarted))
             self.health.on_restart()
-            self._check_health(f"{', '.join(restarted)} restarted")
+            self._check_health(f"{', '.join(restarted)} restarted", lost=restarted)
             self._resend_unsettled_aborts()
         self._check_health()
 
@@ -359,36 +416,61 @@ class RingClient:
         never seen, so the stages after it free those uids now, not at deadline plus grace."""
         unsettled = self.aborts.to_resend(time.monotonic())
         for uid, reason in unsettled:
-            self.ring.send_nowait(protocol.Abort(uid=uid, reason=reason))
+            self._send(protocol.Abort(uid=uid, reason=reason))
         if unsettled:
             log.info("api: re-sent %d unsettled abort(s) after a restart", len(unsettled))
 
-    def _check_health(self, cause: str | None = None) -> None:
-        """Fail in-flight requests while the ring is down (`RingHealth.check` logs outages)."""
-        if self.health.check(time.monotonic(), cause) and not self.draining:
+    def _check_health(self, cause: str | None = None, lost: Iterable[str] = ()) -> None:
+        """Fail in-flight requests while the ring is down (`RingHealth.check` logs outages);
+        ``lost``: the stages whose connections dropped or that restarted."""
+        if not self.health.check(time.monotonic(), cause):
+            return
+        if not self.draining:
             self.fail_all("stage_failure")
+        elif self._stranded_at is None and set(lost) & set(STRANDING_STAGES):
+            # A drain stops the stages too: whether this one crashed or ended its own drain,
+            # a request still in flight once its last replies had time to arrive is stranded.
+            self._stranded_at = time.monotonic() + DRAIN_STRAND_GRACE_S
 
     async def _heartbeats(self) -> None:
         while True:
-            now = time.monotonic()
-            seq = self.health.heartbeat_sent(now)
-            self.ring.send_nowait(protocol.Heartbeat(seq=seq, origin=self._origin))
-            # Often while the ring is down, so it is trusted again soon after it answers.
-            up = self.health.up(now)
-            await asyncio.sleep(HEARTBEAT_INTERVAL_S if up else RECOVERY_HEARTBEAT_INTERVAL_S)
-            if self.health.problem(time.monotonic()) is not None:
-                self._check_health()
+            interval = HEARTBEAT_INTERVAL_S
+            try:
+                interval = self._beat(time.monotonic())
+            except Exception:  # one failed beat must not end the ones after it
+                log.exception("api: sending a heartbeat failed")
+            await asyncio.sleep(interval)
+            try:
+                if self.health.problem(time.monotonic()) is not None:
+                    self._check_health()
+            except Exception:
+                log.exception("api: checking the ring's health failed")
+
+    def _beat(self, now: float) -> float:
+        """Send a heartbeat; the time until the next one."""
+        seq = self.health.heartbeat_sent(now)
+        self._send(protocol.Heartbeat(seq=seq, origin=self._origin))
+        # Often while the ring is down, so it is trusted again soon after it answers.
+        return HEARTBEAT_INTERVAL_S if self.health.up(now) else RECOVERY_HEARTBEAT_INTERVAL_S
 
     # ── watchdog ───────────────────────────────────────────────────────────────────────────────
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            self.check_exchanges(time.monotonic())
+            try:
+                self.check_exchanges(time.monotonic())
+            except Exception:  # deadlines, slow clients and the ledger rely on the next round
+                log.exception("api: the watchdog's round failed; the next one runs as usual")
 
     def check_exchanges(self, now: float) -> None:
+        if self._stranded_at is not None and now >= self._stranded_at:
+            self._stranded_at = None
+            self.fail_all("stage_failure")
         exchanges = self._distinct_exchanges()
         for ex, reason in overdue(exchanges, now, self.settings.slow_client_timeout):
             self.abort(ex, reason)
+            if reason == "slow_client":
+                self._cut_off(ex)
         self._depth.set(sum(ex.depth for ex in exchanges))
         self.aborts.expire(now)
         self.calls.abandoned.prune(now)
@@ -398,3 +480,8 @@ class RingClient:
             if ex is not None:
                 ex.fail(abort_error("deadline"), abort_reason="deadline")
             self.calls.fail(uid, abort_error("deadline"))
+
+
+def _one_reply(message: protocol.Generate) -> bool:
+    """Whether ``message``'s uid answers with its result alone: pooled, or no tokens asked."""
+    return message.pooling is not None or message.sampling.max_tokens == 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,6 +38,7 @@ class Choice:
     prompt_text: str | None = None  # echo: the prompt as the detokenizer decoded it
     prompt_logprobs: list[LogprobEntry | None] | None = None  # echo with logprobs
     reasoning_tokens: int = 0  # of completion_tokens, those that were thinking
+    error: ApiError | None = None  # why it ended, when neither stop nor length
 
 
 @dataclass(eq=False)
@@ -56,7 +57,12 @@ class Exchange:
     error: ApiError | None = None  # set when the request ends in an error or an abort
     abort_reason: str | None = None
     paused: bool = False
+    # False when each uid sends one reply, its result (pooling): the buffer is bounded by the
+    # uid count, and pausing uids that have nothing more to send only floods the ring
+    pausable: bool = True
     closed: bool = False
+    # ends the response still writing this request out (a stream's), once it cannot finish
+    cut_off: Callable[[], None] | None = None
     last_read: float = field(default_factory=time.monotonic)
     sent_at: float = 0.0  # when the request left for the tokenizer
     finished_at: float | None = None  # when the last choice's terminal reply arrived
@@ -101,6 +107,8 @@ class Exchange:
             choice.prompt_logprobs = reply.prompt_logprobs
         if reply.finish_reason:
             choice.finish_reason = reply.finish_reason
+            if reply.finish_reason not in NORMAL_ENDS:
+                choice.error = ended_as(reply)
             ended = [c for c in self.choices if c.finish_reason]
             self.cached_tokens = (
                 reply.cached_tokens
@@ -113,7 +121,8 @@ class Exchange:
                 self.timings[key] = max(self.timings.get(key, 0.0), getattr(reply, key))
         self._buffer.append((choice.index, reply))
         self._wake.set()
-        if len(self._buffer) > HIGH_WATER and not self.paused and self.live_uids():
+        full = len(self._buffer) > HIGH_WATER
+        if full and self.pausable and not self.paused and self.live_uids():
             self.paused = True
             self.flow.pause(self)
 
@@ -122,6 +131,11 @@ class Exchange:
         if self.error is None and not all(c.finish_reason for c in self.choices):
             self.error = error
             self.abort_reason = abort_reason
+        self._wake.set()
+
+    def drop_replies(self) -> None:
+        """Let go of the buffered replies of a request nobody will read (and wake its reader)."""
+        self._buffer.clear()
         self._wake.set()
 
     # ── handler side ───────────────────────────────────────────────────────────────────────────
@@ -150,7 +164,7 @@ class Exchange:
         """Why a stream ends early: the request's error, or the reply's own end."""
         if self.error is not None:
             return self.error
-        return ended_with(reply and reply.finish_reason, reply and reply.error_code)
+        return ended_as(reply) if reply is not None else ended_with(None)
 
     def keep(self, batch: list[tuple[int, Reply]]) -> None:
         """Accumulate replies' text and logprobs per choice (non-streaming)."""
@@ -170,28 +184,40 @@ class Exchange:
                 return
 
 
+def ended_as(reply: Reply) -> ApiError:
+    """The error a reply that ended its choice neither ``stop`` nor ``length`` stands for,
+    with the code (and message and status, where the stage gave them) of its stage."""
+    return ended_with(reply.finish_reason, reply.error_code, reply.error_message, reply.http_status)
+
+
 def coalesce(batch: list[tuple[int, Reply]]) -> list[tuple[int, Reply]]:
     """Merge consecutive pieces of one choice, so a client that fell behind gets fewer,
     larger events instead of one per token."""
     merged: list[tuple[int, Reply]] = []
     for index, reply in batch:
         if merged and merged[-1][0] == index and merged[-1][1].finish_reason is None:
-            last = merged[-1][1]
-            merged[-1] = (
-                index,
-                msgspec.structs.replace(
-                    last,
-                    text=last.text + reply.text,
-                    num_tokens=last.num_tokens + reply.num_tokens,
-                    reasoning=last.reasoning + reply.reasoning,
-                    reasoning_tokens=last.reasoning_tokens + reply.reasoning_tokens,
-                    finish_reason=reply.finish_reason,
-                    logprobs=_merge_logprobs(last.logprobs, reply.logprobs),
-                ),
-            )
+            merged[-1] = (index, _merged(merged[-1][1], reply))
         else:
             merged.append((index, reply))
     return merged
+
+
+def _merged(first: Reply, then: Reply) -> Reply:
+    """``then`` with ``first``'s pieces in front: the later reply's own fields (its end, error
+    code, timings, KV transfer) are kept, and what only a first reply carries comes from it."""
+    return msgspec.structs.replace(
+        then,
+        text=first.text + then.text,
+        num_tokens=first.num_tokens + then.num_tokens,
+        reasoning=first.reasoning + then.reasoning,
+        reasoning_tokens=first.reasoning_tokens + then.reasoning_tokens,
+        logprobs=_merge_logprobs(first.logprobs, then.logprobs),
+        prompt_tokens=max(first.prompt_tokens, then.prompt_tokens),
+        prompt_text=first.prompt_text if first.prompt_text is not None else then.prompt_text,
+        prompt_logprobs=(
+            first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs
+        ),
+    )
 
 
 def _merge_logprobs(

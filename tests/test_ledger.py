@@ -32,3 +32,15 @@ def test_past_deadline_plus_grace_is_a_leak():
 
 def test_unknown_uid_held_is_a_leak():
     assert Ledger("test-unknown").sweep(held=["ghost"]) == ["ghost"]
+
+
+def test_an_open_uid_the_stage_no_longer_holds_is_a_leak_past_its_deadline():
+    """Its state went without its end (a handler that lost it): the entry would otherwise
+    stay open, and count as live, forever."""
+    ledger = Ledger("test-lost", grace_s=0.2)
+    ledger.open("lost", 0.0)
+    ledger.open("kept", 60)
+    assert ledger.sweep(held=[]) == []  # within grace
+    time.sleep(0.3)
+    assert ledger.sweep(held=[]) == ["lost"]
+    assert not ledger.is_open("lost") and ledger.is_open("kept") and len(ledger) == 1

@@ -2,7 +2,8 @@
 
 A stage opens a uid when its state is created and closes it on the uid's terminal event. A
 periodic sweep compares the ledger with the uids the stage really holds: a uid that is held
-after it was closed, or past its deadline plus a grace period, is a leak. Leaks are reported in
+after it was closed, or past its deadline plus a grace period, is a leak; so is an open uid
+past it that the stage no longer holds (its state went without its end). Leaks are reported in
 ``tokenline_leaked_uids``, logged, counted and handed back to the stage to reclaim.
 
 A closed uid is forgotten at once: the sweep needs only the open ones (a held uid that is not
@@ -50,13 +51,22 @@ class Ledger:
         return len(self._deadlines)
 
     def sweep(self, held: Iterable[str]) -> list[str]:
-        """Uids in ``held`` the stage should have let go; the caller reclaims them."""
+        """Uids the stage should have let go: those in ``held`` that are closed or past their
+        deadline plus grace, which the caller reclaims, and open ones past it that the stage
+        no longer holds (it lost them without their end: only the ledger entry is left)."""
         now = time.monotonic()
+        held = set(held)
         leaked = []
         for uid in held:
             deadline = self._deadlines.get(uid)
             if deadline is None or now > deadline + self.grace_s:
                 leaked.append(uid)
+        lost = [
+            uid
+            for uid, deadline in self._deadlines.items()
+            if uid not in held and now > deadline + self.grace_s
+        ]
+        leaked += lost
         self._leaked.set(len(leaked))
         for uid in leaked:
             log.warning(

@@ -293,6 +293,9 @@ class Engine:
         outputs, self._finished = self._finished, []
         if not self.policy.running:
             self.runner.release_decode_contexts()
+            prune = getattr(self.policy.proposer, "prune", None)
+            if prune is not None:
+                prune()
         return outputs + computed
 
     def drop(self, uid: str) -> bool:

@@ -18,7 +18,9 @@ if TYPE_CHECKING:  # for annotations only
 
 class Proposer(Protocol):
     """May also have ``disable_by_batch_size`` (vLLM's key): no proposals while more sequences
-    than that run."""
+    than that run; and ``prune()``, which lets go of what it keeps for sequences that ended
+    (it prunes as it grows; the engine calls it when it runs out of work, so an idle engine
+    keeps nothing of any request)."""
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         """Up to ``limit`` guesses of the tokens after ``seq``'s last one."""

@@ -188,6 +188,14 @@ def test_the_stage_loads_and_unloads_adapters_and_reports_them(
     assert LORA_REQUESTS.labels(adapter="a")._value.get() == before + 1
     assert LORA_GENERATED_TOKENS.labels(adapter="a")._value.get() == tokens_before + 3
     assert call("unload", "a") == protocol.LoraAnswer(uid="c", adapters=[])
+    runtime.tick(force=True)  # gone: its series go too, or names loaded at runtime pile up
+    series = {
+        sample.labels.get("adapter")
+        for metric in (LORA_REQUESTS, LORA_GENERATED_TOKENS)
+        for family in metric.collect()
+        for sample in family.samples
+    }
+    assert "a" not in series
 
 
 def test_the_stage_without_lora_refuses_load_calls(make_engine):

@@ -74,6 +74,7 @@ class SchedulerStage(EngineStage):
         self._model_name = model_name
         # by tenant and priority, where those play a part (engine.tenant_log)
         self._tenants = TenantMetrics(engine) if engine.tenant_log is not None else None
+        self._lora_series: set[str] = set()  # adapters with series of their own
         self._bytes_sent_counted = 0
         self._phases = {phase: STEP_PHASE_TIME.labels(phase=phase) for phase in STEP_PHASES}
 
@@ -119,6 +120,7 @@ class SchedulerStage(EngineStage):
             return [self._failed(uid, exc)]
         if request.lora:
             LORA_REQUESTS.labels(adapter=request.lora).inc()
+            self._lora_series.add(request.lora)
         return [
             protocol.Begin(
                 uid=uid,
@@ -147,6 +149,7 @@ class SchedulerStage(EngineStage):
         if self.engine.lora_tokens:
             for adapter, count in self.engine.lora_tokens.items():
                 LORA_GENERATED_TOKENS.labels(adapter=adapter).inc(count)
+                self._lora_series.add(adapter)
             self.engine.lora_tokens.clear()
         if self.engine.acceptance.drafts:
             self._count_acceptance()
@@ -287,7 +290,20 @@ class SchedulerStage(EngineStage):
                 self._apply_lora_changes()
             for state, count in self.engine.loras.counts().items():
                 LORA_ADAPTERS.labels(state=state).set(count)
+            self._forget_unloaded_series()
         return []
+
+    def _forget_unloaded_series(self) -> None:
+        """An adapter gone (unloaded, its last request ended) takes its series with it: with
+        runtime loads and unloads under new names, /metrics would otherwise grow forever."""
+        gone = self._lora_series - set(self.engine.loras.uris)
+        for adapter in gone:
+            for metric in (LORA_REQUESTS, LORA_GENERATED_TOKENS):
+                try:
+                    metric.remove(adapter)
+                except KeyError:  # no request of it got that far
+                    pass
+        self._lora_series -= gone
 
     def shutdown(self) -> list[msgspec.Struct]:
         last = super().shutdown()

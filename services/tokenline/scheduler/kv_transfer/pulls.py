@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import count
@@ -49,6 +49,9 @@ HELLO_TIMEOUT_S = 5.0
 # After a peer was unreachable, reads from it fail at once for this long, rather than each
 # waiting out a handshake's timeout in the worker's queue in front of other peers' reads.
 UNREACHABLE_MEMORY_S = 10.0
+# The addresses are clients' input, so at most this many are remembered; past it the oldest go
+# first (such a peer costs one handshake's timeout again, no more).
+UNREACHABLE_PEERS = 256
 # How long past a read's deadline the other ranks of a tensor-parallel pod may take to say
 # theirs ended; one that has not by then may still be writing: its blocks stay out of use.
 RANK_GRACE_S = 5.0
@@ -63,6 +66,37 @@ class RankReads(Protocol):
     def start_kv_reads(self, token: int, plan: ReadPlan) -> None: ...
 
     def wait_kv_reads(self, token: int, until: float) -> list[RankRead]: ...
+
+
+class _Unreachable:
+    """Peers that did not answer lately, each for UNREACHABLE_MEMORY_S, UNREACHABLE_PEERS at
+    most: nothing a client names stays past its memory time."""
+
+    def __init__(self) -> None:
+        self._since: OrderedDict[tuple[str, int], float] = OrderedDict()  # oldest first
+
+    def __contains__(self, peer: tuple[str, int]) -> bool:
+        self._forget_old()
+        return peer in self._since
+
+    def __len__(self) -> int:
+        self._forget_old()
+        return len(self._since)
+
+    def note(self, peer: tuple[str, int]) -> None:
+        self._since.pop(peer, None)  # to the end: the order stays that of the times
+        self._since[peer] = time.monotonic()
+        self._forget_old()
+        while len(self._since) > UNREACHABLE_PEERS:
+            self._since.popitem(last=False)
+
+    def forget(self, peer: tuple[str, int]) -> None:
+        self._since.pop(peer, None)
+
+    def _forget_old(self) -> None:
+        horizon = time.monotonic() - UNREACHABLE_MEMORY_S
+        while self._since and next(iter(self._since.values())) <= horizon:
+            self._since.popitem(last=False)
 
 
 class PullFailed(Exception):
@@ -97,7 +131,7 @@ class Pulls:
         self._tokens = count()  # names each read to the other ranks
         self._client = SideChannelClient(config.side_channel_keys)  # the worker thread's
         self._welcomes: dict[tuple[str, int], Welcome] = {}  # the worker's too
-        self._unreachable: dict[tuple[str, int], float] = {}  # the worker's too: since when
+        self._unreachable = _Unreachable()  # the worker's too
         self._dropped = 0  # aborted reads still in flight, named apart in ``pending``
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
         self.pending: dict[str, _Pull] = {}  # waiting for room or for the read
@@ -210,7 +244,7 @@ class Pulls:
         except Unauthenticated as exc:  # the peer was replaced by one with other keys
             raise PullFailed("unauthenticated", str(exc)) from None
         except TimeoutError as exc:
-            self._unreachable[host, port] = time.monotonic()
+            self._unreachable.note((host, port))
             raise PullFailed("unreachable", str(exc)) from None
         except Exception as exc:  # an answer that is not ours
             raise PullFailed("refused", f"the side channel at {host}:{port}: {exc}") from None
@@ -221,20 +255,19 @@ class Pulls:
 
     def _hello(self, host: str, port: int) -> Welcome:
         """The peer's agent and layout, checked against ours; raises PullFailed."""
-        since = self._unreachable.get((host, port))
-        if since is not None and time.monotonic() - since < UNREACHABLE_MEMORY_S:
+        if (host, port) in self._unreachable:
             raise PullFailed("unreachable", f"the prefill pod at {host}:{port} was unreachable")
         try:
             welcome = self._client.hello(host, port, self.link.layout, HELLO_TIMEOUT_S)
         except Unauthenticated as exc:
             raise PullFailed("unauthenticated", str(exc)) from None
         except TimeoutError as exc:
-            self._unreachable[host, port] = time.monotonic()
+            self._unreachable.note((host, port))
             raise PullFailed("unreachable", str(exc)) from None
         except Exception as exc:  # an answer that is not ours: not a pod to read from
             self._client.drop(host, port)
             raise PullFailed("refused", f"the side channel at {host}:{port}: {exc}") from None
-        self._unreachable.pop((host, port), None)
+        self._unreachable.forget((host, port))
         mismatch = welcome.refusal or next(
             (m for _, layout in welcome.agents() if (m := self.link.layout.mismatch(layout))), ""
         )

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 import msgspec
@@ -88,6 +88,12 @@ class Release(msgspec.Struct, tag="release"):
     token: bytes = b""  # a granted claim's, when the reader claimed
     digest: bytes = b""  # ledger.prefix_digest of the prompt's lent blocks, when it did not
 
+
+# Owners this pod keeps sockets to at once. Their addresses are clients' input (any request's
+# kv_transfer_params name one, live or not, and ZeroMQ reconnects to a dead one for ever), so a
+# socket to one more closes the least recently used idle owner's; a live one is connected anew
+# when next asked.
+MAX_PEERS = 64
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Hello | Welcome | Claim | Grant | Release)
@@ -197,28 +203,47 @@ class SideChannelServer:
 
 class SideChannelClient:
     """The reader's end, used from one worker thread: one socket per owner, and a monitor of
-    its handshakes."""
+    its handshakes, for ``max_peers`` owners at most (least recently used first out)."""
 
-    def __init__(self, keys: str | None = None) -> None:
+    def __init__(self, keys: str | None = None, max_peers: int | None = None) -> None:
+        max_peers = MAX_PEERS if max_peers is None else max_peers
+        if max_peers < 1:
+            raise ValueError(f"max_peers is {max_peers}: give the side channel 1 or more")
         self._context = zmq.Context.instance()
         self._security = RingSecurity(curve_keys=keys)
-        self._sockets: dict[tuple[str, int], tuple[zmq.Socket, zmq.Socket]] = {}
+        # least recently used first: the next to close when another owner needs a socket
+        self._sockets: OrderedDict[tuple[str, int], tuple[zmq.Socket, zmq.Socket]] = OrderedDict()
+        self._max_peers = max_peers
+        self._asking: set[tuple[str, int]] = set()  # a question in flight: never closed under it
         self._warned = keys is not None
 
     def _peer(self, host: str, port: int) -> tuple[zmq.Socket, zmq.Socket]:
         peer = self._sockets.get((host, port))
-        if peer is None:
-            endpoint = f"tcp://{host}:{port}"
-            if not self._warned and not is_local(endpoint):
-                self._warned = True
-                log.warning(UNSIGNED, f"this pod reads from {host}:{port}")
-            socket = self._context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 1000)
-            self._security.connect(socket)
-            monitor = socket.get_monitor_socket(_HANDSHAKE_FAILED)
-            socket.connect(endpoint)
-            peer = self._sockets[host, port] = (socket, monitor)
+        if peer is not None:
+            self._sockets.move_to_end((host, port))
+            return peer
+        self._make_room()
+        endpoint = f"tcp://{host}:{port}"
+        if not self._warned and not is_local(endpoint):
+            self._warned = True
+            log.warning(UNSIGNED, f"this pod reads from {host}:{port}")
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 1000)
+        self._security.connect(socket)
+        monitor = socket.get_monitor_socket(_HANDSHAKE_FAILED)
+        socket.connect(endpoint)
+        peer = self._sockets[host, port] = (socket, monitor)
         return peer
+
+    def _make_room(self) -> None:
+        """Closes the least recently used idle owners' sockets until one more fits."""
+        while len(self._sockets) >= self._max_peers:
+            idle = next((peer for peer in self._sockets if peer not in self._asking), None)
+            if idle is None:  # each awaits an answer: one over the cap until they end
+                return
+            # a release still queued there is lost: that owner's lease frees its blocks
+            log.debug("kv side channel: %s:%s is closed to make room for another", *idle)
+            self.drop(*idle)
 
     def hello(self, host: str, port: int, layout: KVLayout, timeout_s: float) -> Welcome:
         reply = self._ask(host, port, Hello(layout), timeout_s)
@@ -235,6 +260,13 @@ class SideChannelClient:
         return reply
 
     def _ask(self, host: str, port: int, message: msgspec.Struct, timeout_s: float) -> object:
+        self._asking.add((host, port))
+        try:
+            return self._exchange(host, port, message, timeout_s)
+        finally:
+            self._asking.discard((host, port))
+
+    def _exchange(self, host: str, port: int, message: msgspec.Struct, timeout_s: float) -> object:
         socket, monitor = self._peer(host, port)
         socket.send(_encoder.encode(message))
         poller = zmq.Poller()

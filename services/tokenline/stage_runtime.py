@@ -279,7 +279,13 @@ class StageRuntime:
             )
 
     def shutdown(self) -> None:
-        self._emit(self.handler.shutdown())
+        """Drain time is up: the handler ends what it holds; if that raises, each uid it held
+        ends with internal_error (none of their ends went out), so none goes without one."""
+        held = list(self.handler.held())
+        try:
+            self._emit(self.handler.shutdown())
+        except Exception as exc:
+            self._contain(held, exc, "shutdown")
         self.tick(force=True)
 
     # ── out ────────────────────────────────────────────────────────────────────────────────────

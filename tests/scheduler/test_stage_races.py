@@ -182,3 +182,19 @@ def test_a_grammar_compiler_crash_ends_its_request_alone(make_engine, monkeypatc
         stage.step()
     assert sorted(_ends(ring)) == [("g", "internal_error"), ("innocent", "length")]
     assert len(stage.ledger) == 0 and not stage.engine.held_uids()
+
+
+def test_a_shutdown_whose_last_step_raises_still_ends_every_uid(make_engine, monkeypatch):
+    """Drain time is up and the stage's last step fails: each request it held still ends."""
+    stage = ring = RecordingRing(make_engine())
+    stage.handle(_request("a"))
+    stage.handle(_request("b"))
+    stage.step()
+
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(stage.engine, "step", broken_step)
+    stage.runtime.shutdown()
+    assert sorted(_ends(ring)) == [("a", "internal_error"), ("b", "internal_error")]
+    assert len(stage.ledger) == 0 and not stage.engine.held_uids()

@@ -241,6 +241,8 @@ class Begin(_Message, tag="begin"):
     prompt_tail: list[int] = []  # the prompt's last ids: the detokenizer primes its stream
     reasoning: bool = False  # as `SamplingParams.reasoning`
     skip_special_tokens: bool = True  # as `SamplingParams.skip_special_tokens`
+    # as `SamplingParams.min_tokens`: stop strings are looked for only after that many tokens
+    min_tokens: int = 0
     # sampling.echo: every prompt id, decoded into the first reply's prompt_text (non-empty
     # exactly when echo was asked; prompt logprobs name their own token ids)
     echo_ids: list[int] = []

@@ -155,3 +155,17 @@ def test_a_stop_string_on_the_first_reply_still_carries_the_prompt(tokenizer):
     # the scheduler's own end for the uid follows; it is settled quietly
     ring.deliver(_tokens(protocol.TokenOutput(uid="u", token_ids=[], finish_reason="abort")))
     ring.assert_nothing_held()
+
+
+def test_a_prompt_sent_as_ids_is_echoed_with_its_special_tokens(tokenizer):
+    """As vLLM decodes it: the prompt the model saw, control and special tokens included."""
+    special = sorted(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+    ids = [special[0], *tokenizer.encode("hello", add_special_tokens=False).ids, special[-1]]
+    ring = Ring(tokenizer)
+    ring.deliver(_begin("u", ids, echo=True))
+    [reply] = ring.deliver(
+        _tokens(protocol.TokenOutput(uid="u", token_ids=ids[1:2], finish_reason="length"))
+    )
+    assert reply.prompt_text == tokenizer.decode(ids, skip_special_tokens=False)
+    assert reply.prompt_text.startswith(tokenizer.id_to_token(special[0]))
+    ring.assert_nothing_held()

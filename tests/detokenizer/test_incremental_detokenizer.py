@@ -172,3 +172,24 @@ def test_without_stop_strings_nothing_is_held_back(tokenizer):
     pieces = feed_all(decoder, ids)
     assert all(pieces) and "".join(pieces) == "hello world and more"
     assert decoder.flush() == ""
+
+
+def test_stop_strings_are_looked_for_only_after_min_tokens(tokenizer):
+    """As vLLM: no stop string ends a reply within its first ``min_tokens`` tokens, and the
+    text they made is never matched later; from then on a stop string ends it."""
+    ids = tokenizer.encode("the end, then the end again").ids
+    first_end = len(tokenizer.encode("the end").ids)
+    decoder = IncrementalDecoder(tokenizer, ["end"], min_tokens=first_end)
+    pieces = feed_all(decoder, ids)
+    assert decoder.stopped
+    assert "".join(pieces) == "the end, then the "
+    plain = IncrementalDecoder(tokenizer, ["end"])
+    assert "".join(feed_all(plain, ids)) == "the " and plain.stopped
+
+
+def test_nothing_comes_out_after_a_stop(tokenizer):
+    decoder = IncrementalDecoder(tokenizer, ["STOP"])
+    assert decoder.feed(tokenizer.encode("a STOP b").ids) == "a "
+    assert decoder.stopped
+    assert decoder.feed(tokenizer.encode(" more").ids) == "" and decoder.emit("x") == ""
+    assert decoder.flush() == ""

@@ -166,3 +166,16 @@ def test_completions_and_models_without_a_parser_keep_the_markers_as_text(thinki
         replies = ring.run(_begin("u4", reasoning), ids)
         assert "".join(r.text for r in replies) == "<think>a</think> b"
         assert not any(r.reasoning or r.reasoning_tokens for r in replies)
+
+
+def test_nothing_after_a_stop_string_leaks_from_a_step_of_several_tokens(thinking):
+    """Speculation hands the detokenizer several tokens a step: a stop string in the thinking
+    ends the reply there, and the answer after the block's end in the same step is not text."""
+    ring = Ring(thinking, "deepseek_r1")
+    end = thinking.token_to_id(END)
+    ids = [*_ids(thinking, "think STOP more"), end, *_ids(thinking, " answer text")]
+    begin = msgspec.structs.replace(_begin("u5", True), stop=["STOP"])
+    replies = ring.run(begin, ids[:3], ids[3:])
+    assert "".join(r.reasoning for r in replies) == "think "
+    assert "".join(r.text for r in replies) == ""
+    assert replies[-1].finish_reason == "stop"

@@ -145,3 +145,12 @@ def test_a_grammar_after_text_markers_is_refused_unless_the_prompt_closed_the_bl
         split = ReasoningSplit(reasoning_format(parser, tokenizer), closed)
         assert not split.reasoning and not split.may_open
         assert {split.step(t) for t in _ids(tokenizer, "<think>x</think>")} == {"answer"}
+
+
+def test_a_stop_string_completed_by_text_held_at_the_end_stops_the_reply(tokenizer):
+    """The splitter holds a possible marker's start ("<") until the end; let out then, it
+    completes the stop string: the reply ends as a stop, not as its length."""
+    ids = _ids(tokenizer, "a <")
+    replies = Ring(tokenizer, "deepseek_r1").run([], ids, [1] * len(ids), stop=["<"])
+    assert "".join(r.reasoning for r in replies) == "a "
+    assert replies[-1].finish_reason == "stop"

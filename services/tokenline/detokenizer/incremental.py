@@ -23,10 +23,13 @@ class IncrementalDecoder:
         prompt_tail: list[int] | None = None,
         skip_special_tokens: bool = True,
         hidden: Collection[int] = (),
+        min_tokens: int = 0,
     ) -> None:
         """``skip_special_tokens`` False keeps special tokens in the text (a tool format whose
         markers are special tokens), but for ``hidden``: ids never shown as text (the
-        model's end-of-sequence and other control tokens)."""
+        model's end-of-sequence and other control tokens). ``min_tokens``: as vLLM, stop
+        strings are looked for only once more tokens than that have come, in the text they
+        add from then on."""
         self._tokenizer = tokenizer
         # Primed with the prompt's last ids, as vLLM primes it: a SentencePiece decoder drops
         # the leading space of a sequence's first piece, and the first generated token is not
@@ -40,6 +43,8 @@ class IncrementalDecoder:
         self._stop = [s for s in (stop or []) if s]
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self._text = ""  # decoded text not yet emitted
+        self._min_tokens = min_tokens
+        self._tokens = 0  # every id decoded, hidden ones too (vLLM counts every output token)
         self.stopped = False
 
     def feed(self, token_ids: list[int]) -> str:
@@ -50,6 +55,7 @@ class IncrementalDecoder:
         """The text these ids add, as decoded: no stop string looked for yet (`emit` does)."""
         text = ""
         for token_id in token_ids:
+            self._tokens += 1
             if token_id in self._hidden:
                 continue
             self._recent = [*self._recent[1 - RECENT :], token_id]
@@ -60,8 +66,14 @@ class IncrementalDecoder:
 
     def emit(self, text: str) -> str:
         """Of the decoded text so far and ``text``, what is now safe to emit (not a possible
-        stop string's start). Sets ``stopped`` when a stop string matched."""
+        stop string's start). Sets ``stopped`` when a stop string matched; after that,
+        nothing more."""
+        if self.stopped:
+            return ""
         self._text += text
+        if self._tokens <= self._min_tokens:  # no stop string yet: nothing to hold back
+            out, self._text = self._text, ""
+            return out
         if self._stop:
             cut = min((i for i in (self._text.find(s) for s in self._stop) if i >= 0), default=-1)
             if cut >= 0:

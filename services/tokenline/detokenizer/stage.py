@@ -101,6 +101,7 @@ class DetokenizerStage(StepFreeHandler):
                 message.prompt_tail,
                 message.skip_special_tokens,
                 self.control_ids,
+                message.min_tokens,
             )
             self.live[message.uid] = _Live(
                 decoder,
@@ -154,13 +155,14 @@ class DetokenizerStage(StepFreeHandler):
                 token_ids = token_ids[:-1]
         texts, reasoning_tokens = self._texts(live, token_ids)
         finish = out.finish_reason
-        stop_string = live.decoder.stopped
-        if stop_string:
-            finish = "stop"
-        elif finish is not None:
+        if finish is not None and not live.decoder.stopped:
+            # held text let out at the end may still complete a stop string
             if isinstance(live.split, TextSplit):
                 self._channel_texts(live, texts, live.split.finish())
             texts[live.thinking] += live.decoder.flush()
+        stop_string = live.decoder.stopped
+        if stop_string:
+            finish = "stop"
         # prompt_tokens on every reply: a stream with continuous usage reports it from the start
         reply = protocol.Reply(
             uid=out.uid,
@@ -217,6 +219,8 @@ class DetokenizerStage(StepFreeHandler):
             texts[segment.reasoning] += live.decoder.feed(segment.token_ids)
             if segment.reasoning:
                 reasoning_tokens += segment.tokens
+            if live.decoder.stopped:  # what follows a stop string is never text
+                break
         return texts, reasoning_tokens
 
     @staticmethod
@@ -235,9 +239,9 @@ class DetokenizerStage(StepFreeHandler):
         """The prompt as echo and prompt logprobs report it; both come with the first reply
         (the scheduler sends prompt logprobs on the first output only)."""
         if live.echo_ids is not None:
-            # decoded as the output is (skip_special_tokens): echo's text for a prompt sent as
-            # token ids (the api echoes a text prompt as it was sent)
-            reply.prompt_text = self.tokenizer.decode(live.echo_ids, skip_special_tokens=True)
+            # echo's text for a prompt sent as token ids, special tokens and all, as vLLM
+            # decodes it (the api echoes a text prompt as it was sent)
+            reply.prompt_text = self.tokenizer.decode(live.echo_ids, skip_special_tokens=False)
             live.echo_ids = None
         if out.prompt_logprobs is not None:
             entries = self.token_texts.entry

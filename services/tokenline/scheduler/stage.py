@@ -131,6 +131,7 @@ class SchedulerStage(EngineStage):
                 prompt_tail=request.prompt_ids[-PROMPT_TAIL:],
                 reasoning=request.sampling.reasoning,
                 skip_special_tokens=request.sampling.skip_special_tokens,
+                min_tokens=request.sampling.min_tokens,
                 echo_ids=request.prompt_ids if request.sampling.echo else [],
             )
         ]

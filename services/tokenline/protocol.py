@@ -243,6 +243,8 @@ class Begin(_Message, tag="begin"):
     skip_special_tokens: bool = True  # as `SamplingParams.skip_special_tokens`
     # as `SamplingParams.min_tokens`: stop strings are looked for only after that many tokens
     min_tokens: int = 0
+    # as `SamplingParams.stop_token_ids`: the one that ends a reply is not its text (vLLM)
+    stop_token_ids: list[int] = []
     # sampling.echo: every prompt id, decoded into the first reply's prompt_text (non-empty
     # exactly when echo was asked; prompt logprobs name their own token ids)
     echo_ids: list[int] = []

@@ -386,6 +386,8 @@ def test_a_stop_token_id_ends_the_choice_that_draws_it(client, stack, tiny_token
         )
     assert reply.choices[0].finish_reason == "stop"
     assert reply.usage.completion_tokens == 1
+    # the token that stopped it is not text (vLLM's rule), though it is a plain one
+    assert not (reply.choices[0].message.content if chat else reply.choices[0].text)
 
 
 # ── streaming usage ───────────────────────────────────────────────────────────────────────────

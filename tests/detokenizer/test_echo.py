@@ -169,3 +169,19 @@ def test_a_prompt_sent_as_ids_is_echoed_with_its_special_tokens(tokenizer):
     assert reply.prompt_text == tokenizer.decode(ids, skip_special_tokens=False)
     assert reply.prompt_text.startswith(tokenizer.id_to_token(special[0]))
     ring.assert_nothing_held()
+
+
+def test_the_stop_token_that_ends_a_reply_is_not_its_text(tokenizer):
+    """As vLLM: a plain token named in stop_token_ids ends the reply and is not shown; the
+    same token ending it otherwise (a grammar's last token, say) is text."""
+    ids = tokenizer.encode("Hi there.", add_special_tokens=False).ids
+    for stop_ids, text in (([ids[-1]], tokenizer.decode(ids[:-1])), ([], "Hi there.")):
+        ring = Ring(tokenizer)
+        begin = msgspec.structs.replace(_begin("u", ids[:2], echo=False), stop_token_ids=stop_ids)
+        ring.deliver(begin)
+        replies = ring.deliver(
+            _tokens(protocol.TokenOutput(uid="u", token_ids=ids, finish_reason="stop"))
+        )
+        assert "".join(r.text for r in replies) == text
+        assert replies[-1].num_tokens == len(ids)
+        ring.assert_nothing_held()

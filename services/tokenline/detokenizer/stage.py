@@ -47,6 +47,7 @@ class _Live:
     split: ReasoningSplit | TextSplit | None = None  # chat with a reasoning parser
     thinking: bool = False  # which channel the decoder's held-back text belongs to
     skip_special_tokens: bool = True  # False: special tokens (but control ones) are text
+    stop_token_ids: frozenset[int] = frozenset()  # the request's: never text when they end it
 
 
 class DetokenizerStage(StepFreeHandler):
@@ -110,6 +111,7 @@ class DetokenizerStage(StepFreeHandler):
                 echo_ids=message.echo_ids or None,
                 deadline=arrived + message.timeout_s,
                 skip_special_tokens=message.skip_special_tokens,
+                stop_token_ids=frozenset(message.stop_token_ids),
             )
             if message.reasoning and self.reasoning is not None:
                 split = TextSplit if self.reasoning.by_text else ReasoningSplit
@@ -147,12 +149,8 @@ class DetokenizerStage(StepFreeHandler):
         if out.cached_tokens:
             live.cached_tokens = out.cached_tokens
         token_ids = out.token_ids
-        if not live.skip_special_tokens and out.finish_reason == "stop" and token_ids:
-            if token_ids[-1] in self.special_ids:
-                # the token that stopped it (a stop_token_ids one): never text, as in vLLM.
-                # A grammar's last token ends it with "stop" too, but no tool format ends its
-                # calls with a special token.
-                token_ids = token_ids[:-1]
+        if out.finish_reason == "stop" and token_ids and self._stopped_on(live, token_ids[-1]):
+            token_ids = token_ids[:-1]
         texts, reasoning_tokens = self._texts(live, token_ids)
         finish = out.finish_reason
         if finish is not None and not live.decoder.stopped:
@@ -194,6 +192,15 @@ class DetokenizerStage(StepFreeHandler):
             if reply.stop_string:
                 self._ended_early(out.uid, live)
         return reply
+
+    def _stopped_on(self, live: _Live, token_id: int) -> bool:
+        """Whether a reply ended with ``stop`` ended on a stop token, which is never text (as
+        in vLLM): one of the request's stop_token_ids, or a special token that a request
+        keeping special tokens would otherwise see. A grammar's last token ends a reply with
+        ``stop`` too, and is text: no tool format ends its calls with a special token."""
+        if token_id in live.stop_token_ids:
+            return True
+        return not live.skip_special_tokens and token_id in self.special_ids
 
     def _texts(self, live: _Live, token_ids: list[int]) -> tuple[dict[bool, str], int]:
         """The answer's text (False) and the thinking's (True) these ids decode to, and how

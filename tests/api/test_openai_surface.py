@@ -264,6 +264,14 @@ def test_echo_gives_a_text_prompt_back_as_it_was_sent(client, stack, tiny_tokeni
     ids = tiny_tokenizer("the river road", add_special_tokens=False)["input_ids"]
     by_ids = _greedy(client, stack, prompt=ids, echo=True, max_tokens=1).choices[0].text
     assert by_ids.startswith("the river road")
+    # with logprobs, the prompt's tokens are its own, the special token's text included
+    scored = _greedy(client, stack, prompt=prompt, echo=True, logprobs=1).choices[0]
+    tokens = scored.logprobs.tokens
+    assert "".join(tokens) == scored.text and tiny_tokenizer.eos_token in tokens
+    first = tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"][0]
+    assert tokens[0] == tiny_tokenizer.decode([first])
+    lengths = [len(t) for t in tokens]
+    assert scored.logprobs.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
 
 
 def test_echo_gives_each_choice_its_own_prompt_and_stop_strings_skip_it(client, stack):

@@ -185,3 +185,27 @@ def test_the_stop_token_that_ends_a_reply_is_not_its_text(tokenizer):
         assert "".join(r.text for r in replies) == text
         assert replies[-1].num_tokens == len(ids)
         ring.assert_nothing_held()
+
+
+def test_a_prompts_special_tokens_keep_their_text_in_its_logprobs(tokenizer):
+    """The prompt's tokens read as the prompt the model saw: joined, they are the echoed text
+    (a text prompt comes back as sent, its special tokens' text included)."""
+    special = sorted(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+    ids = [
+        *tokenizer.encode("the river", add_special_tokens=False).ids,
+        special[-1],
+        *tokenizer.encode(" and the road", add_special_tokens=False).ids,
+    ]
+    ring = Ring(tokenizer)
+    ring.deliver(_begin("u", ids, echo=True))
+    [reply] = ring.deliver(
+        _tokens(
+            protocol.TokenOutput(
+                uid="u", token_ids=ids[:1], prompt_logprobs=_scores(ids), finish_reason="length"
+            )
+        )
+    )
+    tokens = [tokenizer.decode(ids[:1])] + [e.token for e in reply.prompt_logprobs[1:]]
+    assert "".join(tokens) == reply.prompt_text == tokenizer.decode(ids, skip_special_tokens=False)
+    assert tokenizer.id_to_token(special[-1]) in tokens
+    ring.assert_nothing_held()

@@ -68,7 +68,9 @@ class DetokenizerStage(StepFreeHandler):
         added = tokenizer.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, token in added.items() if token.special)
         self.control_ids = frozenset(control_ids)
-        self.token_texts = TokenTexts(tokenizer, shown=self.special_ids - self.control_ids)
+        self.token_texts = TokenTexts(
+            tokenizer, shown=self.special_ids - self.control_ids, special=self.special_ids
+        )
         self.live: dict[str, _Live] = {}
         # Ended here before the scheduler ended them; the scheduler's end is still to come.
         self.ended_early = ExpiringSet(MAX_ENDED_EARLY, LEAK_GRACE_S)
@@ -252,7 +254,9 @@ class DetokenizerStage(StepFreeHandler):
             live.echo_ids = None
         if out.prompt_logprobs is not None:
             entries = self.token_texts.entry
-            reply.prompt_logprobs = [None if e is None else entries(e) for e in out.prompt_logprobs]
+            reply.prompt_logprobs = [
+                None if e is None else entries(e, prompt=True) for e in out.prompt_logprobs
+            ]
 
     # ── the rest of the handler interface ──────────────────────────────────────────────────────
     def held(self) -> list[str]:

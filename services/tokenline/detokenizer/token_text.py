@@ -38,18 +38,29 @@ class TokenTexts:
     """
 
     def __init__(
-        self, tokenizer, max_cached: int = 1 << 20, shown: Collection[int] = ()
-    ) -> None:  # tokenizers.Tokenizer
-        """``shown``: the special tokens a request that keeps special tokens sees as text."""
+        self,
+        tokenizer,  # tokenizers.Tokenizer
+        max_cached: int = 1 << 20,
+        shown: Collection[int] = (),
+        special: Collection[int] = (),
+    ) -> None:
+        """``shown``: the special tokens a request that keeps special tokens sees as text;
+        ``special``: every special token, as a prompt's tokens show them (the prompt the model
+        saw, as an echo gives it back)."""
         self._tokenizer = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
         self._max_cached = max_cached
         self._shown = {i: self._of(i, skip_special_tokens=False) for i in shown}
+        self._special = {i: self._of(i, skip_special_tokens=False) for i in special}
 
     def __len__(self) -> int:
         return len(self._cache)
 
-    def get(self, token_id: int, skip_special_tokens: bool = True) -> tuple[str, list[int]]:
+    def get(
+        self, token_id: int, skip_special_tokens: bool = True, prompt: bool = False
+    ) -> tuple[str, list[int]]:
+        if prompt and token_id in self._special:
+            return self._special[token_id]
         if not skip_special_tokens and token_id in self._shown:
             return self._shown[token_id]
         hit = self._cache.get(token_id)
@@ -74,10 +85,13 @@ class TokenTexts:
                     return [_BYTE_LEVEL[c] for c in raw]
         return list(text.encode())
 
-    def entry(self, logprobs: TokenLogprobs, skip_special_tokens: bool = True) -> LogprobEntry:
-        text, raw = self.get(logprobs.token_id, skip_special_tokens)
+    def entry(
+        self, logprobs: TokenLogprobs, skip_special_tokens: bool = True, prompt: bool = False
+    ) -> LogprobEntry:
+        """``prompt``: a prompt token's, special tokens shown whatever the request skips."""
+        text, raw = self.get(logprobs.token_id, skip_special_tokens, prompt)
         top = []
         for token_id, value in zip(logprobs.top_ids, logprobs.top_logprobs, strict=True):
-            top_text, top_raw = self.get(token_id, skip_special_tokens)
+            top_text, top_raw = self.get(token_id, skip_special_tokens, prompt)
             top.append(TopLogprob(token=top_text, logprob=value, bytes=top_raw))
         return LogprobEntry(token=text, logprob=logprobs.logprob, bytes=raw, top=top)

@@ -53,3 +53,19 @@ def test_byte_level_streams_exactly_the_decoded_output(tiny_tokenizer):
     prompt = backend.encode("Tell me about the river").ids
     output = backend.encode(" and the mountain, é ü 日本").ids
     assert _streamed(backend, prompt, output) == backend.decode(output)
+
+
+def test_logprob_texts_keep_a_metaspace_tokens_leading_space(metaspace_tokenizer):
+    """Each token's logprob text reads as it does in the text, so they join into it (and a
+    completion's text_offset counts right): "▁world" is " world", not "world"."""
+    from tokenline.detokenizer.token_text import TokenTexts
+
+    texts = TokenTexts(metaspace_tokenizer)
+    prompt = metaspace_tokenizer.encode("hello").ids
+    output = metaspace_tokenizer.encode("hello world the river").ids[len(prompt) :]
+    whole = metaspace_tokenizer.decode(prompt + output)
+    expected = whole[len(metaspace_tokenizer.decode(prompt)) :]
+    assert expected.startswith(" ")
+    pieces = [texts.get(t) for t in output]
+    assert "".join(text for text, _ in pieces) == expected
+    assert b"".join(bytes(raw) for _, raw in pieces) == expected.encode()

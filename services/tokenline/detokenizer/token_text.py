@@ -48,6 +48,8 @@ class TokenTexts:
         ``special``: every special token, as a prompt's tokens show them (the prompt the model
         saw, as an echo gives it back)."""
         self._tokenizer = tokenizer
+        self._anchor = tokenizer.encode("a", add_special_tokens=False).ids
+        self._anchor_text = tokenizer.decode(self._anchor)
         self._cache: dict[int, tuple[str, list[int]]] = {}
         self._max_cached = max_cached
         self._shown = {i: self._of(i, skip_special_tokens=False) for i in shown}
@@ -71,8 +73,18 @@ class TokenTexts:
         return hit
 
     def _of(self, token_id: int, skip_special_tokens: bool = True) -> tuple[str, list[int]]:
-        text = self._tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens)
+        text = self._in_text(token_id, skip_special_tokens)
         return text, self._bytes(token_id, text)
+
+    def _in_text(self, token_id: int, skip_special_tokens: bool) -> str:
+        """The token's text as it reads inside a text: decoded after a plain word, because a
+        SentencePiece (Metaspace) decoder drops the leading space of a sequence's first piece
+        ("▁world" alone is "world", mid-text " world"); byte-level tokens read the same."""
+        decode = self._tokenizer.decode
+        after = decode([*self._anchor, token_id], skip_special_tokens=skip_special_tokens)
+        if self._anchor_text and after.startswith(self._anchor_text):
+            return after[len(self._anchor_text) :]
+        return decode([token_id], skip_special_tokens=skip_special_tokens)
 
     def _bytes(self, token_id: int, text: str) -> list[int]:
         if "\ufffd" in text:

@@ -31,6 +31,9 @@ MANAGED_BY = "tokenline-operator"
 
 # Annotations the operator writes.
 ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
+#: On every child: a hash of the body last applied, so that a field the spec no longer sets
+#: (which a subset check cannot see) still makes the operator apply again.
+ANNOTATION_APPLIED_HASH = f"{GROUP}/applied-hash"
 #: Prefix of kopf's own bookkeeping annotations on InferenceService objects.
 KOPF_ANNOTATIONS_PREFIX = GROUP
 

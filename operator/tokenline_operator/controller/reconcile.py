@@ -10,6 +10,8 @@ back into more writes.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import time
 import weakref
@@ -146,8 +148,29 @@ async def capabilities(
     )
 
 
+def applied_hash(desired: dict[str, Any]) -> str:
+    """A hash of the body the operator would apply (without its own stamp)."""
+    text = json.dumps(desired, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def stamped(desired: dict[str, Any]) -> dict[str, Any]:
+    """``desired`` with the hash of its body in an annotation.
+
+    A subset check only sees the fields still desired: a field the spec dropped (a
+    nodeSelector, a limit) stays on the live object and looks fine. The stamp changes with
+    any change of the body, and server-side apply then drops the fields no longer set.
+    """
+    metadata = desired["metadata"]
+    annotations = {**(metadata.get("annotations") or {})}
+    annotations[names.ANNOTATION_APPLIED_HASH] = applied_hash(desired)
+    return {**desired, "metadata": {**metadata, "annotations": annotations}}
+
+
 async def _ensure(ctx: Context, owner: Owner, desired: dict[str, Any]) -> dict[str, Any]:
-    """Create the child, or re-apply it when it drifted; return the live object."""
+    """Create the child, or re-apply it when its body changed or it drifted; return the
+    live object."""
+    desired = stamped(desired)
     kind, name = desired["kind"], desired["metadata"]["name"]
     live = await ctx.kube.get(kind, owner.namespace, name)
     if live is not None and not owned_by(live, owner):
@@ -156,6 +179,7 @@ async def _ensure(ctx: Context, owner: Owner, desired: dict[str, Any]) -> dict[s
             f"{kind} {owner.namespace}/{name} exists and is not owned by "
             f"this InferenceService; rename one of them",
         )
+    # The stamp is part of ``desired``: a live object made from another body fails the check.
     if live is not None and is_subset(desired, live):
         return live
     action = "apply" if live is not None else "create"

@@ -4,6 +4,7 @@ PodMonitor, the NetworkPolicy and the InferencePool with its picker (see :mod:`d
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 from .. import names
 from .schema import (
@@ -172,7 +173,8 @@ ROUTING = {
             "properties": {
                 "enabled": boolean(
                     "Create the InferencePool and the picker. Unset: on when the cluster "
-                    f"serves {names.INFERENCE_POOL_CRD}; false: the plain Service only."
+                    f"serves {names.INFERENCE_POOL_CRD} and the api serves plain HTTP (no "
+                    "server.tlsSecret); false: the plain Service only."
                 ),
                 "image": string(
                     "The endpoint picker image (its flags and configuration follow "
@@ -201,6 +203,26 @@ ROUTING = {
 }
 
 #: PYTHONHASHSEED takes 0..4294967295; nine digits at most keep a seed inside that range.
+#: The gateway sends an InferencePool's requests as plain HTTP (its appProtocol has no https),
+#: while server.tlsSecret makes the api answer HTTPS only: every request would fail.
+TLS_ROUTING_RULE = {
+    "rule": "!has(self.server.tlsSecret) || !has(self.routing.inferencePool.enabled) || "
+    "!self.routing.inferencePool.enabled",
+    "message": "server.tlsSecret makes the api serve HTTPS only, and an InferencePool's "
+    "gateway speaks plain HTTP to the pods: terminate TLS at the Gateway and unset "
+    "server.tlsSecret, or set routing.inferencePool.enabled to false (clients then reach the "
+    "HTTPS Service directly)",
+}
+
+
+def routing_problems(spec: dict[str, Any]) -> list[str]:
+    """:data:`TLS_ROUTING_RULE` in Python, for where no API server ran it."""
+    asked = spec["routing"]["inferencePool"].get("enabled") is True
+    if asked and spec["server"].get("tlsSecret"):
+        return [f"spec: {TLS_ROUTING_RULE['message']}"]
+    return []
+
+
 HASH_SEED_PATTERN = r"^(0|[1-9][0-9]{0,8})$"
 
 ROUTER = {

@@ -14,7 +14,15 @@ from typing import Any
 
 from .. import names
 from . import disaggregation
-from .children import AUTOSCALING, MONITORING, NETWORK_POLICY, ROUTER, ROUTING, SERVICE
+from .children import (
+    AUTOSCALING,
+    MONITORING,
+    NETWORK_POLICY,
+    ROUTER,
+    ROUTING,
+    SERVICE,
+    TLS_ROUTING_RULE,
+)
 from .lora import LORA, SERVED_NAME_RULE
 from .model_uri import uri_schema
 from .schema import (
@@ -250,7 +258,7 @@ SPEC = {
         "router": ROUTER,
         "disaggregation": disaggregation.schema(),
     },
-    "x-kubernetes-validations": copy.deepcopy(disaggregation.RULES),
+    "x-kubernetes-validations": copy.deepcopy([*disaggregation.RULES, TLS_ROUTING_RULE]),
 }
 
 CONDITION = {

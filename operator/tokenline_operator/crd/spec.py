@@ -16,7 +16,7 @@ import jsonschema
 
 from tokenline.fetch import parse_uri
 
-from . import definition, disaggregation, extra_args, lora, model_uri
+from . import children, definition, disaggregation, extra_args, lora, model_uri
 
 Spec = dict[str, Any]
 
@@ -66,6 +66,7 @@ def _check_rules(spec: Spec) -> list[str]:
     if served is not None:  # else the model's own problems say why
         problems.extend(extra_args.problems(spec["engine"].get("extraArgs") or [], served))
     problems.extend(disaggregation.problems(spec))
+    problems.extend(children.routing_problems(spec))
     policy = spec["networkPolicy"]
     for field in ("apiFrom", "metricsFrom", "kvEventsFrom"):
         for index, peer in enumerate(policy.get(field) or []):

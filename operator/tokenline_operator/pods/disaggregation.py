@@ -61,8 +61,10 @@ def role_spec(spec: Spec, role: str) -> Spec:
     if size is not None:
         engine = result["engine"]
         engine["tensorParallelSize"] = size
-        if size > 1 and engine["gpus"] > 1:
-            engine["gpus"] = size  # gpus above 1 must equal the ranks of one pod
+        # gpus above 1 stand for the ranks of one pod (one node with disaggregation): follow
+        # the role's size down as well as up, or a smaller prefill asks for idle GPUs
+        if engine["gpus"] > 1:
+            engine["gpus"] = size
     if settings.get("resources"):
         result["resources"]["scheduler"] = copy.deepcopy(settings["resources"])
     result["replicas"] = settings["replicas"]

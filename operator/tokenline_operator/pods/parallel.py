@@ -24,6 +24,10 @@ MASTER_PORT = 29500
 #: /dev/shm per rank: NCCL's intra-node buffers live there; Docker's 64 MiB default fails
 SHM_PER_RANK_GI = 2
 LABEL_ROLE = "tokenline.dev/role"
+#: A headless Service per group, named ``<name>-<group>``, instead of one named after the
+#: LeaderWorkerSet (that name is the operator's api Service). LWS then sets each pod's
+#: subdomain to it and LWS_LEADER_ADDRESS to ``<name>-<group>.<name>-<group>.<namespace>``.
+SUBDOMAIN_POLICY = "UniquePerReplica"
 
 
 def nodes(spec: Spec) -> int:
@@ -96,6 +100,10 @@ def leader_worker_set(owner: Owner, spec: Spec, deployment: Manifest) -> Manifes
             "workerTemplate": worker,
         },
         "startupPolicy": "LeaderCreated",
+        # The operator's Service already holds the LeaderWorkerSet's name, and LWS makes its
+        # Shared headless Service (the pods' DNS) only when that name is free: workers could
+        # not resolve the leader. Per-group headless Services take other names.
+        "networkConfig": {"subdomainPolicy": SUBDOMAIN_POLICY},
         "rolloutStrategy": {
             "type": "RollingUpdate",
             "rollingUpdateConfiguration": {
@@ -122,7 +130,33 @@ def as_deployment(lws: dict[str, Any] | None) -> dict[str, Any] | None:
     view = copy.deepcopy(lws)
     status = view.setdefault("status", {})
     status.setdefault("availableReplicas", status.get("readyReplicas", 0))
+    status["conditions"] = _deployment_conditions(status.get("conditions") or [])
     if any(c.get("type") == "Available" for c in status.get("conditions") or []):
         # LWS does not report observedGeneration; a reported state is taken as current
         status.setdefault("observedGeneration", view.get("metadata", {}).get("generation"))
     return view
+
+
+def _deployment_conditions(conditions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """LeaderWorkerSet conditions as a Deployment's. LWS keeps Available, Progressing and
+    UpdateInProgress mutually exclusive, so Progressing turns False exactly when all groups
+    are ready, and it has no progress deadline: a False Progressing never means a stalled
+    rollout, as it does on a Deployment. Progressing is rewritten to read as a Deployment's:
+    complete (NewReplicaSetAvailable) once Available, in progress otherwise."""
+    available = any(c.get("type") == "Available" and c.get("status") == "True" for c in conditions)
+    lws_progressing = next((c for c in conditions if c.get("type") == "Progressing"), {})
+    if available:
+        progressing = {
+            "type": "Progressing",
+            "status": "True",
+            "reason": "NewReplicaSetAvailable",
+            "message": "Every group is ready and runs the current template.",
+        }
+    else:
+        progressing = {
+            "type": "Progressing",
+            "status": "True",
+            "reason": lws_progressing.get("reason", "GroupsProgressing"),
+            "message": lws_progressing.get("message", "Groups are progressing."),
+        }
+    return [*(c for c in conditions if c.get("type") != "Progressing"), progressing]

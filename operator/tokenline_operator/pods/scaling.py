@@ -8,6 +8,7 @@ from typing import Any
 from .. import names
 from ..crd.spec import Spec
 from ..objects import Capabilities, Manifest, Owner, manifest, metadata, selector_labels
+from .parallel import LWS_API_VERSION, multi_node
 
 
 def wants_disruption_budget(spec: Spec) -> bool:
@@ -36,9 +37,18 @@ def waiting_query(owner: Owner) -> str:
     )
 
 
-def _autoscaler(owner: Owner, api_version: str, kind: str, **fields: Any) -> Manifest:
-    """An autoscaler of the stage Deployment; ``fields`` follow its ``scaleTargetRef``."""
-    target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": owner.name}
+def scale_target(owner: Owner, spec: Spec) -> dict[str, str]:
+    """What the autoscaler scales: the stage Deployment, or with spec.engine.nodes above 1
+    the LeaderWorkerSet in its place (a whole group per replica, through its scale
+    subresource, whose selector picks the leaders that report the waiting requests)."""
+    if multi_node(spec):
+        return {"apiVersion": LWS_API_VERSION, "kind": "LeaderWorkerSet", "name": owner.name}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": owner.name}
+
+
+def _autoscaler(owner: Owner, spec: Spec, api_version: str, kind: str, **fields: Any) -> Manifest:
+    """An autoscaler of the stage pods; ``fields`` follow its ``scaleTargetRef``."""
+    target = scale_target(owner, spec)
     meta = metadata(owner, owner.name)
     return manifest(api_version, kind, meta, spec={"scaleTargetRef": target, **fields})
 
@@ -56,6 +66,7 @@ def scaled_object(owner: Owner, spec: Spec) -> Manifest:
     }
     return _autoscaler(
         owner,
+        spec,
         "keda.sh/v1alpha1",
         "ScaledObject",
         minReplicaCount=auto["minReplicas"],
@@ -72,6 +83,7 @@ def horizontal_pod_autoscaler(owner: Owner, spec: Spec) -> Manifest:
     target = {"type": "AverageValue", "averageValue": str(auto["targetRequestsWaiting"])}
     return _autoscaler(
         owner,
+        spec,
         "autoscaling/v2",
         "HorizontalPodAutoscaler",
         minReplicas=auto["minReplicas"],

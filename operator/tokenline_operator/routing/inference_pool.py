@@ -27,7 +27,7 @@ import yaml
 
 from .. import names
 from ..crd import disaggregation
-from ..crd.spec import Spec
+from ..crd.spec import Spec, tls_enabled
 from ..objects import (
     Capabilities,
     Manifest,
@@ -36,12 +36,11 @@ from ..objects import (
     owner_reference,
     picker_name,
     picker_selector,
-    selector_labels,
 )
 from ..pods import router
 from ..pods.deployment import PICKER_METRICS_STALENESS_S, PICKER_REFRESH_METRICS_INTERVAL_S
 from . import picker_config
-from .network import network_peer
+from .network import api_pods, network_peer
 from .picker_config import endpoint_picker_config
 
 #: The picker's ports (its defaults in the pinned release, passed explicitly).
@@ -64,9 +63,12 @@ KINDS = (
 
 
 def routing_enabled(spec: Spec, caps: Capabilities) -> bool:
-    """Whether an InferencePool and its picker route to the pods (unset: if the CRD is served)."""
+    """Whether an InferencePool and its picker route to the pods (unset: if the CRD is
+    served and the api speaks plain HTTP, the only protocol the pool's gateway sends)."""
     enabled = spec["routing"]["inferencePool"].get("enabled")
-    return caps.inference_pool if enabled is None else bool(enabled)
+    if enabled is None:
+        return caps.inference_pool and not tls_enabled(spec)
+    return bool(enabled)
 
 
 def _picker_settings(spec: Spec) -> dict[str, Any]:
@@ -355,7 +357,9 @@ def inference_pool(owner: Owner, spec: Spec) -> Manifest:
         "kind": "InferencePool",
         "metadata": _metadata(owner, owner.name, labels(owner)),
         "spec": {
-            "selector": {"matchLabels": selector_labels(owner.name)},
+            # the api pods; with spec.disaggregation both roles (unlike the Service's
+            # selector), because the picker chooses the prefill and the decode pod itself
+            "selector": {"matchLabels": api_pods(owner, spec)},
             "targetPorts": [{"number": names.API_PORT}],
             "appProtocol": "http",
             "endpointPickerRef": {

@@ -62,12 +62,19 @@ def network_peer(peer: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _serving(owner: Owner, spec: Spec) -> dict[str, str]:
-    """The pods that serve the api: all of them, a multi-node group's leaders, or with
-    spec.disaggregation the decode pods (a prefill pod answers only a decode pod's sidecar)."""
+def api_pods(owner: Owner, spec: Spec) -> dict[str, str]:
+    """The pods that run the api: all of them, or a multi-node group's leaders (its workers
+    run only a scheduler)."""
     selected = selector_labels(owner.name)
     if parallel.multi_node(spec):
         selected[parallel.LABEL_ROLE] = "leader"
+    return selected
+
+
+def _serving(owner: Owner, spec: Spec) -> dict[str, str]:
+    """The pods the Service sends clients to: the api pods, or with spec.disaggregation the
+    decode pods (a prefill pod answers only a decode pod's sidecar)."""
+    selected = api_pods(owner, spec)
     if disaggregation.enabled(spec):
         selected[names.LABEL_LLMD_ROLE] = "decode"
     return selected

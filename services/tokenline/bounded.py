@@ -15,6 +15,7 @@ Each exports its size as ``tokenline_cache_entries{stage, cache}`` (`metrics.tra
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -68,45 +69,54 @@ class ExpiringSet:
 class LruCache(Generic[K, V]):
     """At most ``max_entries`` entries and ``max_bytes`` of ``cost(key, value)``; the least
     recently used go first. An entry costing over a quarter of ``max_bytes`` is not kept, so
-    one huge key cannot flush every other entry."""
+    one huge key cannot flush every other entry. Safe to share between threads (the api
+    checks grammars on worker threads)."""
 
     def __init__(self, max_entries: int, max_bytes: int, cost: Callable[[K, V], int]) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._cost = cost
         self._items: OrderedDict[K, tuple[V, int]] = OrderedDict()
+        self._lock = threading.Lock()
         self.bytes = 0
         self.hits = 0
         self.misses = 0
 
     def get(self, key: K) -> V | None:
-        entry = self._items.get(key)
-        if entry is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._items.move_to_end(key)
-        return entry[0]
+        with self._lock:
+            entry = self._items.get(key)
+            if entry is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            self._items.move_to_end(key)
+            return entry[0]
 
     def put(self, key: K, value: V) -> None:
         cost = self._cost(key, value)
-        self.discard(key)
-        if cost > self.max_bytes // 4:
-            return
-        self._items[key] = (value, cost)
-        self.bytes += cost
-        while len(self._items) > self.max_entries or self.bytes > self.max_bytes:
-            _, (_, evicted) = self._items.popitem(last=False)
-            self.bytes -= evicted
+        with self._lock:
+            self._discard(key)
+            if cost > self.max_bytes // 4:
+                return
+            self._items[key] = (value, cost)
+            self.bytes += cost
+            while len(self._items) > self.max_entries or self.bytes > self.max_bytes:
+                _, (_, evicted) = self._items.popitem(last=False)
+                self.bytes -= evicted
 
     def discard(self, key: K) -> None:
+        with self._lock:
+            self._discard(key)
+
+    def _discard(self, key: K) -> None:
         entry = self._items.pop(key, None)
         if entry is not None:
             self.bytes -= entry[1]
 
     def clear(self) -> None:
-        self._items.clear()
-        self.bytes = 0
+        with self._lock:
+            self._items.clear()
+            self.bytes = 0
 
     def __contains__(self, key: object) -> bool:
         return key in self._items

@@ -462,3 +462,20 @@ def test_the_api_port_shows_the_schedulers_lora_state_from_heartbeats(monkeypatc
         protocol.Heartbeat(seq=1, origin=ring_client._origin, statuses=[scheduler_status()])
     )
     assert "vllm:lora_requests_info{" not in client_for(app).get("/metrics").text
+
+
+def test_a_load_naming_its_own_s3_endpoint_is_refused_before_the_ring(monkeypatch):
+    """The scheduler signs S3 requests with the server's credentials: an endpoint a caller
+    names would receive them. A public bucket (anonymous) sends none."""
+    app, ring_client, scheduler = ring_app(monkeypatch)
+    client = client_for(app)
+    elsewhere = "s3://adapters/a?endpoint=http://attacker.example:9000"
+    response = client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": elsewhere})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "lora_path" and "AWS_ENDPOINT_URL" in error["message"]
+    assert not scheduler.calls and nothing_held(ring_client)
+    public = "s3://adapters/a?endpoint=http://minio.example:9000&anonymous=true"
+    response = client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": public})
+    assert response.status_code == 200, response.text
+    assert scheduler.calls[-1].uri == public

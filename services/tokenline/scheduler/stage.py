@@ -12,6 +12,7 @@ from typing import Protocol
 import msgspec
 
 from tokenline import protocol
+from tokenline.fetch.uri import redact
 from tokenline.metrics import (
     KV_BLOCKS_HELD_FOR_TRANSFER,
     KV_TRANSFER_BYTES,
@@ -218,7 +219,7 @@ class SchedulerStage(EngineStage):
         except LoraError as exc:
             code, status, message = exc.code, exc.http_status, str(exc)
         except Exception as exc:  # a corrupt file: the adapter is refused, the stage goes on
-            log.exception("loading LoRA adapter %s from %s failed", call.name, call.uri)
+            log.exception("loading LoRA adapter %s from %s failed", call.name, redact(call.uri))
             code, status = "invalid_request_error", 400
             message = f"Loading lora {call.name} failed: {exc}"
         else:

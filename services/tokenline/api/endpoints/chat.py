@@ -34,8 +34,15 @@ class Chat(Endpoint):
     async def plan(self, chat: ChatCompletionRequest) -> ToolPlan:
         """What the request's tools and response_format mean for its sampling and its reply."""
         fmt = await self.tool_format() if chat.tools else None
-        return plan_tools(
-            chat.tools, chat.tool_choice, chat.parallel_tool_calls, chat.response_format, fmt
+        # Checking schemas and compiling grammars costs CPU in proportion to the request: on a
+        # worker thread, the api's loop keeps serving every other request meanwhile.
+        return await asyncio.to_thread(
+            plan_tools,
+            chat.tools,
+            chat.tool_choice,
+            chat.parallel_tool_calls,
+            chat.response_format,
+            fmt,
         )
 
     async def tool_format(self) -> ToolCallFormat:

@@ -22,6 +22,9 @@ from tokenline.api.endpoints.base import Endpoint
 from tokenline.api.http.errors import ApiError, invalid
 from tokenline.api.openai.lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from tokenline.api.ring.lora_names import ChangeInProgress, name_problem, shown_uri
+from tokenline.fetch.errors import InvalidURI
+from tokenline.fetch.parse import parse_uri
+from tokenline.fetch.uri import S3URI
 from tokenline.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -85,6 +88,14 @@ class LoraAdapters(Endpoint):
         problem = name_problem(name)
         if problem is not None:
             raise invalid("lora_name", f"{problem}: {name!r}")
+        if _sends_credentials_elsewhere(path):
+            raise invalid(
+                "lora_path",
+                "an s3:// endpoint named by a request would be sent this server's S3 "
+                "credentials; set AWS_ENDPOINT_URL on the server and leave endpoint= out, load "
+                "it at start (--lora-modules, --lora-config), or add anonymous=true for a "
+                "public bucket",
+            )
         names = self.request.app.state.lora_names
         if name in names.bases:
             raise invalid("lora_name", f"'{name}' is the base model's name; choose another")
@@ -115,3 +126,13 @@ class LoraAdapters(Endpoint):
             raise _in_progress(name) from None
         log.info("unloaded LoRA adapter %r", name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def _sends_credentials_elsewhere(path: str) -> bool:
+    """Whether loading ``path`` would sign requests with the server's S3 credentials (boto3's
+    chain: its environment, IRSA, the instance profile) to an endpoint the caller chose."""
+    try:
+        uri = parse_uri(path)
+    except InvalidURI:
+        return False  # the scheduler's load says what is wrong with it
+    return isinstance(uri, S3URI) and uri.endpoint is not None and not uri.anonymous

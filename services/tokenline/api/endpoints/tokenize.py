@@ -7,6 +7,8 @@ and a chat goes through the very chat template a chat completion's prompt goes t
 
 from __future__ import annotations
 
+import asyncio
+
 from tokenline import protocol
 from tokenline.api.endpoints.base import Endpoint
 from tokenline.api.function_calling.grammars import shown_tools
@@ -19,7 +21,7 @@ class Tokenize(Endpoint):
         body.check(self.settings)
         # As a chat completion with the default tool_choice (auto) shows them to the model; the
         # format of calls is only needed to parse a reply or constrain one, and none is here.
-        tools = shown_tools(body.tools) if body.tools else None
+        tools = await asyncio.to_thread(shown_tools, body.tools) if body.tools else None
         messages = body.wire_messages()
 
         def build(uid: str) -> protocol.TokenizeCall:

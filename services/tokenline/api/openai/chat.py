@@ -23,7 +23,7 @@ from tokenline.api.openai.sampling import (
     SamplingFields,
     Text,
 )
-from tokenline.api.openai.tools import ResponseFormat, Tool, ToolChoice
+from tokenline.api.openai.tools import MAX_TOOLS, ResponseFormat, Tool, ToolChoice
 from tokenline.protocol import ChatMessage, ToolCall
 
 
@@ -165,7 +165,7 @@ class ChatCompletionRequest(SamplingFields):
     # structured outputs and tools: api/function_calling/grammars.py checks them and builds
     # the grammar
     response_format: ResponseFormat | None = None
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     functions: list[Any] | None = None  # deprecated by OpenAI: refused, naming tools instead

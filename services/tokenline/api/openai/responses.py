@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tokenline.api.http.errors import ApiError, invalid
 from tokenline.api.openai.sampling import INT32_MAX, MAX_METADATA_KEYS, Text
+from tokenline.api.openai.tools import MAX_TOOLS
 
 _ITEM = ConfigDict(extra="ignore", allow_inf_nan=False)  # ids, status, phase: no bearing
 
@@ -95,7 +96,7 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    tools: list[FunctionToolIn] | None = None
+    tools: list[FunctionToolIn] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None

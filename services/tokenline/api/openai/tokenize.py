@@ -15,7 +15,7 @@ from tokenline.api.http.errors import invalid
 from tokenline.api.openai.chat import ChatMessageIn, template_variables
 from tokenline.api.openai.request_limits import check_messages
 from tokenline.api.openai.sampling import Text, TokenId
-from tokenline.api.openai.tools import Tool
+from tokenline.api.openai.tools import MAX_TOOLS, Tool
 from tokenline.protocol import ChatMessage
 from tokenline.settings import Settings
 
@@ -35,7 +35,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     return_token_strs: bool | None = False
     chat_template_kwargs: dict[Text, Any] | None = None  # as a chat completion's
 

@@ -9,6 +9,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 _CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
+# OpenAI's own limit on a request's tools. Each is checked, and all are compiled into one
+# grammar, before the request is admitted: without a bound, one body of thousands of tools
+# would hold the api for seconds.
+MAX_TOOLS = 128
 
 
 class JsonSchemaFormat(BaseModel):

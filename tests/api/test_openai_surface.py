@@ -785,7 +785,8 @@ def test_a_developer_message_is_a_system_message(client, stack):
     assert developer.choices[0].message.content == system.choices[0].message.content
 
 
-def test_a_name_on_a_user_message_is_accepted_and_not_shown_to_the_model(client, stack):
+def test_a_name_on_a_user_message_is_accepted(client, stack):
+    """It reaches the template (tests/tokenizer), which the tiny model's does not print."""
     plain = _greedy_chat(client, stack)
     named = _greedy_chat(client, stack, messages=[{**CHAT[0], "name": "alice"}])
     assert named.usage.prompt_tokens == plain.usage.prompt_tokens

@@ -447,9 +447,13 @@ REFUSED_OR_NO_OP: dict[str, tuple[str, ...]] = {
         "test_an_assistant_message_goes_back_as_the_client_returned_it",
         "test_annotations_must_be_a_list",
     ),
-    # kept for tool turns (the wire carries it there); on other turns it is dropped
-    "ChatMessageIn.name": t(
-        SURFACE, "test_a_name_on_a_user_message_is_accepted_and_not_shown_to_the_model"
+    # every role's reaches the template, as vLLM hands it (tests/tokenizer checks it there)
+    "ChatMessageIn.name": (
+        *t(SURFACE, "test_a_name_on_a_user_message_is_accepted"),
+        *t(
+            "../tokenizer/test_template_messages.py",
+            "test_every_roles_name_and_empty_arguments_reach_the_template_as_vllm_hands_them",
+        ),
     ),
     "responses.ResponsesRequest.store": t(RESPONSES, "test_store_is_accepted_and_answered_false"),
     "responses.ResponsesRequest.user": _RESPONSES_NOTHING,

@@ -111,8 +111,10 @@ def resolve(given: str, template: str | None) -> ContentFormat:
 
 
 def template_content(message: protocol.ChatMessage, fmt: ContentFormat) -> str | list[dict]:
-    """``message``'s content as the template reads it in ``fmt``."""
-    if fmt == "string":
+    """``message``'s content as the template reads it in ``fmt``. A tool's result is always
+    one text (as vLLM gives it): templates print it as it is, also those that loop over the
+    parts of other messages."""
+    if fmt == "string" or message.role == "tool":
         return message.content  # the api joined the parts with PART_SEPARATOR
     texts = [message.content] if message.parts is None else message.parts
     return [{"type": "text", "text": text} for text in texts]

@@ -36,7 +36,12 @@ log = logging.getLogger(__name__)
 def _template_arguments(text: str) -> object:
     """A call's arguments as templates read them: an object (Qwen's template writes them with
     ``tojson``), not the JSON text OpenAI carries them as. Text that is no JSON object (an
-    earlier turn's broken call) stays text, so the history renders as it was written."""
+    earlier turn's broken call) stays text, so the history renders as it was written; no
+    arguments at all (the usual form of a call without parameters) are an empty object, as
+    vLLM renders them (a template that writes them as they are would otherwise print nothing
+    where JSON belongs)."""
+    if not text.strip():
+        return {}
     try:
         value = json.loads(text)
     except ValueError:

@@ -216,9 +216,15 @@ def shown_tools(tools: list[Tool]) -> list[dict[str, Any]]:
 
 
 def _template_tool(tool: Tool) -> dict[str, Any]:
-    function: dict[str, Any] = {"name": tool.function.name, "parameters": _parameters(tool)}
+    """As vLLM hands a tool to the template, keys in OpenAI's order (name, description,
+    parameters): a template that writes ``tool | tojson`` shows them so, as models were
+    trained on them."""
+    function: dict[str, Any] = {"name": tool.function.name}
     if tool.function.description is not None:
         function["description"] = tool.function.description
+    function["parameters"] = _parameters(tool)
+    if tool.function.strict is not None:
+        function["strict"] = tool.function.strict
     return {"type": "function", "function": function}
 
 

@@ -152,7 +152,7 @@ class ChatMessageIn(BaseModel):
             parts=parts,
             tool_calls=calls,
             tool_call_id=self.tool_call_id if self.role == "tool" else None,
-            name=self.name if self.role == "tool" else None,
+            name=self.name,  # every role's, as vLLM hands it to the template
             reasoning=self.reasoning if self.reasoning is not None else self.reasoning_content,
         )
 

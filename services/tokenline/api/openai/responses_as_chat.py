@@ -10,7 +10,7 @@ from typing import Any
 import pydantic
 
 from tokenline.api.http.errors import ApiError, invalid
-from tokenline.api.openai.chat import EFFORTS, ChatCompletionRequest
+from tokenline.api.openai.chat import EFFORTS, PART_SEPARATOR, ChatCompletionRequest
 from tokenline.api.openai.responses import (
     ContentPart,
     FunctionToolIn,
@@ -40,7 +40,7 @@ def _text_of(content: str | list[ContentPart] | None, param: str) -> str:
                 f"{param}[{j}] is of type {part.type!r}, which this server does not take: "
                 "the model reads text only (input_text, output_text)",
             )
-    return "".join(texts)
+    return PART_SEPARATOR.join(texts)  # as chat joins a message's text parts
 
 
 def _reasoning_of(content: str | list[ContentPart] | None, param: str) -> str:
@@ -137,9 +137,10 @@ def _tools_of(tools: list[FunctionToolIn]) -> list[dict[str, Any]]:
                 raise unsupported(
                     f"tools[{i}].{field}", f"tools[{i}].{field} is not supported; leave it out"
                 )
-        function: dict[str, Any] = {"name": tool.name, "parameters": tool.parameters}
+        function: dict[str, Any] = {"name": tool.name}  # OpenAI's order, as chat's tools
         if tool.description is not None:
             function["description"] = tool.description
+        function["parameters"] = tool.parameters
         if tool.strict is not None:
             function["strict"] = tool.strict
         out.append({"type": "function", "function": function})

@@ -100,6 +100,21 @@ def test_out_of_vocabulary_stop_token_id_cannot_break_the_batch(make_engine, enc
     assert run.reasons["neighbour"] == "length"
 
 
+def test_a_prompt_id_past_the_models_embedding_is_refused_not_run(make_engine, encode):
+    """A tokenizer may hold more ids than the model has embedding rows: such an id is a 400
+    naming the prompt, and the batch beside it runs (on a GPU it would fail the device)."""
+    engine = make_engine()
+    engine.add("neighbour", encode("hello please"), greedy(4, ignore_eos=True))
+    vocab = engine.runner.vocab_size
+    for bad in ([*encode("a"), vocab], [-1]):
+        with pytest.raises(InvalidRequest) as refused:
+            engine.add("x", bad, greedy(4))
+        assert refused.value.param == "prompt" and str(vocab) in str(refused.value)
+    engine.add("edge", [vocab - 1], greedy(2, ignore_eos=True))
+    run = drain(engine)
+    assert run.reasons == {"neighbour": "length", "edge": "length"}
+
+
 # ── length ────────────────────────────────────────────────────────────────────────────────────
 @pytest.mark.parametrize("max_tokens", [1, 5])
 def test_max_tokens_ends_with_length(make_engine, encode, max_tokens):

@@ -130,6 +130,15 @@ class Engine:
             raise UnknownModel(f"The model `{lora}` does not exist.")
         if not prompt_ids:  # the tokenizer stage refuses these: a caller that skipped it
             raise ValueError(f"{uid}: an empty prompt; the engine needs at least one token")
+        # The tokenizer stage bounds ids by the tokenizer, which may hold more than the model's
+        # embedding has rows: an id past them would fail the step (on a GPU, the device).
+        highest = max(prompt_ids)
+        if highest >= self.runner.vocab_size or min(prompt_ids) < 0:
+            raise InvalidRequest(
+                f"prompt token id {highest} is not in the model's vocabulary of "
+                f"{self.runner.vocab_size} ids",
+                param="prompt",
+            )
         if not self.policy.fits_at_all(len(prompt_ids)):
             raise KVCacheTooSmall(
                 f"the prompt needs {len(prompt_ids)} tokens of KV cache but the pool holds "

@@ -12,6 +12,7 @@ import urllib.request
 
 import httpx
 import pytest
+from test_chaos import _stream_outcome
 
 pytestmark = pytest.mark.timeout(120)
 # Long enough to outlast several heartbeats (0.5 s apart), which carry the running count the
@@ -33,25 +34,13 @@ def ready_state(url: str) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
-async def _finish(client: httpx.AsyncClient) -> str:
-    async with client.stream("POST", "/v1/completions", json=STREAM) as response:
-        if response.status_code != 200:
-            return f"http:{response.status_code}"
-        async for line in response.aiter_lines():
-            if line == "data: [DONE]":
-                return "done"
-            if line.startswith("data: ") and '"error"' in line:
-                return "error"
-    return "cut"
-
-
 def test_sigterm_fails_readiness_at_once_and_streams_finish(launch_stack):
     stack = launch_stack("--drain-timeout", "40")
     assert ready_state(stack.api_url)[0] == 200
 
     async def scenario() -> tuple[list[str], float, dict, float]:
         async with httpx.AsyncClient(base_url=stack.api_url, timeout=90) as client:
-            streams = [asyncio.create_task(_finish(client)) for _ in range(2)]
+            streams = [asyncio.create_task(_stream_outcome(client, STREAM)) for _ in range(2)]
             while not stack.metric("api", "tokenline_endpoint_requests_running"):  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
             signalled = time.monotonic()

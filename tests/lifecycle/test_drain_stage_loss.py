@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+from test_chaos import _stream_outcome
 
 pytestmark = pytest.mark.timeout(180)
 STREAM = {
@@ -19,19 +20,6 @@ STREAM = {
     "max_tokens": 1900,
     "ignore_eos": True,
 }
-
-
-async def _outcome(client: httpx.AsyncClient) -> str:
-    """'done', 'error:<code>', 'http:<status>' or 'cut'."""
-    async with client.stream("POST", "/v1/completions", json=STREAM) as response:
-        if response.status_code != 200:
-            return f"http:{response.status_code}"
-        async for line in response.aiter_lines():
-            if line == "data: [DONE]":
-                return "done"
-            if line.startswith("data: ") and '"error"' in line:
-                return "error:" + line.split('"code":"')[1].split('"')[0]
-    return "cut"
 
 
 def _gone(stack, stage: str) -> bool:
@@ -47,7 +35,7 @@ def test_a_scheduler_killed_during_a_drain_fails_the_streams_at_once(launch_stac
 
     async def scenario() -> tuple[list[str], float]:
         async with httpx.AsyncClient(base_url=stack.api_url, timeout=90) as client:
-            streams = [asyncio.create_task(_outcome(client)) for _ in range(2)]
+            streams = [asyncio.create_task(_stream_outcome(client, STREAM)) for _ in range(2)]
             while not stack.metric("scheduler", "tokenline_num_requests_running"):  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
             scheduler = stack.pid_of("scheduler")

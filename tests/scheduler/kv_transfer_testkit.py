@@ -14,6 +14,7 @@ from tokenline.model_source import ModelSource
 from tokenline.protocol import KVTransferParams, TokenOutput
 from tokenline.scheduler.engine import Engine, EngineLimits
 from tokenline.scheduler.kv_transfer.config import KVTransferConfig
+from tokenline.scheduler.kv_transfer.link import KVLayout
 from tokenline.scheduler.parallel.worker import Driver, start
 from tokenline.scheduler.runner import RunnerOptions
 
@@ -21,6 +22,16 @@ MiB = 2**20
 RANKS = RunnerOptions(device="cpu", dtype="float32", kv_cache_memory=4 * MiB, torch_threads=1)
 LIMITS = EngineLimits(tiny_model.MAX_POSITIONS, 256, 2048)
 MAX_TOKENS = 12
+# a side channel's handshake with no engine behind it: the smallest layout there is
+TINY_LAYOUT = KVLayout(
+    model="m",
+    dtype="torch.float32",
+    block_size=4,
+    num_layers=1,
+    num_kv_heads=1,
+    head_dim=4,
+    tp_size=1,
+)
 LONG = (
     "The quick brown fox jumps over the lazy dog near the river in the morning light, and "
     "then it runs across the field, past the old mill and into the dark forest beyond."

@@ -20,6 +20,7 @@ import zmq.auth
 from kv_transfer_testkit import (
     LONG,
     MAX_TOKENS,
+    TINY_LAYOUT,
     consumer_config,
     prefill,
     producer_config,
@@ -34,7 +35,6 @@ from tokenline.scheduler.engine import Engine
 from tokenline.scheduler.kv_transfer import pulls
 from tokenline.scheduler.kv_transfer.config import config_of
 from tokenline.scheduler.kv_transfer.ledger import prefix_digest
-from tokenline.scheduler.kv_transfer.link import KVLayout
 from tokenline.scheduler.kv_transfer.side_channel import (
     Release,
     SideChannelClient,
@@ -229,15 +229,7 @@ def test_keys_are_a_directory_name_and_reach_the_config(tmp_path: Path) -> None:
 def test_a_side_channel_beyond_loopback_without_keys_is_warned_of_once(
     keys: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    layout = KVLayout(
-        model="m",
-        dtype="torch.float32",
-        block_size=4,
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=4,
-        tp_size=1,
-    )
+    layout = TINY_LAYOUT
 
     def warnings() -> list[str]:
         found = [r.getMessage() for r in caplog.records if "side_channel_keys" in r.getMessage()]

@@ -14,6 +14,7 @@ import pytest
 from kv_transfer_testkit import (
     LONG,
     MAX_TOKENS,
+    TINY_LAYOUT,
     closing,
     consumer_config,
     prefill,
@@ -28,7 +29,6 @@ from tokenline.protocol import KVTransferParams
 from tokenline.scheduler.engine import Engine
 from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.kv_transfer import pulls, side_channel
-from tokenline.scheduler.kv_transfer.link import KVLayout
 from tokenline.scheduler.kv_transfer.pulls import Pulls
 from tokenline.scheduler.kv_transfer.side_channel import (
     Grant,
@@ -40,15 +40,6 @@ from tokenline.scheduler.sequence import Sequence
 
 CAP = 8
 NOWHERE = "192.0.2.1"  # TEST-NET-1: never routed, so no owner ever answers there
-LAYOUT = KVLayout(
-    model="m",
-    dtype="torch.float32",
-    block_size=4,
-    num_layers=1,
-    num_kv_heads=1,
-    head_dim=4,
-    tp_size=1,
-)
 
 
 def open_fds() -> int:
@@ -118,19 +109,21 @@ def test_releases_to_invented_addresses_keep_at_most_the_cap_of_sockets(small_ca
 
 def test_the_least_recently_used_owner_makes_room_and_comes_back_when_asked() -> None:
     granted = lambda claim: Grant(claim.request_id)  # noqa: E731
-    servers = [SideChannelServer("127.0.0.1", 0, b"", LAYOUT, f"e{i}", granted) for i in (0, 1)]
+    servers = [
+        SideChannelServer("127.0.0.1", 0, b"", TINY_LAYOUT, f"e{i}", granted) for i in (0, 1)
+    ]
     a, b = (address(server.address) for server in servers)
     client = SideChannelClient(max_peers=2)
     try:
-        assert client.hello(*a, LAYOUT, 5.0).engine_id == "e0"
-        assert client.hello(*b, LAYOUT, 5.0).engine_id == "e1"
-        assert client.hello(*a, LAYOUT, 5.0).engine_id == "e0"  # a is the more recent now
+        assert client.hello(*a, TINY_LAYOUT, 5.0).engine_id == "e0"
+        assert client.hello(*b, TINY_LAYOUT, 5.0).engine_id == "e1"
+        assert client.hello(*a, TINY_LAYOUT, 5.0).engine_id == "e0"  # a is the more recent now
         client.release(NOWHERE, 9, Release("r"))  # a third owner: b, the idle longest, goes
         assert list(client._sockets) == [a, (NOWHERE, 9)]
         client.release(*b, Release("to-b"))  # b comes back on its own: a new socket
         client.release(*a, Release("to-a"))
         assert list(client._sockets) == [b, a]
-        assert client.hello(*b, LAYOUT, 5.0).engine_id == "e1"
+        assert client.hello(*b, TINY_LAYOUT, 5.0).engine_id == "e1"
         for server, uid in zip(servers, ("to-a", "to-b"), strict=True):
             assert until(lambda s=server: s._releases)
             assert [r.request_id for r in server.take_releases()] == [uid]
@@ -147,7 +140,7 @@ def test_unreachable_owners_are_forgotten_after_their_memory_time_and_capped(
 ) -> None:
     monkeypatch.setattr(pulls, "HELLO_TIMEOUT_S", 0.02)  # each handshake waits this out
     monkeypatch.setattr(pulls, "UNREACHABLE_PEERS", CAP)
-    link = SimpleNamespace(layout=LAYOUT, forget=lambda metadata: None)
+    link = SimpleNamespace(layout=TINY_LAYOUT, forget=lambda metadata: None)
     reader = Pulls(BlockPool(64, 4, caching=True), consumer_config(), link=link)
 
     def read(ports: range) -> list[str]:

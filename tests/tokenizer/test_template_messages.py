@@ -8,24 +8,14 @@ import copy
 import json
 import time
 
+from tool_format_testkit import WEATHER
+
 from tokenline import protocol
 from tokenline.api.function_calling.grammars import shown_tools
 from tokenline.api.openai.chat import ChatCompletionRequest
 from tokenline.api.openai.tools import Tool
 from tokenline.tokenizer.stage import PromptEncoder, TokenizerStage, _template_message
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
 ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 

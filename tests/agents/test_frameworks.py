@@ -88,8 +88,10 @@ def _agent_run(
     tool_choice: str,
     max_turns: int = 3,
     max_tokens: int | None = 300,
+    ends: list[str] | None = None,
 ):
-    """One openai-agents run; its result (None when it ran out of turns) and the tool's calls.
+    """One openai-agents run; its result (None when it ran out of turns) and the tool's calls;
+    ``ends`` (chat) collects each completion's finish_reason.
 
     One call a turn: the tiny model, free to chain parallel calls, would chain them until
     max_tokens. The tool takes an unbounded ``str``, which the tiny model may write until
@@ -116,6 +118,15 @@ def _agent_run(
         return "rain"
 
     client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+    if ends is not None:
+        create = client.chat.completions.create
+
+        async def recorded(*args, **kwargs):
+            reply = await create(*args, **kwargs)
+            ends.append(reply.choices[0].finish_reason)
+            return reply
+
+        client.chat.completions.create = recorded
     if api == "chat":
         model = OpenAIChatCompletionsModel(model=model_name, openai_client=client)
         extra = {"seed": seed}
@@ -150,14 +161,28 @@ def _agent_run(
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_openai_agents_str_tool_is_called_with_valid_arguments(base_url, stack, api):
+    called = 0
     for seed in SEEDS[:4] if api == "chat" else [0]:
+        ends: list[str] = []
         try:  # one turn, as long as the context allows: the call, then the tool runs
             result, calls = _agent_run(
-                base_url, stack.model, api, seed, "required", max_turns=1, max_tokens=None
+                base_url,
+                stack.model,
+                api,
+                seed,
+                "required",
+                max_turns=1,
+                max_tokens=None,
+                ends=ends if api == "chat" else None,
             )
         except Exception as exc:  # any refusal or unparsable reply fails the agent loop
             raise AssertionError(f"seed {seed}: {exc!r}") from exc
-        assert result is None and len(calls) == 1 and isinstance(calls[0], str), seed
+        assert result is None, seed
+        if ends == ["length"] and not calls:
+            continue  # the model wrote its str until the context ran out: a cut call, not run
+        assert len(calls) == 1 and isinstance(calls[0], str), (seed, ends)
+        called += 1
+    assert called, "no seed's call was run"
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])

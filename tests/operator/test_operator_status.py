@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tokenline_operator.controller.reconcile import is_subset
+from tokenline_operator.controller.drift import is_subset
 from tokenline_operator.names import INFERENCE_POOL_CRD
 from tokenline_operator.status import conditions as status
 

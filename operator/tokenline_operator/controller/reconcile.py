@@ -10,8 +10,6 @@ back into more writes.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import time
 import weakref
@@ -29,6 +27,7 @@ from ..routing.network import service_url
 from ..status import conditions
 from ..status import model as model_status
 from . import manifests, side_channel_keys
+from .drift import is_subset, stamped
 
 log = logging.getLogger(__name__)
 
@@ -98,29 +97,6 @@ class Result:
     api_error: str | None = None
 
 
-def is_subset(desired: Any, live: Any) -> bool:
-    """Whether ``live`` already holds everything ``desired`` sets (API defaults may add more).
-
-    Numbers and strings compare by text, because the API server returns quantities as
-    strings (``nvidia.com/gpu: 1`` comes back as ``"1"``).
-    """
-    if isinstance(desired, dict):
-        return isinstance(live, dict) and all(
-            key in live and is_subset(value, live[key]) for key, value in desired.items()
-        )
-    if isinstance(desired, list):
-        return (
-            isinstance(live, list)
-            and len(desired) == len(live)
-            and all(is_subset(d, item) for d, item in zip(desired, live, strict=True))
-        )
-    if isinstance(desired, bool) or isinstance(live, bool):
-        return desired == live
-    if isinstance(desired, int | float | str) and isinstance(live, int | float | str):
-        return str(desired) == str(live)
-    return desired == live
-
-
 #: The first Kubernetes release with the ImageVolume feature on by default (beta; alpha from
 #: 1.31, beta off by default in 1.33 and 1.34). Older servers get the copying init container.
 IMAGE_VOLUME_DEFAULT_ON = (1, 35)
@@ -146,25 +122,6 @@ async def capabilities(
         inference_pool=await kube.serves("InferencePool", max_age=max_age),
         image_volume=await image_volumes_served(kube, image_volumes),
     )
-
-
-def applied_hash(desired: dict[str, Any]) -> str:
-    """A hash of the body the operator would apply (without its own stamp)."""
-    text = json.dumps(desired, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def stamped(desired: dict[str, Any]) -> dict[str, Any]:
-    """``desired`` with the hash of its body in an annotation.
-
-    A subset check only sees the fields still desired: a field the spec dropped (a
-    nodeSelector, a limit) stays on the live object and looks fine. The stamp changes with
-    any change of the body, and server-side apply then drops the fields no longer set.
-    """
-    metadata = desired["metadata"]
-    annotations = {**(metadata.get("annotations") or {})}
-    annotations[names.ANNOTATION_APPLIED_HASH] = applied_hash(desired)
-    return {**desired, "metadata": {**metadata, "annotations": annotations}}
 
 
 async def _ensure(ctx: Context, owner: Owner, desired: dict[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from fastapi.testclient import TestClient
 
 from tokenline.api.app import create_app
 from tokenline.api.http.errors import ApiError
+from tokenline.api.ring.health import RingHealth
 from tokenline.settings import Settings
 
 ADMITTED = 299  # the stand-in's answer once a request reaches admission: nothing refused it
@@ -33,9 +34,9 @@ class StandInRingClient:
     model: str = "tiny"
     ready: bool = True
     draining: bool = False
-    stage_statuses: dict = field(default_factory=dict)
     opened: list = field(default_factory=list)
-    grammar_refusal: str = ""  # as the scheduler reports it: "" when grammars are served
+    # no stage has reported: every stage status unknown, grammars not refused
+    health: RingHealth = field(default_factory=RingHealth)
 
     def problem(self) -> str | None:
         return None if self.ready else "stand-in not ready"

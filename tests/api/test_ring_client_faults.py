@@ -19,6 +19,7 @@ from tokenline.api.app import create_app, listening_socket
 from tokenline.api.endpoints.completions import CompletionsAnswer
 from tokenline.api.http.sse import EventStream
 from tokenline.api.ring import client as ring_client_module
+from tokenline.api.ring import liveness as liveness_module
 from tokenline.api.ring.client import RingClient
 from tokenline.api.ring.exchange import coalesce
 from tokenline.metrics import ABORTS, REQUEST_ERRORS
@@ -85,8 +86,8 @@ def _count(counter, **labels) -> float:
 # ── 1. a refused send ──────────────────────────────────────────────────────────────────────────
 async def test_a_refused_send_ends_neither_the_watchdog_nor_the_heartbeats(monkeypatch):
     monkeypatch.setattr(ring_client_module, "WATCHDOG_INTERVAL_S", 0.01)
-    monkeypatch.setattr(ring_client_module, "HEARTBEAT_INTERVAL_S", 0.01)
-    monkeypatch.setattr(ring_client_module, "RECOVERY_HEARTBEAT_INTERVAL_S", 0.01)
+    monkeypatch.setattr(liveness_module, "HEARTBEAT_INTERVAL_S", 0.01)
+    monkeypatch.setattr(liveness_module, "RECOVERY_HEARTBEAT_INTERVAL_S", 0.01)
     ring_client = _ring_client()
     late = ring_client.open(_generate())
     late.deadline = 0  # its abort is the watchdog's first send
@@ -95,7 +96,7 @@ async def test_a_refused_send_ends_neither_the_watchdog_nor_the_heartbeats(monke
     try:
         await asyncio.sleep(0.1)
         loops = {t.get_name(): t for t in ring_client._tasks}
-        assert not loops["_watchdog"].done() and not loops["_heartbeats"].done()
+        assert not loops["_watchdog"].done() and not loops["heartbeats"].done()
         assert late.error is not None and late.error.code == "request_timeout"
         ring_client.ring.refuse = False
         later = ring_client.open(_generate())
@@ -134,7 +135,7 @@ def test_a_stage_lost_during_a_drain_fails_the_requests_in_flight(observer, stag
     ex = ring_client.open(_generate())
     ring_client.draining = True
     lost = time.monotonic()
-    ring_client._on_link(observer, stage, False)
+    ring_client.liveness.on_link(observer, stage, False)
     ring_client.check_exchanges(lost + ring_client_module.DRAIN_STRAND_GRACE_S + 0.1)
     assert ex.error is not None and ex.error.code == "stage_failure"
     aborts = ring_client.ring.of(protocol.Abort)
@@ -147,7 +148,7 @@ def test_requests_that_end_within_the_grace_of_a_drained_stage_finish_normally()
     ex = ring_client.open(_generate())
     ring_client.draining = True
     lost = time.monotonic()
-    ring_client._on_link("detokenizer", "scheduler", False)
+    ring_client.liveness.on_link("detokenizer", "scheduler", False)
     ring_client.route(_replies(_piece(ex.uids[0], finish_reason="stop")))
     ring_client.check_exchanges(lost + ring_client_module.DRAIN_STRAND_GRACE_S + 0.1)
     assert ex.error is None and ex.choices[0].finish_reason == "stop"
@@ -159,7 +160,7 @@ def test_the_tokenizer_leaving_a_drain_fails_nothing():
     ex = ring_client.open(_generate())
     ring_client.draining = True
     lost = time.monotonic()
-    ring_client._on_link("api", "tokenizer", False)
+    ring_client.liveness.on_link("api", "tokenizer", False)
     ring_client.check_exchanges(lost + ring_client_module.DRAIN_STRAND_GRACE_S + 0.1)
     assert ex.error is None
 

@@ -47,7 +47,7 @@ async def ready(request: Request) -> JSONResponse:
         "draining": ring_client.draining,
         "stages": {
             s: {"instance": st.instance, "waiting": st.waiting, "running": st.running}
-            for s, st in ring_client.stage_statuses.items()
+            for s, st in ring_client.health.statuses.items()
         },
     }
     return JSONResponse(body, status_code=200 if problem is None else 503)

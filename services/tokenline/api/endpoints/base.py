@@ -119,7 +119,7 @@ class Endpoint:
                 f"priority {body.priority} asks for priority scheduling, which this server "
                 "does not run (--scheduling-policy fcfs); leave priority out or 0",
             )
-        refusal = self.ring_client.grammar_refusal if grammar_param is not None else ""
+        refusal = self.ring_client.health.grammar_refusal if grammar_param is not None else ""
         if refusal:
             raise invalid(grammar_param, refusal, "unsupported_parameter")
         self.admitted = True

@@ -3,7 +3,7 @@ scheduler over the ring.
 
 The api checks what it can answer alone (the names, whether the adapter is already there or
 not there at all) against the adapters the scheduler last reported, with vLLM's messages and
-status codes; the rest travels the ring as a `protocol.LoraCall` (`RingClient.lora_call`), and the
+status codes; the rest travels the ring as a `protocol.LoraCall` (`RingClient.call`), and the
 scheduler answers with the adapters it serves after it, or with a `Failed` (a path that holds
 no adapter, a rank past --max-lora-rank) that reaches the client with the scheduler's status.
 Success is vLLM's plain-text sentence with a 200.
@@ -58,7 +58,7 @@ class LoraAdapters(Endpoint):
     async def _send(self, call: protocol.LoraCall) -> None:
         """Send ``call`` around the ring and wait for the scheduler's answer."""
         try:
-            await self.ring_client.lora_call(lambda uid: msgspec.structs.replace(call, uid=uid))
+            answer = await self.ring_client.call(lambda uid: msgspec.structs.replace(call, uid=uid))
         except ApiError as exc:
             if exc.code != "request_timeout":
                 raise
@@ -71,6 +71,8 @@ class LoraAdapters(Endpoint):
                 "effect: see /v1/models",
                 "request_timeout",
             ) from None
+        if not isinstance(answer, protocol.LoraAnswer):  # a uid is answered by its own kind
+            raise ApiError(500, "the ring answered a LoRA call with another kind", "server_error")
 
     def _require_lora(self) -> None:
         if not self.settings.enable_lora:

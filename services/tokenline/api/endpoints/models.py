@@ -13,7 +13,7 @@ class Models(Endpoint):
             # what requests that leave these fields out get (--generation-config and
             # --override-generation-config); {} where the API's own defaults apply
             card["sampling_defaults"] = dict(state.request_defaults)
-        scheduler = self.ring_client.stage_statuses.get("scheduler")
+        scheduler = self.ring_client.health.statuses.get("scheduler")
         if scheduler is not None and scheduler.model_impl:  # which code runs the base model
             for card in cards:
                 if card["parent"] is None:  # each of the base model's names

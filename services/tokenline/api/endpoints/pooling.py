@@ -43,7 +43,7 @@ class Pooling(Endpoint):
 
     def served(self, endpoint: str) -> protocol.PoolingInfo:
         """What the scheduler pools; a 400 naming the mismatch when it generates instead."""
-        status = self.ring_client.stage_statuses.get("scheduler")
+        status = self.ring_client.health.statuses.get("scheduler")
         if status is None:  # no heartbeat has come back yet: the ring is not up
             problem = self.ring_client.problem() or "the scheduler has not reported yet"
             raise ApiError(

@@ -2,14 +2,13 @@
 
 One listener task routes replies by uid into each request's `Exchange`, and the answers to
 calls (the tokenizer's to /tokenize and /detokenize, the scheduler's to LoRA loads and unloads)
-into the waiting `call`. Whether the ring can take a request is `RingHealth`'s one answer,
-shared by `/ready` and admission, so the two never disagree. A stage that dies (its
-connections drop) or hangs (heartbeats stop coming back) fails every in-flight request at once
-with ``stage_failure`` instead of letting it hang (during a drain, once what a stage that
-stopped on purpose passed on had time to arrive); after a restart, aborts the dead stage may
-have swallowed go again (`AbortLog`). A watchdog enforces deadlines and slow-client limits (a
-slow client's request is freed at its abort, and its stuck response cut off) and sweeps the
-leak ledger. A send the outbox refuses is logged; it stops neither a loop nor a cleanup.
+into the waiting `call`. Admission asks `admission.refusal`, over the ring health `/ready`
+reads too. `Liveness` keeps that health current; a stage that dies or hangs fails every
+in-flight request at once with ``stage_failure`` instead of letting it hang (during a drain,
+once what a stage that stopped on purpose passed on had time to arrive). A watchdog enforces
+deadlines and slow-client limits (a slow client's request is freed at its abort, and its stuck
+response cut off) and sweeps the leak ledger. A send the outbox refuses is logged; it stops
+neither a loop nor a cleanup.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -29,10 +28,13 @@ from tokenline import protocol
 from tokenline.api.http.endpoint_metrics import EndpointMetrics
 from tokenline.api.http.errors import ApiError, abort_error
 from tokenline.api.http.lora_metrics import LoraInfo
+from tokenline.api.ring import admission
 from tokenline.api.ring.abort_log import AbortLog
+from tokenline.api.ring.admission import OpenExchanges
 from tokenline.api.ring.calls import Calls
 from tokenline.api.ring.exchange import NORMAL_ENDS, Exchange, ended_as
 from tokenline.api.ring.health import RingHealth
+from tokenline.api.ring.liveness import Liveness
 from tokenline.api.ring.lora_names import LoraNames
 from tokenline.api.ring.request_metrics import RequestMetrics
 from tokenline.api.ring.watchdog import overdue
@@ -42,8 +44,6 @@ from tokenline.settings import Settings
 from tokenline.transport import AsyncRing
 
 log = logging.getLogger(__name__)
-HEARTBEAT_INTERVAL_S = 0.5
-RECOVERY_HEARTBEAT_INTERVAL_S = 0.05  # while the ring is down: trusted again soon after
 WATCHDOG_INTERVAL_S = 0.25
 # The stages drain with the api (one SIGTERM reaches them all): one stopped on purpose held
 # nothing, so what it passed on reaches the api within this; a crashed one strands the rest.
@@ -69,7 +69,7 @@ class RingClient:
             settings.enable_lora, self.model, settings.model, settings.model_names
         )
         self.lora_info = LoraInfo()
-        self.exchanges: dict[str, Exchange] = {}  # uid → exchange
+        self.exchanges = OpenExchanges()
         horizon = settings.request_timeout + LEAK_GRACE_S
         # /tokenize and /detokenize, answered by the tokenizer alone; LoRA loads and unloads,
         # answered by the scheduler
@@ -79,9 +79,10 @@ class RingClient:
         self.ledger = Ledger("api")
         self.health = RingHealth(heartbeat_timeout)
         self.aborts = AbortLog(horizon_s=horizon)
+        self._origin = f"{os.getpid()}-{os.urandom(4).hex()}"
+        self.liveness = Liveness(ring, self.health, self._origin, self.aborts, to=self)
         self.metrics = RequestMetrics(self.model)
         self.endpoint_metrics = EndpointMetrics(self.model)
-        self._origin = f"{os.getpid()}-{os.urandom(4).hex()}"
         self._uid_counter = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._late = LATE_REPLIES.labels(stage="api")
@@ -92,7 +93,8 @@ class RingClient:
 
     # ── lifecycle ──────────────────────────────────────────────────────────────────────────────
     async def start(self) -> None:
-        for loop in (self._listen, self._heartbeats, self._watchdog, self._watch_links):
+        loops = (self._listen, self.liveness.heartbeats, self._watchdog, self.liveness.watch_links)
+        for loop in loops:
             self._tasks.append(asyncio.create_task(loop(), name=loop.__name__))
 
     async def stop(self) -> None:
@@ -103,72 +105,30 @@ class RingClient:
                 await task
         self.ring.close()
 
-    @property
-    def stage_statuses(self) -> dict[str, protocol.StageStatus]:
-        return self.health.statuses
-
-    @property
-    def grammar_refusal(self) -> str:
-        return self.health.grammar_refusal
-
     def problem(self) -> str | None:
         """Why a request would be refused now (None: it would be admitted)."""
         if self.draining:
             return "draining"
         return self.health.problem(time.monotonic())
 
-    def _distinct_exchanges(self) -> list[Exchange]:
-        """Each open request once (a request of n choices is keyed by n uids)."""
-        return list(dict.fromkeys(self.exchanges.values()))
-
     @property
     def in_flight(self) -> int:
-        return len(self._distinct_exchanges())
-
-    def waiting(self) -> int:
-        """Requests not answered yet: generations before their first token, and tokenizer
-        calls, which queue in the same tokenizer inbox."""
-        return len(self.calls) + sum(ex.first_token_at is None for ex in self._distinct_exchanges())
+        return len(self.exchanges.distinct())
 
     def _refuse_unless_admissible(self, tenant: str | None = None) -> None:
         """Raise the 503 or 429 a new request (or tokenizer call) gets now, if any; a
         generation of ``tenant`` also meets --max-waiting-per-tenant."""
-        if self.draining:
-            raise ApiError(
-                503,
-                "the server is shutting down; retry on another replica",
-                "shutting_down",
-                retry_after=1,
-            )
-        problem = self.health.problem(time.monotonic())
-        if problem is not None:
-            raise ApiError(
-                503,
-                f"the pipeline is not ready ({problem}); retry shortly",
-                "stage_unavailable",
-                retry_after=1,
-            )
-        if self.waiting() >= self.settings.max_waiting:
-            raise ApiError(
-                429,
-                f"more than {self.settings.max_waiting} requests are waiting; retry later",
-                "too_many_requests",
-                retry_after=1,
-            )
-        limit = self.settings.max_waiting_per_tenant
-        if tenant is not None and limit and self.waiting_of(tenant) >= limit:
-            raise ApiError(
-                429,
-                f"{limit} requests of tenant {tenant or 'default'!r} are already waiting "
-                "(--max-waiting-per-tenant); retry later",
-                "too_many_requests",
-                retry_after=1,
-            )
-
-    def waiting_of(self, tenant: str) -> int:
-        """``tenant``'s generations before their first token."""
-        exchanges = self._distinct_exchanges()
-        return sum(ex.first_token_at is None and ex.tenant == tenant for ex in exchanges)
+        error = admission.refusal(
+            draining=self.draining,
+            problem=self.health.problem(time.monotonic()),
+            waiting=len(self.calls) + self.exchanges.waiting(),
+            max_waiting=self.settings.max_waiting,
+            tenant=tenant,
+            tenant_waiting=self.exchanges.waiting(tenant) if tenant is not None else 0,
+            max_waiting_per_tenant=self.settings.max_waiting_per_tenant,
+        )
+        if error is not None:
+            raise error
 
     # ── admission and cleanup ──────────────────────────────────────────────────────────────────
     def new_uid(self) -> str:
@@ -228,7 +188,7 @@ class RingClient:
                 del self.exchanges[uid]
             self.ledger.close(uid)
 
-    def _send(self, message: msgspec.Struct) -> bool:
+    def send(self, message: msgspec.Struct) -> bool:
         """Send ``message`` into the ring; False (logged) when the outbox refused it, which must
         not stop what sends it (a loop, a close, the other uids of an abort)."""
         try:
@@ -239,7 +199,7 @@ class RingClient:
         return True
 
     def _send_abort(self, uid: str, reason: str) -> None:
-        self._send(protocol.Abort(uid=uid, reason=reason))
+        self.send(protocol.Abort(uid=uid, reason=reason))
         # Logged even when unsent: a restarted stage's re-send gets another chance, and the
         # uid's terminal reply still settles it.
         self.aborts.sent(uid, reason, time.monotonic())
@@ -256,7 +216,7 @@ class RingClient:
         ex.fail(abort_error(reason), abort_reason=reason)
 
     def fail_all(self, reason: str) -> None:
-        for ex in self._distinct_exchanges():
+        for ex in self.exchanges.distinct():
             self.abort(ex, reason)
         self.calls.fail_all(abort_error(reason))
 
@@ -291,22 +251,14 @@ class RingClient:
             self.calls.close(uid)
             self.ledger.close(uid)
 
-    async def lora_call(self, build: Callable[[str], protocol.LoraCall]) -> protocol.LoraAnswer:
-        """Send the LoRA load or unload ``build(uid)`` makes and wait for the scheduler's
-        answer, as `call` waits; the adapters it reports are requestable from then on."""
-        answer = await self.call(build)
-        if not isinstance(answer, protocol.LoraAnswer):  # a uid is answered by its own kind
-            raise ApiError(500, "the ring answered a LoRA call with another kind", "server_error")
-        return answer
-
     # ── flow control (called by exchanges) ─────────────────────────────────────────────────────
     def pause(self, ex: Exchange) -> None:
         for uid in ex.live_uids():
-            self._send(protocol.Pause(uid=uid))
+            self.send(protocol.Pause(uid=uid))
 
     def resume(self, ex: Exchange) -> None:
         for uid in ex.live_uids():
-            self._send(protocol.Resume(uid=uid))
+            self.send(protocol.Resume(uid=uid))
 
     # ── listener ───────────────────────────────────────────────────────────────────────────────
     async def _listen(self) -> None:
@@ -331,9 +283,9 @@ class RingClient:
             if not self.calls.answer(message):
                 self._late.inc()
         elif isinstance(message, protocol.Heartbeat):
-            self._on_heartbeat(message)
+            self.liveness.on_heartbeat(message)
         elif isinstance(message, protocol.Link):
-            self._on_link(message.reporter, message.peer, message.up)
+            self.liveness.on_link(message.reporter, message.peer, message.up)
         elif isinstance(message, protocol.Abort):
             self.aborts.settle(message.uid)  # it has travelled the whole ring
 
@@ -384,74 +336,23 @@ class RingClient:
         ex.fail(error)
 
     # ── ring health ────────────────────────────────────────────────────────────────────────────
-    def _on_link(self, observer: str, stage: str, up: bool) -> None:
-        if stage == "api":
-            return  # the tokenizer reporting us: we know
-        self.health.on_link(observer, stage, up)
-        if not up:
-            self._check_health(f"{stage} disconnected", lost=(stage,))
-
-    async def _watch_links(self) -> None:
-        await self.ring.watch_peers(lambda stage, up: self._on_link("api", stage, up))
-
-    def _on_heartbeat(self, heartbeat: protocol.Heartbeat) -> None:
-        if heartbeat.origin != self._origin:
-            return  # another replica's
-        restarted = self.health.on_heartbeat(heartbeat, time.monotonic())
+    def on_statuses(self, heartbeat: protocol.Heartbeat) -> None:
         self.endpoint_metrics.update(self.health.statuses.get("scheduler"))
         # From this heartbeat's own status, not `health.statuses` (which keeps an older one
         # while the ring is distrusted): it passed the scheduler after every load answered so far.
         scheduler = next((s for s in heartbeat.statuses if s.stage == "scheduler"), None)
         self.lora_names.on_status(scheduler)
         self.lora_info.update(scheduler)
-        if restarted:
-            log.error("api: stage(s) %s restarted", ", ".join(restarted))
-            self.health.on_restart()
-            self._check_health(f"{', '.join(restarted)} restarted", lost=restarted)
-            self._resend_unsettled_aborts()
-        self._check_health()
 
-    def _resend_unsettled_aborts(self) -> None:
-        """A restarted stage lost what it had queued: send again the aborts whose end was
-        never seen, so the stages after it free those uids now, not at deadline plus grace."""
-        unsettled = self.aborts.to_resend(time.monotonic())
-        for uid, reason in unsettled:
-            self._send(protocol.Abort(uid=uid, reason=reason))
-        if unsettled:
-            log.info("api: re-sent %d unsettled abort(s) after a restart", len(unsettled))
-
-    def _check_health(self, cause: str | None = None, lost: Iterable[str] = ()) -> None:
-        """Fail in-flight requests while the ring is down (`RingHealth.check` logs outages);
-        ``lost``: the stages whose connections dropped or that restarted."""
-        if not self.health.check(time.monotonic(), cause):
-            return
+    def ring_down(self, lost: tuple[str, ...]) -> None:
+        """Fail in-flight requests; ``lost``: the stages whose connections dropped or that
+        restarted."""
         if not self.draining:
             self.fail_all("stage_failure")
         elif self._stranded_at is None and set(lost) & set(STRANDING_STAGES):
             # A drain stops the stages too: whether this one crashed or ended its own drain,
             # a request still in flight once its last replies had time to arrive is stranded.
             self._stranded_at = time.monotonic() + DRAIN_STRAND_GRACE_S
-
-    async def _heartbeats(self) -> None:
-        while True:
-            interval = HEARTBEAT_INTERVAL_S
-            try:
-                interval = self._beat(time.monotonic())
-            except Exception:  # one failed beat must not end the ones after it
-                log.exception("api: sending a heartbeat failed")
-            await asyncio.sleep(interval)
-            try:
-                if self.health.problem(time.monotonic()) is not None:
-                    self._check_health()
-            except Exception:
-                log.exception("api: checking the ring's health failed")
-
-    def _beat(self, now: float) -> float:
-        """Send a heartbeat; the time until the next one."""
-        seq = self.health.heartbeat_sent(now)
-        self._send(protocol.Heartbeat(seq=seq, origin=self._origin))
-        # Often while the ring is down, so it is trusted again soon after it answers.
-        return HEARTBEAT_INTERVAL_S if self.health.up(now) else RECOVERY_HEARTBEAT_INTERVAL_S
 
     # ── watchdog ───────────────────────────────────────────────────────────────────────────────
     async def _watchdog(self) -> None:
@@ -466,7 +367,7 @@ class RingClient:
         if self._stranded_at is not None and now >= self._stranded_at:
             self._stranded_at = None
             self.fail_all("stage_failure")
-        exchanges = self._distinct_exchanges()
+        exchanges = self.exchanges.distinct()
         for ex, reason in overdue(exchanges, now, self.settings.slow_client_timeout):
             self.abort(ex, reason)
             if reason == "slow_client":

@@ -350,44 +350,6 @@ ToDetokenizer = (
 ToApi = ReplyBatch | TokenizerAnswer | LoraAnswer | Failed | Abort | Heartbeat | Link
 
 
-# ── what a message means for a uid's lifetime (the runtime's ledger and the simulation) ───────
-
-
-def started_uids(message: msgspec.Struct) -> list[tuple[str, float]]:
-    """(uid, timeout) for each uid whose state a stage creates when ``message`` arrives."""
-    if isinstance(message, Generate | Tokenized | Begin):
-        return [(message.uid, message.timeout_s)]
-    return []
-
-
-def ended_uids(message: msgspec.Struct) -> list[str]:
-    """Uids that ``message``, sent onward, ends: no stage before it holds them any longer."""
-    if isinstance(message, Failed | Abort | TokenizerAnswer | LoraAnswer):
-        return [message.uid]
-    if isinstance(message, TokenBatch):
-        return [o.uid for o in message.outputs if o.finish_reason is not None]
-    if isinstance(message, ReplyBatch):
-        return [r.uid for r in message.replies if r.finish_reason is not None]
-    return []
-
-
-def released_uids(message: msgspec.Struct) -> list[str]:
-    """Uids the sending stage lets go of by sending ``message``: their end, or a hand-off."""
-    if isinstance(message, Tokenized):
-        return [message.uid]
-    return ended_uids(message)
-
-
-def uids_of(message: msgspec.Struct) -> list[str]:
-    """Every uid a message concerns."""
-    if isinstance(message, TokenBatch):
-        return [o.uid for o in message.outputs]
-    if isinstance(message, ReplyBatch):
-        return [r.uid for r in message.replies]
-    uid = getattr(message, "uid", None)
-    return [uid] if uid is not None else []
-
-
 class Codec:
     """MessagePack encoder/decoder for one direction of the ring."""
 

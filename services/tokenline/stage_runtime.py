@@ -32,7 +32,7 @@ from typing import Protocol
 
 import msgspec
 
-from tokenline import protocol
+from tokenline import protocol, uid_lifetime
 from tokenline.ledger import Ledger
 from tokenline.lifecycle import Drain, freeze_startup_heap, instance_id
 from tokenline.metrics import BUFFER_DEPTH
@@ -190,7 +190,7 @@ class StageRuntime:
         if handle_batch is not None:
             data = [(a, m) for a, m in batch if not isinstance(m, CONTROL)]
             for _, message in data:
-                for uid, timeout in protocol.started_uids(message):
+                for uid, timeout in uid_lifetime.started_uids(message):
                     self.ledger.open(uid, timeout)
             try:
                 out = handle_batch(data) if data else []
@@ -216,12 +216,12 @@ class StageRuntime:
                 self._handle(message, arrived)
 
     def _handle(self, message: msgspec.Struct, arrived: float) -> None:
-        for uid, timeout in protocol.started_uids(message):
+        for uid, timeout in uid_lifetime.started_uids(message):
             self.ledger.open(uid, timeout)
         try:
             out = self.handler.handle(message, arrived)
         except Exception as exc:
-            self._contain(protocol.uids_of(message), exc, type(message).__name__)
+            self._contain(uid_lifetime.uids_of(message), exc, type(message).__name__)
             return
         self._emit(out)
 
@@ -291,7 +291,7 @@ class StageRuntime:
     # ── out ────────────────────────────────────────────────────────────────────────────────────
     def _emit(self, messages: Outbound) -> None:
         for message in messages:
-            for uid in protocol.released_uids(message):
+            for uid in uid_lifetime.released_uids(message):
                 self.ledger.close(uid)
             self._send(message)
 

@@ -8,7 +8,7 @@ import time
 import msgspec
 import pytest
 
-from tokenline import protocol
+from tokenline import protocol, uid_lifetime
 from tokenline.stage_runtime import StageRuntime
 from tokenline.tokenizer.stage import PromptEncoder, TokenizerStage
 
@@ -251,7 +251,7 @@ def test_calls_and_requests_keep_their_order_in_one_batch(stage):
         generate("g2", prompt_ids=[5]),
     ]
     out = run(stage, *batch)
-    assert [protocol.uids_of(m) for m in out] == [["g1"], ["c1"], ["g1"], ["c2"], ["g2"]]
+    assert [uid_lifetime.uids_of(m) for m in out] == [["g1"], ["c1"], ["g1"], ["c2"], ["g2"]]
 
 
 # ── the leak ledger ────────────────────────────────────────────────────────────────────────────
@@ -263,7 +263,7 @@ def test_calls_open_nothing_in_any_ledger(stage):
     runtime.process([(time.monotonic(), protocol.TokenizeCall(uid="d", decode=[10**6]))])
     assert [type(m) for m in sent] == [protocol.TokenizerAnswer, protocol.Failed]
     assert len(runtime.ledger) == 0
-    assert protocol.started_uids(sent[0]) == [] and protocol.ended_uids(sent[0]) == ["c"]
+    assert uid_lifetime.started_uids(sent[0]) == [] and uid_lifetime.ended_uids(sent[0]) == ["c"]
     runtime.tick(force=True)
     assert len(runtime.ledger) == 0
 

@@ -15,6 +15,7 @@ from scheduler_testkit import (
 
 from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.policy import BatchPolicy
+from tokenline.scheduler.refusals import KVCacheTooSmall, check_fits
 from tokenline.scheduler.sequence import Status
 
 
@@ -270,10 +271,11 @@ def test_remove_gives_blocks_back_immediately(where):
     assert sched.remove("never-added") is None
 
 
-def test_fits_at_all_counts_the_prompt_plus_one_token():
-    sched = make_sched(num_blocks=5, block_size=4)  # 4 usable blocks, 16 tokens
-    assert sched.fits_at_all(15)
-    assert not sched.fits_at_all(16)
+def test_a_prompt_fits_the_pool_with_the_one_token_after_it():
+    pool = BlockPool(num_blocks=5, block_size=4)  # 4 usable blocks, 16 tokens
+    check_fits(15, pool.capacity, "prompt")
+    with pytest.raises(KVCacheTooSmall, match=r"the prompt needs 16 tokens .* holds 16"):
+        check_fits(16, pool.capacity, "prompt")
 
 
 # ── everything at once ────────────────────────────────────────────────────────────────────────

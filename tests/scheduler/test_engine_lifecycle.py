@@ -6,7 +6,7 @@ import pytest
 from scheduler_testkit import Drained, assert_idle, collect, drain, greedy
 
 from tokenline.protocol import SamplingParams
-from tokenline.scheduler.engine import InvalidRequest, KVCacheTooSmall
+from tokenline.scheduler.refusals import InvalidRequest, KVCacheTooSmall
 
 N = 24
 EOS_PROMPTS = ["<|assistant|>", "hello please", "request queue world"]

@@ -15,18 +15,14 @@ from tokenline.reasoning import ReasoningFormat, ReasoningSplit
 from tokenline.scheduler import prompt_logprobs
 from tokenline.scheduler.engine_limits import DEADLINE_MARGIN_S, EngineLimits
 from tokenline.scheduler.grammar import GrammarCompiler, GrammarError
+from tokenline.scheduler.intake import check_request
 from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.kv_transfer.config import KVTransferConfig
-from tokenline.scheduler.kv_transfer.transfers import check_kv_transfer, transfers_for
+from tokenline.scheduler.kv_transfer.transfers import transfers_for
 from tokenline.scheduler.lora.options import LoraOptions, lora_slots
 from tokenline.scheduler.lora.slots import LoraSlots
 from tokenline.scheduler.policy import BatchPolicy, Chunk, StepOutput
-from tokenline.scheduler.refusals import (
-    InvalidRequest,
-    KVCacheTooSmall,
-    UnknownModel,
-    check_sampling,
-)
+from tokenline.scheduler.refusals import InvalidRequest, UnknownModel
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.scheduler.sampler import plain_sampling, sample_with_logprobs
 from tokenline.scheduler.sequence import Sequence, Status
@@ -54,10 +50,7 @@ class Engine:
     sent on the first output (prompt_logprobs.py). ``max_tokens`` 0 reads the prompt and ends
     with ``length`` and no token: how echo with logprobs scores a text.
 
-    Requests come checked by the tokenizer stage, which owns the rules on a prompt's length: at
-    least one token (`add` refuses an empty prompt as a caller's bug), and ``max_tokens``
-    filled in and held to the context length (`add` caps it at the KV pool alone; `BatchPolicy`
-    ends a sequence at the context, whatever an in-process caller asked).
+    Requests come checked by the tokenizer stage; what `add` still refuses is intake.py's.
     """
 
     def __init__(
@@ -126,36 +119,17 @@ class Engine:
         priority: int = 0,
         tenant: str = "",
     ) -> Sequence:
-        if lora and (self.loras is None or not self.loras.known(lora)):
-            raise UnknownModel(f"The model `{lora}` does not exist.")
-        if not prompt_ids:  # the tokenizer stage refuses these: a caller that skipped it
-            raise ValueError(f"{uid}: an empty prompt; the engine needs at least one token")
-        # The tokenizer stage bounds ids by the tokenizer, which may hold more than the model's
-        # embedding has rows: an id past them would fail the step (on a GPU, the device).
-        highest = max(prompt_ids)
-        if highest >= self.runner.vocab_size or min(prompt_ids) < 0:
-            raise InvalidRequest(
-                f"prompt token id {highest} is not in the model's vocabulary of "
-                f"{self.runner.vocab_size} ids",
-                param="prompt",
-            )
-        if not self.policy.fits_at_all(len(prompt_ids)):
-            raise KVCacheTooSmall(
-                f"the prompt needs {len(prompt_ids)} tokens of KV cache but the pool holds "
-                f"{(self.pool.num_blocks - 1) * self.pool.block_size}; raise --kv-cache-memory"
-            )
-        check_sampling(sampling, self.runner.vocab_size, self.grammar_refusal)
-        if sampling.prompt_logprobs is not None:
-            reason = prompt_logprobs.refusal(len(prompt_ids), sampling.prompt_logprobs)
-            if reason is not None:
-                raise InvalidRequest(reason, param="logprobs")
-        check_kv_transfer(self.transfers, sampling)
-        # A request never grows past the whole KV pool: one that outgrew it could only preempt
-        # itself forever. (The tokenizer stage fills max_tokens in and holds it to the context
-        # length; the policy ends a sequence at the context whatever a caller asked.)
-        room = (self.pool.num_blocks - 1) * self.pool.block_size - len(prompt_ids)
-        # max_tokens 0: the prompt is only read (its logprobs, with echo), nothing generated
-        max_tokens = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
+        max_tokens = check_request(
+            uid,
+            prompt_ids,
+            sampling,
+            lora=lora,
+            loras=self.loras,
+            vocab_size=self.runner.vocab_size,
+            pool=self.pool,
+            grammar_refusal=self.grammar_refusal,
+            transfers=self.transfers,
+        )
         seq = Sequence(
             uid=uid,
             prompt_ids=prompt_ids,

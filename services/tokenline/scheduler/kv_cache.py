@@ -151,6 +151,11 @@ class BlockPool:
         usable = self.num_blocks - 1
         return self.num_referenced / usable if usable else 0.0
 
+    @property
+    def capacity(self) -> int:
+        """The tokens one sequence could hold with every usable block."""
+        return (self.num_blocks - 1) * self.block_size
+
     def refs(self, block: int) -> int:
         return self._refs[block]
 

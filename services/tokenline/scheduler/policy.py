@@ -8,9 +8,9 @@ waits for room instead of failing. An admitted sequence starts with the longest 
 tokens found in the prefix cache (kv_cache.py) already computed, and only the blocks it must
 newly get count against the pool; one whose prompt logprobs are still to be computed starts
 from nothing, since every prompt position must run through the model (its blocks are still
-offered to the cache). When the pool runs dry mid-generation, paused sequences are
-parked first (their blocks freed, recomputed on resume), then the newest running ones are
-preempted back to the head of the queue to be recomputed later: output is never corrupted.
+offered to the cache). When the pool runs dry mid-generation, paused sequences are parked
+first (their blocks freed, recomputed on resume), then the newest running ones (preemption.py)
+are preempted back to the head of the queue to be recomputed later: output is never corrupted.
 
 LoRA: a sequence of an adapter is admitted only with its adapter in one of the device slots
 (lora/slots.py): resident already, or loaded into a slot no running sequence uses. One that
@@ -29,8 +29,8 @@ count as computed, and blocks that held nothing but rejected guesses go back at 
 This is also the one writer of a sequence's state. After each forward pass the engine hands
 what the step produced to ``update_from_output`` (vLLM's ``EngineCore`` shape): the tokens
 computed, each sampled token and the prompt logprobs gathered; the policy counts them, offers
-the filled blocks to the prefix cache, decides who finished and takes them out. The engine
-and the stage only read sequences.
+the filled blocks to the prefix cache, decides who finished (stopping.py) and takes them out.
+The engine and the stage only read sequences.
 """
 
 from __future__ import annotations
@@ -40,16 +40,16 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from functools import partial
 from operator import attrgetter
 
-from tokenline.reasoning import ANSWER
 from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.lora.slots import LoraSlots
+from tokenline.scheduler.preemption import victim_for
 from tokenline.scheduler.sequence import Sequence, Status
 from tokenline.scheduler.speculative import proposals as speculation
 from tokenline.scheduler.speculative.config import speculation_serves
-from tokenline.scheduler.waiting import Scheduling, WaitingQueue, preemption_order
+from tokenline.scheduler.stopping import finish_reason
+from tokenline.scheduler.waiting import Scheduling, WaitingQueue
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +137,6 @@ class BatchPolicy:
         self.failed: list[tuple[str, Exception]] = []
 
     # ── requests in and out ────────────────────────────────────────────────────────────────────
-    def fits_at_all(self, num_tokens: int) -> bool:
-        return self.pool.blocks_for(num_tokens + 1) <= self.pool.num_blocks - 1
-
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         seq.speculates = self.proposer is not None and speculation_serves(seq.sampling)
@@ -320,7 +317,7 @@ class BatchPolicy:
             for token in tokens:  # a token after one that ends the sequence is not emitted
                 seq.output_ids.append(token)
                 taken.append(token)
-                reason = self._finish_reason(seq, token)
+                reason = finish_reason(seq, token, self.eos_ids, self.max_model_len)
                 if reason is not None:
                     break
             if id(seq) in proposing:
@@ -336,52 +333,16 @@ class BatchPolicy:
             updates.append(SequenceUpdate(seq, taken, reason, first, handed))
         return updates
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        s = seq.sampling
-        thought = seq.reasoning is not None and seq.reasoning.step(token) != ANSWER
-        if seq.matcher is not None and not thought:  # a grammar starts after the thinking
-            if not seq.matcher.consume_token(token) or seq.matcher.is_error():
-                return "error"  # the mask allowed it, so the matcher's state is broken
-            if seq.matcher.is_stopped():
-                return "stop"  # the output is complete: the grammar allows nothing more
-        if len(seq.output_ids) >= s.min_tokens:
-            if token in s.stop_token_ids:
-                return "stop"
-            if not s.ignore_eos and token in self.eos_ids:
-                return "stop"
-        if len(seq.output_ids) >= seq.max_tokens:
-            return "length"
-        # the runner's positions end at the context; on the ring max_tokens (held to the
-        # context by the tokenizer stage) has ended the sequence by then
-        if self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
     def _make_room(self, seq: Sequence, n: int) -> bool:
         while not self.pool.can_grow(seq, n):
-            victim = self._victim(seq)
+            victim = victim_for(
+                seq, self.paused.values(), self.running, self.by_priority, self.shares
+            )
             if victim is None:
                 self._preempt(seq)
                 return False
             self._preempt(victim)
         return True
-
-    def _victim(self, needing: Sequence) -> Sequence | None:
-        """Who gives up its blocks for ``needing``: a paused sequence holding some, else the
-        newest running one; with priorities the lowest priority first, with fair share the
-        tenant most over its share first. None: ``needing`` itself should go."""
-        for seq in self.paused.values():
-            if seq.block_table:
-                return seq
-        if not self.by_priority and self.shares is None:
-            newest = self.running[-1] if self.running else None
-            return newest if newest is not None and newest is not needing else None
-        others = [s for s in self.running if s is not needing]
-        if not others:
-            return None
-        order = partial(preemption_order, by_priority=self.by_priority, shares=self.shares)
-        victim = max(others, key=order)
-        return None if order(victim) < order(needing) else victim  # None: all outrank it
 
     def _acquire_slot(self, seq: Sequence) -> bool:
         """Give ``seq`` its adapter's device slot; False: every slot serves another adapter's

@@ -43,6 +43,18 @@ class KVLoadFailed(InvalidRequest):
     http_status = 503
 
 
+def check_fits(num_tokens: int, capacity: int, what: str, param: str | None = None) -> None:
+    """Refuse ``num_tokens`` (a prompt, an input) that with the one token after it would not
+    fit the whole KV pool (``capacity``, `BlockPool.capacity`): such a sequence could only
+    wait, or preempt itself, forever."""
+    if num_tokens + 1 > capacity:
+        raise KVCacheTooSmall(
+            f"the {what} needs {num_tokens} tokens of KV cache but the pool holds "
+            f"{capacity}; raise --kv-cache-memory",
+            param=param,
+        )
+
+
 def check_sampling(sampling: SamplingParams, vocab_size: int, grammar_refusal: str) -> None:
     """Refuse sampling fields no model of ``vocab_size`` tokens can honour, and a grammar
     where ``grammar_refusal`` says why grammars are off ("": they are on)."""

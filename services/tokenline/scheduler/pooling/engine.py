@@ -20,11 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from tokenline.protocol import Reply, SamplingParams
-from tokenline.scheduler.engine import EngineLimits, KVCacheTooSmall
+from tokenline.scheduler.engine import EngineLimits
 from tokenline.scheduler.kv_cache import BlockPool
 from tokenline.scheduler.policy import BatchPolicy, Chunk, StepOutput
 from tokenline.scheduler.pooling.config import PoolingSetup
 from tokenline.scheduler.pooling.engine_base import PoolingEngineBase, PoolingRequest
+from tokenline.scheduler.refusals import check_fits
 from tokenline.scheduler.runner import ModelRunner
 from tokenline.scheduler.sequence import Sequence
 
@@ -74,12 +75,7 @@ class PoolingEngine(PoolingEngineBase):
     # ── requests ───────────────────────────────────────────────────────────────────────────────
     def _admit(self, request: PoolingRequest) -> Sequence:
         size = len(request.ids)
-        if not self.policy.fits_at_all(size):
-            raise KVCacheTooSmall(
-                f"the input needs {size} tokens of KV cache but the pool holds "
-                f"{(self.pool.num_blocks - 1) * self.pool.block_size}; raise --kv-cache-memory",
-                param="input",
-            )
+        check_fits(size, self.pool.capacity, "input", param="input")
         seq = Sequence(
             uid=request.uid,
             prompt_ids=request.ids,

@@ -116,9 +116,9 @@ def test_models_lists_every_alias_then_both_adapters(vllm_line, http):
         ("sql", "tiny-chat"),
     ]
     assert cards[0]["root"] == cards[1]["root"] == "tiny"
-    # the generation config's sampling values, the override over them; max_new_tokens is no
-    # sampling default (vLLM takes only sampling fields from it)
-    assert cards[0]["sampling_defaults"] == {"temperature": 0.6, "top_p": 0.9}
+    # the generation config's sampling values, the override over them; max_new_tokens is
+    # max_tokens (vLLM 0.32's get_diff_sampling_param), from a directory a cap as well
+    assert cards[0]["sampling_defaults"] == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 64}
 
 
 def test_each_alias_and_each_adapter_answers_under_its_own_name(client):

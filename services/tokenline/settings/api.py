@@ -159,13 +159,16 @@ API_SERVER: tuple[Setting, ...] = (
         "generation-config",
         default="auto",
         help="where a request's left-out sampling fields (temperature, top_p, top_k, min_p, "
-        "repetition_penalty) get their values: auto (the model's generation_config.json, as "
-        "vLLM), vllm (the API's own defaults), or a directory holding a generation_config.json",
+        "repetition, presence and frequency penalties, max_tokens as max_new_tokens) get their "
+        "values: auto (the model's generation_config.json, as vLLM), vllm (the API's own "
+        "defaults), or a directory holding a generation_config.json (its max_new_tokens also "
+        "caps every request)",
         stages=API,
     ),
     Setting(
         "override-generation-config",
-        help='JSON over the generation config\'s sampling values, e.g. {"temperature": 0.5}',
+        help='JSON over the generation config\'s sampling values, e.g. {"temperature": 0.5}; '
+        "its max_new_tokens caps every request's max_tokens, null unsets a value",
         stages=API,
     ),
     Setting(

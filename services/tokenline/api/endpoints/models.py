@@ -12,7 +12,7 @@ class Models(Endpoint):
         for card in cards:
             # what requests that leave these fields out get (--generation-config and
             # --override-generation-config); {} where the API's own defaults apply
-            card["sampling_defaults"] = dict(state.request_defaults)
+            card["sampling_defaults"] = dict(state.request_defaults.values)
         scheduler = self.ring_client.health.statuses.get("scheduler")
         if scheduler is not None and scheduler.model_impl:  # which code runs the base model
             for card in cards:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import msgspec
 from pydantic import Field, ValidationInfo, field_validator
 
+from tokenline.api.openai.generation_defaults import GenerationDefaults
 from tokenline.api.openai.sampling import (
     INT32_MAX,
     MAX_COMPLETION_LOGPROBS,
@@ -80,7 +78,7 @@ class CompletionRequest(SamplingFields):
     def choices(self) -> int:
         return len(self.prompts()) * self.n
 
-    def sampling(self, index: int, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    def sampling(self, index: int, defaults: GenerationDefaults | None = None) -> SamplingParams:
         params = super().sampling(index, defaults)
         if not self.echo:
             return params

@@ -4,7 +4,6 @@ translation to `SamplingParams`, and the bounds of what the wire can carry."""
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -19,6 +18,7 @@ from pydantic import (
     field_validator,
 )
 
+from tokenline.api.openai.generation_defaults import GenerationDefaults
 from tokenline.protocol import KVTransferParams, SamplingParams
 
 # Hard bounds: what the wire format and the stages can carry. The operator's tighter limits
@@ -171,18 +171,19 @@ class SamplingFields(BaseModel):
         """None: no logprobs; N: the chosen token's plus the top N alternatives."""
         return None
 
-    def sampling(self, index: int, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    def sampling(self, index: int, defaults: GenerationDefaults | None = None) -> SamplingParams:
         """Parameters for choice ``index``; a seeded request gives each choice its own seed.
         ``defaults`` (the model's generation config) stand in for fields the request left out."""
         sent = self.model_fields_set
+        defaults = defaults or GenerationDefaults()
 
         def value(name: str) -> Any:
-            if defaults and name in defaults and name not in sent:
-                return defaults[name]
+            if name in defaults.values and name not in sent:
+                return defaults.values[name]
             return getattr(self, name)
 
         return SamplingParams(
-            max_tokens=self.wanted_tokens(),
+            max_tokens=defaults.max_tokens(self.wanted_tokens()),
             temperature=value("temperature"),
             top_p=value("top_p"),
             top_k=max(value("top_k"), 0),
@@ -193,8 +194,8 @@ class SamplingFields(BaseModel):
             stop=list(self.stop or []),
             stop_token_ids=self.stop_token_ids,
             repetition_penalty=value("repetition_penalty"),
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
+            frequency_penalty=value("frequency_penalty"),
+            presence_penalty=value("presence_penalty"),
             logprobs=self.wanted_logprobs(),
             logit_bias=self.logit_bias,
             kv_transfer=self.kv_transfer,

@@ -154,6 +154,19 @@ def test_reasoning_effort_reaches_the_chat_template(thinking, markers):
     assert effort.usage.prompt_tokens > plain.usage.prompt_tokens
 
 
+def test_reasoning_effort_none_turns_thinking_off_unless_the_kwargs_say_otherwise(
+    thinking, markers
+):
+    """vLLM 0.32: an effort sets enable_thinking (false for none) where chat_template_kwargs
+    leave it out; this template then closes an empty block in the prompt."""
+    off = _chat(thinking, markers, max_tokens=1, reasoning_effort="none")
+    kept_on = {"chat_template_kwargs": {"enable_thinking": True}}
+    on = _chat(thinking, markers, max_tokens=1, reasoning_effort="none", extra_body=kept_on)
+    closed = {"chat_template_kwargs": {"enable_thinking": False, "reasoning_effort": "none"}}
+    by_hand = _chat(thinking, markers, max_tokens=1, extra_body=closed)
+    assert off.usage.prompt_tokens == by_hand.usage.prompt_tokens > on.usage.prompt_tokens
+
+
 def test_an_assistant_turn_goes_back_with_its_reasoning_under_either_name(thinking, markers):
     first = _chat(thinking, markers, extra_body=THINKING_ONLY)
     returned = first.choices[0].message.model_dump()  # reasoning and reasoning_content

@@ -62,7 +62,7 @@ def template_variables(value: dict[str, Any] | None) -> dict[str, Any] | None:
     return value
 
 
-ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 EFFORTS = get_args(ReasoningEffort)
 
 # set by the server for every chat template; a request's chat_template_kwargs may not
@@ -206,10 +206,14 @@ class ChatCompletionRequest(SamplingFields):
         return template_variables(value)
 
     def template_kwargs(self) -> dict[str, Any] | None:
-        """What the chat template gets beside the messages and tools."""
+        """What the chat template gets beside the messages and tools. As vLLM 0.32 renders:
+        reasoning_effort over the same key of chat_template_kwargs, and unless those name
+        enable_thinking, thinking on for every effort but ``none`` (templates that default it
+        off, as Gemma's, think when asked to; Qwen3's stops thinking at ``none``)."""
         kwargs = dict(self.chat_template_kwargs or {})
         if self.reasoning_effort is not None:
-            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
         return kwargs or None
 
     @field_validator("top_logprobs")

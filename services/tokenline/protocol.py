@@ -62,6 +62,8 @@ class Generate(_Message, tag="generate"):
     lora: str = ""  # the LoRA adapter that serves it, by name; "" is the base model
     # extra variables of the chat template (enable_thinking, reasoning_effort, ...)
     template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # how the template ends the messages (a chat's)
+    continue_final_message: bool = False
     priority: int = 0  # vLLM's: lower runs earlier (--scheduling-policy priority)
     tenant: str = ""  # whose request it is, for fair share ("" : nobody in particular)
     version: int = PROTOCOL_VERSION

@@ -102,6 +102,12 @@ EXERCISED: dict[str, tuple[str, ...]] = {
         REASONING, "test_reasoning_effort_reaches_the_chat_template"
     )
     + _NOTHING_EFFORT,
+    "ChatCompletionRequest.add_generation_prompt": t(
+        "test_tokenize.py", "test_a_chat_completion_renders_the_same_flags_as_tokenize"
+    ),
+    "ChatCompletionRequest.continue_final_message": t(
+        "test_tokenize.py", "test_a_chat_completion_renders_the_same_flags_as_tokenize"
+    ),
     "ChatCompletionRequest.include_reasoning": t(
         REASONING, "test_include_reasoning_false_leaves_the_thinking_out_but_counts_it"
     ),

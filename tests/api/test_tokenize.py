@@ -95,6 +95,27 @@ def test_chat_flags_change_what_is_counted(http, stack):
     assert text.endswith("The river")
 
 
+def test_a_chat_completion_renders_the_same_flags_as_tokenize(client, http, stack):
+    """vLLM's add_generation_prompt and continue_final_message on a chat completion: the
+    prompt it runs is the one /tokenize counts with the same flags."""
+    prefill = [*CHAT, {"role": "assistant", "content": "The river"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    continued = client.chat.completions.create(
+        model=stack.model, messages=prefill, max_tokens=1, extra_body=flags
+    )
+    assert continued.usage.prompt_tokens == tokenize(http, messages=prefill, **flags)["count"]
+    bare = client.chat.completions.create(
+        model=stack.model, messages=CHAT, max_tokens=1, extra_body={"add_generation_prompt": False}
+    )
+    counted = tokenize(http, messages=CHAT, add_generation_prompt=False)["count"]
+    assert bare.usage.prompt_tokens == counted < tokenize(http, messages=CHAT)["count"]
+    both = http.post(
+        "/v1/chat/completions",
+        json={"model": stack.model, "messages": prefill, "continue_final_message": True},
+    )
+    assert error_of(both, 400)["param"] == "continue_final_message"
+
+
 def test_detokenize_refuses_an_out_of_vocab_id(http, stack, tiny_tokenizer):
     vocab = len(tiny_tokenizer)
     error = error_of(http.post("/detokenize", json={"tokens": [5, vocab + 2]}), 400)

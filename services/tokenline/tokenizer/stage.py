@@ -100,17 +100,13 @@ class PromptEncoder:
         if request.messages is None:
             return request.prompt or ""
         messages = [_template_message(m, self.content_format) for m in request.messages]
-        generation_prompt, continue_final = True, False
-        if isinstance(request, protocol.TokenizeCall):
-            generation_prompt = request.add_generation_prompt
-            continue_final = request.continue_final_message
         extra = request.template_kwargs or {}
         return self.hf_tokenizer.apply_chat_template(
             messages,
             tools=request.tools,
             tokenize=False,
-            add_generation_prompt=generation_prompt,
-            continue_final_message=continue_final,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
             **extra,
         )
 

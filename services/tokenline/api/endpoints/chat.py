@@ -88,6 +88,8 @@ class Chat(Endpoint):
                 tools=plan.tools,
                 timeout_s=self.settings.request_timeout,
                 template_kwargs=template_kwargs,
+                add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message,
             )
             for index in range(chat.n)
         ]

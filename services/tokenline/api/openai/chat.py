@@ -177,6 +177,10 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: ReasoningEffort | None = None
     include_reasoning: bool = True
     chat_template_kwargs: dict[Text, Any] | None = None
+    # vLLM's: the template's generation prompt, or (continue_final_message) the last message
+    # left open for the reply to continue, as transformers' apply_chat_template renders them
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # Sent by current SDKs and agent frameworks, and accepted with no effect, as vLLM accepts
     # them: nothing is stored, answers are text only, and there is no web search. A value that
     # asks for something it cannot do is refused.
@@ -215,6 +219,16 @@ class ChatCompletionRequest(SamplingFields):
             kwargs["reasoning_effort"] = self.reasoning_effort
             kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
         return kwargs or None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_ending(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt", True):
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true: set "
+                "add_generation_prompt to false to continue the last message"
+            )
+        return value
 
     @field_validator("top_logprobs")
     @classmethod

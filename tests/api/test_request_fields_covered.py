@@ -327,6 +327,9 @@ EXERCISED: dict[str, tuple[str, ...]] = {
     "responses.InputItem.role": _ITEMS
     + t(RESPONSES, "test_invalid_fields_are_refused_naming_the_param"),
     "responses.InputItem.content": _ITEMS,
+    "responses.InputItem.status": t(
+        RESPONSES, "test_an_unfinished_last_message_is_continued_not_answered"
+    ),
     "responses.ContentPart.type": _ITEMS
     + t(RESPONSES, "test_unserved_fields_are_refused_naming_the_param"),
     "responses.ContentPart.text": _ITEMS,

@@ -117,6 +117,30 @@ def test_item_input_and_instructions_reach_the_prompt(client, stack):
     assert (items.temperature, items.top_p, items.metadata) == (0.0, 0.9, {"run": "1"})
 
 
+@pytest.mark.parametrize(("status", "continued"), [("incomplete", True), ("completed", False)])
+def test_an_unfinished_last_message_is_continued_not_answered(client, stack, status, continued):
+    """vLLM's partial completion: a last message item still in_progress or incomplete is left
+    open for the reply (the prompt /tokenize counts with continue_final_message)."""
+    said = {"type": "output_text", "text": "The river", "annotations": []}
+    reply = client.responses.create(
+        model=stack.model,
+        input=[
+            {"role": "user", "content": "Tell me about the river."},
+            {"type": "message", "role": "assistant", "status": status, "content": [said]},
+        ],
+        max_output_tokens=1,
+    )
+    chat = [
+        {"role": "user", "content": "Tell me about the river."},
+        {"role": "assistant", "content": "The river"},
+    ]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    counted = httpx.post(
+        f"{stack.api_url}/tokenize", json={"messages": chat, **(flags if continued else {})}
+    )
+    assert reply.usage.input_tokens == counted.json()["count"]
+
+
 def test_max_output_tokens_ends_incomplete(client, stack):
     response = client.responses.create(
         model=stack.model, input="Talk at length.", max_output_tokens=5, temperature=0

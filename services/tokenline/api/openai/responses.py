@@ -6,7 +6,9 @@ can send is either honoured or refused with a 400 ``unsupported_parameter`` nami
 any field this module does not know.
 
 Input items and their parts ignore the fields output items carry when a client sends them back
-(ids, statuses): they have no bearing on the prompt. The request itself keeps unknown fields,
+(ids, phases): they have no bearing on the prompt. An item's ``status`` does in one place: a
+last message or reasoning item still ``in_progress`` or ``incomplete`` is continued, not
+answered (vLLM's partial completion). The request itself keeps unknown fields,
 so that `refuse_unserved` can name each one in its 400.
 """
 
@@ -20,7 +22,7 @@ from tokenline.api.http.errors import ApiError, invalid
 from tokenline.api.openai.sampling import INT32_MAX, MAX_METADATA_KEYS, Text
 from tokenline.api.openai.tools import MAX_TOOLS
 
-_ITEM = ConfigDict(extra="ignore", allow_inf_nan=False)  # ids, status, phase: no bearing
+_ITEM = ConfigDict(extra="ignore", allow_inf_nan=False)  # ids, phase: no bearing
 
 
 class ContentPart(BaseModel):
@@ -44,6 +46,7 @@ class InputItem(BaseModel):
     name: Text | None = None
     arguments: Text | None = None
     output: Text | list[ContentPart] | None = None
+    status: str | None = None  # an output item sent back: in_progress, completed, incomplete
 
 
 class FunctionToolIn(BaseModel):

@@ -199,6 +199,15 @@ def renamed(exc: ApiError) -> ApiError:
     return ApiError(exc.status, message, exc.code, param, exc.retry_after, exc.headers)
 
 
+def _continues(body: ResponsesRequest) -> bool:
+    """Whether the last input item is a message or reasoning item left unfinished, which the
+    reply continues (as vLLM's ``should_continue_final_message`` reads it)."""
+    if isinstance(body.input, str) or not body.input:
+        return False
+    last = body.input[-1]
+    return last.type in ("message", "reasoning") and last.status in ("in_progress", "incomplete")
+
+
 def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completion request that means the same; a 400 naming the field if none does."""
     refuse_unserved(body)
@@ -212,6 +221,8 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         "tool_choice": _tool_choice_of(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls is not False,
     }
+    if _continues(body):  # the reply goes on from the last item's text
+        chat["add_generation_prompt"], chat["continue_final_message"] = False, True
     for field in ("temperature", "top_p", "priority", "kv_transfer_params"):
         if getattr(body, field) is not None:
             chat[field] = getattr(body, field)

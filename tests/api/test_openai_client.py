@@ -185,6 +185,18 @@ def test_invalid_body_is_400_with_the_field_named(client, stack):
     assert response.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_a_max_tokens_past_the_context_is_cut_to_what_the_prompt_leaves(client, stack):
+    """vLLM 0.32 clamps max_tokens to the context (get_max_tokens) instead of refusing."""
+    context = httpx.post(f"{stack.api_url}/tokenize", json={"prompt": "x"}).json()["max_model_len"]
+    reply = client.completions.create(
+        model=stack.model,
+        prompt=[7] * (context - 3),
+        max_tokens=10 * context,
+        extra_body={"ignore_eos": True},
+    )
+    assert (reply.usage.completion_tokens, reply.choices[0].finish_reason) == (3, "length")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_prompt_longer_than_the_context_fails_at_once(client, stack, stream):
     started = time.monotonic()

@@ -1,9 +1,9 @@
 """The tokenizer stage: chat templates and tokenization, batched.
 
-It owns the rules on a prompt's length (`PromptEncoder._check`): an empty prompt and one past
-the context with its ``max_tokens`` are refused here, an unset ``max_tokens`` becomes the rest
-of the context, and a ``min_tokens`` above it is refused; the scheduler's engine relies on all
-three.
+It owns the rules on a prompt's length (`PromptEncoder._check`): an empty prompt and one that
+leaves the context no room are refused here, ``max_tokens`` is held to the rest of the context
+(an unset one becomes it; a larger one is cut to it, as vLLM 0.32's ``get_max_tokens`` cuts),
+and a ``min_tokens`` above it is refused; the scheduler's engine relies on all three.
 
 It holds no per-request state between batches: every message is forwarded, in order, in the
 same loop iteration that received it, so aborts can never overtake their request here. It also
@@ -211,22 +211,21 @@ class PromptEncoder:
                 message=f"the {param} is empty after tokenization; send at least one token",
             )
         limit = self.max_model_len
-        asked = request.sampling.max_tokens
-        if len(ids) >= limit or (asked is not None and len(ids) + asked > limit):
-            wanted = len(ids) + (asked or 0)
+        if len(ids) >= limit:
             return protocol.Failed(
                 uid=request.uid,
                 code="context_length_exceeded",
                 param=param,
                 message=(
-                    f"This model's maximum context length is {limit} tokens. However, you "
-                    f"requested {wanted} tokens ({len(ids)} in the prompt, {asked or 0} for the "
-                    "completion). Please reduce the prompt or max_tokens."
+                    f"This model's maximum context length is {limit} tokens. However, your "
+                    f"prompt contains {len(ids)} tokens, which leaves no room for the "
+                    "completion. Please reduce the length of the prompt."
                 ),
             )
         sampling = request.sampling
-        if sampling.max_tokens is None:
-            sampling = msgspec.structs.replace(sampling, max_tokens=limit - len(ids))
+        room = limit - len(ids)
+        if sampling.max_tokens is None or sampling.max_tokens > room:
+            sampling = msgspec.structs.replace(sampling, max_tokens=room)
         if sampling.min_tokens > sampling.max_tokens:
             return _invalid(
                 request.uid,

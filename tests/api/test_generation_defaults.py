@@ -100,6 +100,10 @@ def test_a_field_the_request_sends_wins_over_the_default():
     )
     assert sent.sampling(0, defaults).temperature == 1.0  # sent, even at the API's default
     assert sent.sampling(0, defaults).top_k == 20
+    null = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": None}
+    )
+    assert null.sampling(0, defaults).temperature == 0.6  # null: as if left out (vLLM)
 
 
 @pytest.fixture(scope="module")

@@ -133,7 +133,7 @@ def test_top_logprobs_without_logprobs_is_400(client, stack):
             {"messages": CHAT, "logprobs": True, "top_logprobs": -1},
             "top_logprobs",
         ),
-        ("completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
+        ("completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
         ("completions", {"prompt": "x", "logprobs": True}, "logprobs"),
     ],
 )

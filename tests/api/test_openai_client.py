@@ -127,6 +127,38 @@ def test_same_seed_same_text_and_other_seed_differs(client, stack):
     assert run(1234) != run(4321)
 
 
+def test_each_prompt_of_a_seeded_batch_draws_the_same_seeds(client, stack):
+    """vLLM gives every prompt the request's sampling, its n choices seed, seed + 1, ...: the
+    same prompt twice in one seeded request samples the same choices."""
+    reply = client.completions.create(
+        model=stack.model,
+        prompt=["the quick", "the quick"],
+        n=2,
+        max_tokens=12,
+        temperature=1.0,
+        seed=77,
+        extra_body={"ignore_eos": True},
+    )
+    texts = [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
+    assert texts[0] == texts[2] and texts[1] == texts[3] and texts[0] != texts[1]
+
+
+def test_null_sampling_fields_mean_the_defaults_and_top_logprobs_0_asks_nothing(stack):
+    """Clients that write every option out send null for those they leave alone (vLLM's
+    optional fields); top_logprobs 0 without logprobs asks for nothing, as vLLM reads it."""
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "presence_penalty"])
+    body = {"model": stack.model, "messages": [{"role": "user", "content": "hi"}], **nulls}
+    reply = httpx.post(
+        f"{stack.api_url}/v1/chat/completions",
+        json={**body, "max_tokens": 2, "top_logprobs": 0, "stop_token_ids": None},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    assert len(reply.json()["choices"]) == 1 and reply.json()["choices"][0]["logprobs"] is None
+    wrong = httpx.post(f"{stack.api_url}/v1/chat/completions", json={**body, "model": None})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "model"
+
+
 def test_stop_string_cuts_exactly_and_ends_with_stop(client, stack):
     greedy = client.completions.create(
         model=stack.model,

@@ -233,7 +233,7 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("top_logprobs")
     @classmethod
     def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and not info.data.get("logprobs"):
+        if value and not info.data.get("logprobs"):  # 0 asks for nothing, as vLLM reads it
             raise ValueError("top_logprobs needs logprobs set to true")
         return value
 

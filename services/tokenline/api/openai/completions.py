@@ -8,7 +8,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from tokenline.api.openai.generation_defaults import GenerationDefaults
 from tokenline.api.openai.sampling import (
     INT32_MAX,
-    MAX_COMPLETION_LOGPROBS,
+    MAX_TOP_LOGPROBS,
     SamplingFields,
     Text,
     TokenId,
@@ -28,7 +28,7 @@ class CompletionRequest(SamplingFields):
     # OpenAI's default; 0 generates nothing: with echo and logprobs, it scores the prompt
     max_tokens: int | None = Field(default=16, ge=0, le=INT32_MAX)
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS, strict=True)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
     best_of: int | None = Field(default=None, ge=1)
     suffix: Text | None = Field(default=None, json_schema_extra={"maxLength": 0})
 

@@ -4,7 +4,7 @@ translation to `SamplingParams`, and the bounds of what the wire can carry."""
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 from pydantic import (
@@ -16,7 +16,9 @@ from pydantic import (
     ValidationInfo,
     WithJsonSchema,
     field_validator,
+    model_validator,
 )
+from pydantic.fields import FieldInfo
 
 from tokenline.api.openai.generation_defaults import GenerationDefaults
 from tokenline.protocol import KVTransferParams, SamplingParams
@@ -24,9 +26,8 @@ from tokenline.protocol import KVTransferParams, SamplingParams
 # Hard bounds: what the wire format and the stages can carry. The operator's tighter limits
 # (--max-n, --max-tokens-limit, ...) are checked after parsing, in api/openai/request_limits.py.
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI allows
-MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs, as OpenAI allows
 INT32_MAX = 2**31 - 1  # token counts and ids: far beyond any model, safe in every stage
-# torch's seed range; each choice's seed is seed + index, still within MessagePack's uint64
+# torch's seed range; a choice's seed is seed + its index among its prompt's n, within uint64
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -101,6 +102,21 @@ class SamplingFields(BaseModel):
     """Fields shared by both endpoints; each one works or is refused with a 400 naming it."""
 
     model_config = CONFIG
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unsent(cls, data: Any) -> Any:
+        """null for a field with a default means what leaving it out means (the generation
+        config's value, else the API's), as vLLM's optional sampling fields read it: clients
+        that write every option out send null for the ones they leave alone."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in fields or _takes_null(fields[key])
+        }
 
     model: Text
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
@@ -188,7 +204,8 @@ class SamplingFields(BaseModel):
             top_p=value("top_p"),
             top_k=max(value("top_k"), 0),
             min_p=value("min_p"),
-            seed=None if self.seed is None else self.seed + index,
+            # each prompt's choices draw seed, seed + 1, ... (vLLM's n children of a prompt)
+            seed=None if self.seed is None else self.seed + index % self.n,
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             stop=list(self.stop or []),
@@ -221,3 +238,9 @@ class SamplingFields(BaseModel):
         if options.continuous_usage_stats and not options.include_usage:
             raise ValueError("continuous_usage_stats needs include_usage set to true")
         return options
+
+
+def _takes_null(field: FieldInfo) -> bool:
+    """Whether null is the field's own value (completions' max_tokens: to the context), or
+    wrong (a required field: its 400 says what it should be)."""
+    return field.is_required() or type(None) in get_args(field.annotation)

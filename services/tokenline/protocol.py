@@ -243,6 +243,7 @@ class Begin(_Message, tag="begin"):
     prompt_tail: list[int] = []  # the prompt's last ids: the detokenizer primes its stream
     reasoning: bool = False  # as `SamplingParams.reasoning`
     skip_special_tokens: bool = True  # as `SamplingParams.skip_special_tokens`
+    include_stop_str_in_output: bool = False  # as `SamplingParams.include_stop_str_in_output`
     # as `SamplingParams.min_tokens`: stop strings are looked for only after that many tokens
     min_tokens: int = 0
     # as `SamplingParams.stop_token_ids`: the one that ends a reply is not its text (vLLM)

@@ -50,6 +50,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     reasoning: bool = False  # chat: the detokenizer keeps thinking apart (--reasoning-parser)
     # False: special tokens stay in the text (a tool format whose markers are special tokens)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM's: a stop string (or token) ends the text
     kv_transfer: KVTransferParams | None = None  # prefill/decode disaggregation (llm-d's)
 
 

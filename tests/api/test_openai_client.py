@@ -198,6 +198,75 @@ def test_stop_string_cuts_exactly_and_ends_with_stop(client, stack):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_token(
+    client, stack, tiny_tokenizer
+):
+    def run(**fields) -> tuple[str, str]:
+        reply = client.completions.create(
+            model=stack.model, prompt="north south", max_tokens=24, temperature=0, **fields
+        )
+        return reply.choices[0].text, reply.choices[0].finish_reason
+
+    text, _ = run(extra_body={"ignore_eos": True})
+    stop = next(
+        text[i : i + 2]
+        for i in range(3, len(text) - 2)
+        if text[i : i + 2].strip() and text[i : i + 2] not in text[:i]
+    )
+    kept = {"ignore_eos": True, "include_stop_str_in_output": True}
+    end = text.index(stop) + len(stop)
+    assert run(stop=[stop], extra_body=kept) == (text[:end], "stop")
+    streamed = client.completions.create(
+        model=stack.model,
+        prompt="north south",
+        max_tokens=24,
+        temperature=0,
+        stop=stop,
+        stream=True,
+        extra_body=kept,
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text[:end]
+    # a stop token that is text: its text ends the reply too (vLLM decodes it then)
+    token = tiny_tokenizer("river", add_special_tokens=False)["input_ids"][0]
+    forced = {"ignore_eos": True, "stop_token_ids": [token]}
+    bias = {str(token): 100}
+    assert run(logit_bias=bias, extra_body=forced) == ("", "stop")
+    kept_token = run(logit_bias=bias, extra_body={**forced, "include_stop_str_in_output": True})
+    assert kept_token == (tiny_tokenizer.decode([token]), "stop") and kept_token[0]
+    chat = client.chat.completions.create(
+        model=stack.model,
+        messages=[{"role": "user", "content": "north"}],
+        max_tokens=4,
+        logit_bias=bias,
+        extra_body={**forced, "include_stop_str_in_output": True},
+    )
+    assert chat.choices[0].message.content == kept_token[0]
+
+
+def test_skip_special_tokens_false_shows_them(client, stack, tiny_tokenizer):
+    user = tiny_tokenizer.convert_tokens_to_ids("<|user|>")  # special, not a control token
+
+    def run(**fields) -> str:
+        reply = client.completions.create(
+            model=stack.model,
+            prompt="north",
+            max_tokens=2,
+            logit_bias={str(user): 100},
+            extra_body={"ignore_eos": True, **fields},
+        )
+        return reply.choices[0].text
+
+    assert (run(), run(skip_special_tokens=False)) == ("", "<|user|><|user|>")
+    chat = client.chat.completions.create(
+        model=stack.model,
+        messages=[{"role": "user", "content": "north"}],
+        max_tokens=2,
+        logit_bias={str(user): 100},
+        extra_body={"ignore_eos": True, "skip_special_tokens": False},
+    )
+    assert chat.choices[0].message.content == "<|user|><|user|>"
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)

@@ -154,6 +154,12 @@ EXERCISED: dict[str, tuple[str, ...]] = {
     "ChatCompletionRequest.repetition_penalty": t(
         SURFACE, "test_penalties_change_a_repetitive_greedy_reply"
     ),
+    "ChatCompletionRequest.skip_special_tokens": t(
+        CLIENT, "test_skip_special_tokens_false_shows_them"
+    ),
+    "ChatCompletionRequest.include_stop_str_in_output": t(
+        CLIENT, "test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_token"
+    ),
     "ChatCompletionRequest.ignore_eos": t(
         SURFACE, "test_ignore_eos_and_min_tokens_hold_off_the_end_of_text"
     ),
@@ -278,6 +284,10 @@ EXERCISED: dict[str, tuple[str, ...]] = {
     ),
     "CompletionRequest.repetition_penalty": t(
         SURFACE, "test_penalties_change_a_repetitive_greedy_reply"
+    ),
+    "CompletionRequest.skip_special_tokens": t(CLIENT, "test_skip_special_tokens_false_shows_them"),
+    "CompletionRequest.include_stop_str_in_output": t(
+        CLIENT, "test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_token"
     ),
     "CompletionRequest.ignore_eos": t(
         SURFACE, "test_ignore_eos_and_min_tokens_hold_off_the_end_of_text"

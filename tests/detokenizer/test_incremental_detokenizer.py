@@ -116,6 +116,7 @@ def stopped_text(tokenizer, ids, stop, per_feed=1) -> tuple[str, bool]:
         (["fox"], "The quick brown "),
         (["brown fox jumps"], "The quick "),  # spans several tokens
         (["lazy", "quick"], "The "),  # the earliest match wins, not the first listed
+        (["quick brown", "ick"], "The qu"),  # the first to complete, as vLLM picks it
         (["好 🙂"], "The quick brown fox jumps over the lazy dog, 你"),
         (["never there", "dog"], "The quick brown fox jumps over the lazy "),
     ],
@@ -129,6 +130,34 @@ def test_stop_string_cuts_the_text_exactly(
         "random": lambda: random_split(SENTENCE, token_bytes, random.Random(len(expected))),
     }[split]()
     assert stopped_text(tokenizer, ids, stop, per_feed) == (expected, True)
+
+
+@pytest.mark.parametrize("split", ["natural", "bytes", "random"])
+@pytest.mark.parametrize("per_feed", [1, 4, 1000], ids=["1-per-feed", "4-per-feed", "all-at-once"])
+@pytest.mark.parametrize(
+    "stop, expected",
+    [
+        (["fox"], "The quick brown fox"),
+        (["brown fox jumps"], "The quick brown fox jumps"),
+        (["quick brown", "ick"], "The quick"),
+        (["好 🙂"], "The quick brown fox jumps over the lazy dog, 你好 🙂"),
+    ],
+)
+def test_include_stop_str_in_output_ends_the_text_after_the_stop_string(
+    tokenizer, byte_token_ids, token_bytes, split, per_feed, stop, expected
+):
+    """vLLM's include_stop_str_in_output: nothing held back, the stop string kept, a stop
+    string begun in text already emitted still ends it."""
+    ids = {
+        "natural": lambda: tokenizer.encode(SENTENCE).ids,
+        "bytes": lambda: byte_ids(SENTENCE, byte_token_ids),
+        "random": lambda: random_split(SENTENCE, token_bytes, random.Random(len(expected))),
+    }[split]()
+    decoder = IncrementalDecoder(tokenizer, stop, include_stop=True)
+    pieces = feed_all(decoder, ids, per_feed)
+    assert decoder.stopped and "".join(pieces) == expected and decoder.flush() == ""
+    if per_feed == 1 and split == "natural":  # each token's text as soon as it decodes
+        assert all(pieces[:-1])
 
 
 def test_stop_string_spans_several_natural_tokens(tokenizer):

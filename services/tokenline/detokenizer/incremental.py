@@ -2,7 +2,9 @@
 
 tokenizers' `DecodeStream` holds back bytes until they form whole characters, so a multi-byte
 character split across tokens never shows up as U+FFFD. Stop strings are matched on the text;
-text that could still become a stop string is held back until it cannot.
+text that could still become a stop string is held back until it cannot. As in vLLM, the stop
+string that completes first wins (ties: the first listed), and with
+``include_stop_str_in_output`` nothing is held back and the text ends after the stop string.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class IncrementalDecoder:
         skip_special_tokens: bool = True,
         hidden: Collection[int] = (),
         min_tokens: int = 0,
+        include_stop: bool = False,
     ) -> None:
         """``skip_special_tokens`` False keeps special tokens in the text (a tool format whose
         markers are special tokens), but for ``hidden``: ids never shown as text (the
@@ -41,7 +44,13 @@ class IncrementalDecoder:
         )
         self._hidden = frozenset() if skip_special_tokens else frozenset(hidden)
         self._stop = [s for s in (stop or []) if s]
-        self._holdback = max((len(s) for s in self._stop), default=1) - 1
+        self._include_stop = include_stop
+        longest = max((len(s) for s in self._stop), default=1) - 1
+        # Held back: what may start a stop string, unless the stop string is text too. Then
+        # the emitted text's last characters are kept to match a stop string begun in them.
+        self._holdback = 0 if include_stop else longest
+        self._tail = ""  # the emitted text's last characters (include_stop only)
+        self._tail_len = longest if include_stop else 0
         self._text = ""  # decoded text not yet emitted
         self._min_tokens = min_tokens
         self._tokens = 0  # every id decoded, hidden ones too (vLLM counts every output token)
@@ -72,18 +81,35 @@ class IncrementalDecoder:
             return ""
         self._text += text
         if self._tokens <= self._min_tokens:  # no stop string yet: nothing to hold back
-            out, self._text = self._text, ""
-            return out
+            return self._release(len(self._text))
         if self._stop:
-            cut = min((i for i in (self._text.find(s) for s in self._stop) if i >= 0), default=-1)
-            if cut >= 0:
+            window = self._tail + self._text
+            end = self._first_stop_end(window, len(self._tail))
+            if end is not None:
                 self.stopped = True
-                out, self._text = self._text[:cut], ""
-                return out
-        safe = len(self._text) - self._holdback
-        if safe <= 0:
-            return ""
-        out, self._text = self._text[:safe], self._text[safe:]
+                return self._release(end - len(self._tail))
+        return self._release(len(self._text) - self._holdback)
+
+    def _first_stop_end(self, window: str, searched: int) -> int | None:
+        """Where, in ``window``, the text up to the first stop string to complete after its
+        first ``searched`` characters ends: after the stop string with include_stop, else
+        before it. None: no stop string completes there."""
+        best: tuple[int, int] | None = None  # (where it completes, where it starts)
+        for stop in self._stop:
+            start = window.find(stop, max(searched - len(stop) + 1, 0))
+            if start >= 0 and (best is None or start + len(stop) < best[0]):
+                best = (start + len(stop), start)
+        if best is None:
+            return None
+        return best[0] if self._include_stop else best[1]
+
+    def _release(self, count: int) -> str:
+        """Emit the first ``count`` characters held (none for a count of 0 or less); once
+        stopped, the rest is dropped."""
+        out = self._text[: max(count, 0)]
+        self._text = "" if self.stopped else self._text[max(count, 0) :]
+        if self._tail_len:
+            self._tail = (self._tail + out)[-self._tail_len :]
         return out
 
     def restart(self) -> None:

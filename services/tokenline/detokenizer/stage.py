@@ -48,6 +48,7 @@ class _Live:
     thinking: bool = False  # which channel the decoder's held-back text belongs to
     skip_special_tokens: bool = True  # False: special tokens (but control ones) are text
     stop_token_ids: frozenset[int] = frozenset()  # the request's: never text when they end it
+    stop_is_text: bool = False  # include_stop_str_in_output: the stop token's text is kept
 
 
 class DetokenizerStage(StepFreeHandler):
@@ -105,6 +106,7 @@ class DetokenizerStage(StepFreeHandler):
                 message.skip_special_tokens,
                 self.control_ids,
                 message.min_tokens,
+                message.include_stop_str_in_output,
             )
             self.live[message.uid] = _Live(
                 decoder,
@@ -114,6 +116,7 @@ class DetokenizerStage(StepFreeHandler):
                 deadline=arrived + message.timeout_s,
                 skip_special_tokens=message.skip_special_tokens,
                 stop_token_ids=frozenset(message.stop_token_ids),
+                stop_is_text=message.include_stop_str_in_output,
             )
             if message.reasoning and self.reasoning is not None:
                 split = TextSplit if self.reasoning.by_text else ReasoningSplit
@@ -151,7 +154,8 @@ class DetokenizerStage(StepFreeHandler):
         if out.cached_tokens:
             live.cached_tokens = out.cached_tokens
         token_ids = out.token_ids
-        if out.finish_reason == "stop" and token_ids and self._stopped_on(live, token_ids[-1]):
+        stopped_on = token_ids and self._stopped_on(live, token_ids[-1])
+        if out.finish_reason == "stop" and stopped_on and not live.stop_is_text:
             token_ids = token_ids[:-1]
         texts, reasoning_tokens = self._texts(live, token_ids)
         finish = out.finish_reason

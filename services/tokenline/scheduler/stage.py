@@ -132,6 +132,7 @@ class SchedulerStage(EngineStage):
                 prompt_tail=request.prompt_ids[-PROMPT_TAIL:],
                 reasoning=request.sampling.reasoning,
                 skip_special_tokens=request.sampling.skip_special_tokens,
+                include_stop_str_in_output=request.sampling.include_stop_str_in_output,
                 min_tokens=request.sampling.min_tokens,
                 stop_token_ids=request.sampling.stop_token_ids,
                 echo_ids=request.prompt_ids if request.sampling.echo else [],

@@ -81,8 +81,9 @@ class Chat(Endpoint):
                     grammar=plan.grammar,
                     reasoning=True,
                     # the parser must see markers that are special tokens (vLLM's Mistral
-                    # parser asks the same)
-                    skip_special_tokens=plan.parser is None or not plan.parser.special_markers,
+                    # parser asks the same), whatever the request's skip_special_tokens
+                    skip_special_tokens=chat.skip_special_tokens
+                    and (plan.parser is None or not plan.parser.special_markers),
                 ),
                 messages=wire,
                 tools=plan.tools,

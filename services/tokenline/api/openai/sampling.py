@@ -133,6 +133,9 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
+    # vLLM's: special tokens in the text (false) and the stop string (or stop token) kept
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     # Out-of-vocabulary ids are refused by the scheduler, which knows the vocabulary.
@@ -215,6 +218,8 @@ class SamplingFields(BaseModel):
             presence_penalty=value("presence_penalty"),
             logprobs=self.wanted_logprobs(),
             logit_bias=self.logit_bias,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             kv_transfer=self.kv_transfer,
         )
 

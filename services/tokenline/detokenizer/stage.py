@@ -154,8 +154,12 @@ class DetokenizerStage(StepFreeHandler):
         if out.cached_tokens:
             live.cached_tokens = out.cached_tokens
         token_ids = out.token_ids
-        stopped_on = token_ids and self._stopped_on(live, token_ids[-1])
-        if out.finish_reason == "stop" and stopped_on and not live.stop_is_text:
+        if (
+            out.finish_reason == "stop"
+            and token_ids
+            and not live.stop_is_text
+            and self._stopped_on(live, token_ids[-1])
+        ):
             token_ids = token_ids[:-1]
         texts, reasoning_tokens = self._texts(live, token_ids)
         finish = out.finish_reason

@@ -119,13 +119,14 @@ class RingClient:
         """Raise the 503 or 429 a new request (or tokenizer call) gets now, if any; a
         generation of ``tenant`` also meets --max-waiting-per-tenant."""
         per_tenant = self.settings.max_waiting_per_tenant
+        counted = tenant is not None and per_tenant
         error = admission.refusal(
             draining=self.draining,
             problem=self.health.problem(time.monotonic()),
             waiting=len(self.calls) + self.exchanges.waiting(),
             max_waiting=self.settings.max_waiting,
             tenant=tenant,
-            tenant_waiting=self.exchanges.waiting(tenant) if tenant is not None and per_tenant else 0,
+            tenant_waiting=self.exchanges.waiting(tenant) if counted else 0,
             max_waiting_per_tenant=per_tenant,
         )
         if error is not None:

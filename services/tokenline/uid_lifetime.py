@@ -1,8 +1,8 @@
 """What a message means for a uid's lifetime: which uids it starts, ends or hands on.
 
 One reading of the protocol's promise (every stage sees the end of every uid it saw the start
-of), shared by each stage's leak ledger (stage_runtime.py) and the simulation's checks, so the
-runtime and its tests cannot disagree about when a uid's state may go.
+of), by which each stage's leak ledger (stage_runtime.py) opens and closes a uid, kept apart
+from the wire schema so that the rule reads in one place.
 """
 
 from __future__ import annotations

@@ -426,7 +426,9 @@ def test_input_longer_than_the_context_fails_before_any_event(client, stack, str
     assert time.monotonic() - started < 5
     # the tokenizer stage names chat's fields; a Responses client reads its own
     assert error["param"] == "input"
-    assert "max_output_tokens" in error["message"] and "max_tokens" not in error["message"]
+    # only the input's length is at fault (a max_output_tokens past the context is cut to it)
+    assert error["message"].startswith("This model's maximum context length")
+    assert "max_tokens" not in error["message"] and "messages" not in error["message"]
 
 
 # ── openai-agents' default model ──────────────────────────────────────────────────────────────

@@ -231,8 +231,8 @@ class PromptEncoder:
                 request.uid,
                 "min_tokens",
                 f"min_tokens is {sampling.min_tokens}, more than the {sampling.max_tokens} "
-                "tokens this request may generate (its max_tokens, or the context the prompt "
-                "leaves); lower min_tokens",
+                "tokens this request may generate (its max_tokens, the generation config's "
+                "max_new_tokens, or the context the prompt leaves); lower min_tokens",
             )
         return protocol.Tokenized(
             uid=request.uid,

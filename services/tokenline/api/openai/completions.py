@@ -25,7 +25,8 @@ class CompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = (
         None  # as vLLM accepts it; api/function_calling/grammars.py
     )
-    # OpenAI's default; 0 generates nothing: with echo and logprobs, it scores the prompt
+    # OpenAI's default; 0 generates nothing: with echo and logprobs, it scores the prompt;
+    # null: the generation config's max_new_tokens, else to the end of the context (vLLM)
     max_tokens: int | None = Field(default=16, ge=0, le=INT32_MAX)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)

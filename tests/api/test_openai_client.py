@@ -169,11 +169,7 @@ def test_stop_string_cuts_exactly_and_ends_with_stop(client, stack):
     )
     text = greedy.choices[0].text
     assert greedy.choices[0].finish_reason == "length"
-    stop = next(
-        text[i : i + 2]
-        for i in range(3, len(text) - 2)
-        if text[i : i + 2].strip() and text[i : i + 2] not in text[:i]
-    )
+    stop = _a_stop_string_in(text)
     cut = client.completions.create(
         model=stack.model,
         prompt="north south",
@@ -184,18 +180,35 @@ def test_stop_string_cuts_exactly_and_ends_with_stop(client, stack):
     )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == text[: text.index(stop)]
-    streamed = client.completions.create(
-        model=stack.model,
-        prompt="north south",
-        max_tokens=24,
-        temperature=0,
-        stop=stop,
-        stream=True,
-        extra_body={"ignore_eos": True},
+    streamed, finish = _streamed(client, stack, stop, {"ignore_eos": True})
+    assert (streamed, finish) == (text[: text.index(stop)], "stop")
+
+
+def _a_stop_string_in(text: str) -> str:
+    """Two characters of ``text`` past its start, found nowhere before."""
+    return next(
+        text[i : i + 2]
+        for i in range(3, len(text) - 2)
+        if text[i : i + 2].strip() and text[i : i + 2] not in text[:i]
     )
-    chunks = list(streamed)
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == text[: text.index(stop)]
-    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def _streamed(client, stack, stop: str, extra: dict) -> tuple[str, str]:
+    """The greedy streamed reply to "north south" with ``stop``, and how it ended."""
+    chunks = list(
+        client.completions.create(
+            model=stack.model,
+            prompt="north south",
+            max_tokens=24,
+            temperature=0,
+            stop=stop,
+            stream=True,
+            extra_body=extra,
+        )
+    )
+    return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].choices[
+        0
+    ].finish_reason
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_token(
@@ -208,24 +221,11 @@ def test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_token(
         return reply.choices[0].text, reply.choices[0].finish_reason
 
     text, _ = run(extra_body={"ignore_eos": True})
-    stop = next(
-        text[i : i + 2]
-        for i in range(3, len(text) - 2)
-        if text[i : i + 2].strip() and text[i : i + 2] not in text[:i]
-    )
+    stop = _a_stop_string_in(text)
     kept = {"ignore_eos": True, "include_stop_str_in_output": True}
     end = text.index(stop) + len(stop)
     assert run(stop=[stop], extra_body=kept) == (text[:end], "stop")
-    streamed = client.completions.create(
-        model=stack.model,
-        prompt="north south",
-        max_tokens=24,
-        temperature=0,
-        stop=stop,
-        stream=True,
-        extra_body=kept,
-    )
-    assert "".join(c.choices[0].text for c in streamed if c.choices) == text[:end]
+    assert _streamed(client, stack, stop, kept) == (text[:end], "stop")
     # a stop token that is text: its text ends the reply too (vLLM decodes it then)
     token = tiny_tokenizer("river", add_special_tokens=False)["input_ids"][0]
     forced = {"ignore_eos": True, "stop_token_ids": [token]}

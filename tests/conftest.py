@@ -165,6 +165,21 @@ class Stack:
 
 
 def start_stack(model_cache: Path, log_dir: Path, *extra: str, ca_file: str | None = None) -> Stack:
+    """A running stack; started again on other ports when one it probed free was taken before
+    a stage bound it (another process's ephemeral port: the probe cannot reserve them)."""
+    for _ in range(2):
+        try:
+            return _start_stack(model_cache, log_dir, *extra, ca_file=ca_file)
+        except PortTaken:
+            pass
+    return _start_stack(model_cache, log_dir, *extra, ca_file=ca_file)
+
+
+class PortTaken(RuntimeError):
+    """A stage of the stack could not bind its port."""
+
+
+def _start_stack(model_cache: Path, log_dir: Path, *extra: str, ca_file: str | None) -> Stack:
     port = free_port_block()
     ipc_dir = tempfile.mkdtemp(prefix="tl-ring-")
     os.rmdir(ipc_dir)  # serve creates it; the test checks that it is gone afterwards
@@ -190,8 +205,10 @@ def start_stack(model_cache: Path, log_dir: Path, *extra: str, ca_file: str | No
     stack = Stack(process=process, port=port, ipc_dir=ipc_dir, log_path=log_path, ca_file=ca_file)
     try:
         stack.wait_ready()
-    except BaseException:
+    except BaseException as exc:
         stack.stop()
+        if "Address already in use" in Path(log_path).read_text(errors="replace"):
+            raise PortTaken(f"a port of {port}..{port + 3} was taken: {log_path}") from exc
         raise
     return stack
 
